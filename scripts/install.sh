@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# All set-up on a fresh machine, used by the README's two commands and by CI.
+#   bash scripts/install.sh          -> what the demo needs
+#   bash scripts/install.sh --dev    -> plus test tools and (as root) Debian's headless Chromium
+# torch goes first and explicitly: a bare `torch` requirement with nothing installed would
+# pull the registry's newest CUDA build (several GB) onto a CPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+dev=0
+browser=auto
+for arg in "$@"; do
+  case "$arg" in
+    --dev) dev=1 ;;
+    --browser) browser=yes ;;
+    --no-browser) browser=no ;;
+    *) echo "install.sh: unknown option $arg (use --dev, --browser, --no-browser)" >&2; exit 2 ;;
+  esac
+done
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+extras=demo
+[ "$dev" = 1 ] && extras=dev,demo
+"$PY" -m pip install -q -e ".[$extras]"
+
+# The browser test drives Debian's Chromium; only root can apt-get it.
+if [ "$dev" = 1 ] && [ "$browser" != no ] && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  elif [ "$browser" = yes ]; then
+    echo "install.sh: installing chromium needs root (apt-get install chromium chromium-driver)" >&2
+    exit 1
+  fi
+fi
