@@ -1,0 +1,11 @@
+"""radixkv: a block-granular radix tree over a paged KV pool, with pins and LRU eviction.
+
+Layers: ``RadixTree`` (pure Python) and ``BlockPool`` (torch storage) are combined by
+``KVStore`` behind one lock. See docs/design.md.
+"""
+
+from radixkv.pool import BlockPool, LayerSpec, OutOfBlocks
+from radixkv.store import KVStore, Lease
+from radixkv.tree import MatchResult, RadixTree
+
+__all__ = ["BlockPool", "KVStore", "LayerSpec", "Lease", "MatchResult", "OutOfBlocks", "RadixTree"]

@@ -1,0 +1,245 @@
+"""KVStore: a RadixTree and a BlockPool behind one lock, shared by many generate() calls.
+
+Lifecycle of one request (see docs/design.md):
+
+1. ``acquire(tokens)`` matches the longest cached prefix and pins it -> ``Lease``.
+2. ``read(lease, ...)`` copies the pinned blocks into the caller's KV buffers (no lock
+   held: pinned blocks are never evicted nor written).
+3. ``commit(tokens, k, v)`` caches the finished sequence's whole blocks.
+4. ``lease.release()`` (or leaving ``with lease:``) unpins, always.
+
+Degrades instead of failing: when every block is pinned, or a sequence is longer than the
+pool, ``commit`` caches what fits of the prefix (possibly nothing) and returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from radixkv.pool import BlockPool
+from radixkv.stats import StoreCounters
+from radixkv.tree import MatchResult, RadixTree
+
+logger = logging.getLogger(__name__)
+
+
+class Lease:
+    """A pinned match. Release exactly once (idempotent); use as a context manager."""
+
+    __slots__ = ("_store", "_tree", "_match", "epoch", "namespace")
+
+    def __init__(self, store: KVStore, tree: RadixTree, match: MatchResult, epoch: int, namespace) -> None:
+        self._store = store
+        self._tree: RadixTree | None = tree
+        self._match = match
+        self.epoch = epoch
+        self.namespace = namespace
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the prompt whose KV the pinned blocks hold (a multiple of block_size)."""
+        return self._match.num_tokens
+
+    @property
+    def block_ids(self) -> Sequence[int]:
+        return self._match.block_ids
+
+    @property
+    def active(self) -> bool:
+        return self._tree is not None
+
+    def release(self) -> None:
+        if self._tree is not None:
+            tree, self._tree = self._tree, None
+            self._store._unpin(tree, self._match.node)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class KVStore:
+    """Thread-safe prefix store: tree + pool + one lock. All public methods may be called concurrently."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.tree = RadixTree(pool.block_size)
+        self.counters = StoreCounters()
+        # Incremented by flush(): KV committed under an older epoch (older weights) is dropped.
+        self.epoch = 0
+        self._lock = threading.Lock()
+        self._retired: list[RadixTree] = []  # flushed trees whose pinned blocks are still being read
+        self._private: set[int] = set()  # blocks allocated by a commit in progress, not yet in a tree
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    # -- lookup -------------------------------------------------------------------------
+    def acquire(self, tokens: Sequence[int], namespace: Hashable = None, max_tokens: int | None = None) -> Lease:
+        """Match the longest cached whole-block prefix of ``tokens[:max_tokens]`` and pin it.
+
+        Counts ``len(tokens)`` query tokens. O(len(tokens) / block_size) plus the tree's match.
+        """
+        query = tokens if max_tokens is None else tokens[: max(0, max_tokens)]
+        with self._lock:
+            tree = self.tree
+            match = tree.match(query, namespace)
+            tree.pin(match.node)
+            self.counters.requests += 1
+            self.counters.query_tokens += len(tokens)
+            return Lease(self, tree, match, self.epoch, namespace)
+
+    def read(
+        self,
+        leases: Sequence[Lease],
+        num_tokens: int,
+        k_out: Sequence[torch.Tensor],
+        v_out: Sequence[torch.Tensor],
+    ) -> None:
+        """Copy the first ``num_tokens`` cached tokens of each lease (one output row each).
+
+        ``k_out[l]``/``v_out[l]``: ``[len(leases), H, num_tokens, D]`` views on layer l's device.
+        Runs without the lock: pinned blocks are neither evicted nor rewritten.
+        """
+        if num_tokens == 0 or not leases:
+            return
+        nb = -(-num_tokens // self.block_size)
+        for lease in leases:
+            if not lease.active:
+                raise RuntimeError("read() from a released lease")
+            if lease.num_tokens < num_tokens:
+                raise ValueError(f"lease holds {lease.num_tokens} tokens, {num_tokens} requested")
+        ids = torch.tensor([list(lease.block_ids[:nb]) for lease in leases], dtype=torch.int64)
+        self.pool.gather(ids, num_tokens, k_out, v_out)
+        with self._lock:
+            self.counters.hit_tokens += num_tokens * len(leases)
+
+    # -- insertion ------------------------------------------------------------------------
+    def commit(
+        self,
+        tokens: Sequence[int],
+        k_src: Sequence[torch.Tensor],
+        v_src: Sequence[torch.Tensor],
+        namespace: Hashable = None,
+        epoch: int | None = None,
+    ) -> int:
+        """Cache the whole blocks of ``tokens`` whose KV is ``k_src[l]``/``v_src[l]`` ``[1, H, >=len, D]``.
+
+        Only blocks not already cached are copied. Returns the number of tokens newly cached.
+        With ``epoch`` older than the store's (a flush happened since the KV was computed)
+        nothing is cached.
+        """
+        bs = self.block_size
+        num_blocks = len(tokens) // bs
+        if num_blocks == 0:
+            return 0
+        tokens = tokens[: num_blocks * bs]
+        with self._lock:
+            if epoch is not None and epoch != self.epoch:
+                return 0
+            tree = self.tree
+            match = tree.match(tokens, namespace)
+            cached_blocks = match.num_tokens // bs
+            need = num_blocks - cached_blocks
+            if need == 0:
+                return 0
+            tree.pin(match.node)  # the prefix we extend must outlive the copy
+            if self.pool.num_free < need:
+                self._evict_locked(need - self.pool.num_free)
+            take = min(need, self.pool.num_free)
+            ids = self.pool.allocate(take)
+            self._private.update(ids)
+            if take < need:
+                self.counters.uncached_tokens += (need - take) * bs
+        try:
+            if take:
+                start, stop = cached_blocks * bs, (cached_blocks + take) * bs
+                self.pool.scatter(
+                    torch.tensor([ids], dtype=torch.int64),
+                    [k[:, :, start:stop] for k in k_src],
+                    [v[:, :, start:stop] for v in v_src],
+                )
+        except BaseException:
+            with self._lock:
+                self._private.difference_update(ids)
+                self.pool.free(ids)
+                self._unpin_locked(tree, match.node)
+            raise
+        with self._lock:
+            self._private.difference_update(ids)
+            self._unpin_locked(tree, match.node)
+            if tree is not self.tree or not take:  # flushed meanwhile: the KV may be stale
+                self.pool.free(ids)
+                return 0
+            new_tokens = tokens[: (cached_blocks + take) * bs]
+            already = tree.insert(new_tokens, list(match.block_ids) + ids, namespace)
+            duplicates = max(0, already // bs - cached_blocks)  # another thread inserted them first
+            if duplicates:
+                self.pool.free(ids[:duplicates])
+            added = len(new_tokens) - max(already, cached_blocks * bs)
+            self.counters.inserted_tokens += added
+            return added
+
+    # -- maintenance ----------------------------------------------------------------------
+    def flush(self) -> int:
+        """Drop every cached prefix; returns blocks freed now. Pinned blocks go when released."""
+        with self._lock:
+            old, self.tree = self.tree, RadixTree(self.block_size)
+            self.epoch += 1
+            self.counters.flushes += 1
+            freed = old.clear()
+            self.pool.free(freed)
+            if old.num_cached_blocks:
+                self._retired.append(old)
+            return len(freed)
+
+    def _evict_locked(self, num_blocks: int) -> None:
+        freed = self.tree.evict(num_blocks)
+        self.pool.free(freed)
+        self.counters.evicted_blocks += len(freed)
+
+    def _unpin(self, tree: RadixTree, node) -> None:
+        with self._lock:
+            self._unpin_locked(tree, node)
+
+    def _unpin_locked(self, tree: RadixTree, node) -> None:
+        tree.unpin(node)
+        if tree is not self.tree and tree in self._retired:
+            self.pool.free(tree.clear())
+            if not tree.num_cached_blocks:
+                self._retired.remove(tree)
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters plus pool occupancy, as one flat dict."""
+        with self._lock:
+            out = self.counters.as_dict()
+            out.update(
+                num_blocks=self.pool.num_blocks,
+                free_blocks=self.pool.num_free,
+                cached_blocks=self.tree.num_cached_blocks,
+                pinned_blocks=self.tree.num_pinned_blocks,
+                block_size=self.block_size,
+                bytes_per_token=self.pool.bytes_per_token,
+                pool_bytes=self.pool.nbytes,
+            )
+            return out
+
+    def check_invariants(self) -> None:
+        """Full recount: tree and pool consistent, every used block owned by exactly one holder."""
+        with self._lock:
+            self.tree.check_invariants()
+            self.pool.check_invariants()
+            owned = [b for node in self.tree.iter_nodes() for b in node.block_ids]
+            for t in self._retired:
+                t.check_invariants()
+                owned.extend(b for node in t.iter_nodes() for b in node.block_ids)
+            owned.extend(self._private)
+            assert len(owned) == len(set(owned)), "a block is owned twice"
+            assert set(owned) == self.pool.used_blocks(), "pool references differ from owners"

@@ -1,0 +1,197 @@
+"""KVStore and BlockPool: sizing, copies, degradation, flush with live pins, threads."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from radixkv import BlockPool, KVStore, LayerSpec, OutOfBlocks
+
+BS = 4
+SPECS = (
+    LayerSpec(2, 8, 8, torch.float32, torch.device("cpu")),
+    LayerSpec(2, 8, 6, torch.float32, torch.device("cpu")),  # V head dim differs (MLA-like)
+)
+
+
+def kv_for(tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Deterministic KV per (position, token): lets a test check what a read returns."""
+    t = torch.tensor(tokens, dtype=torch.float32)
+    pos = torch.arange(len(tokens), dtype=torch.float32)
+    base = (t * 1000 + pos).view(1, 1, -1, 1)
+    ks = [base.expand(1, s.num_kv_heads, -1, s.k_head_dim) + layer for layer, s in enumerate(SPECS)]
+    vs = [-base.expand(1, s.num_kv_heads, -1, s.v_head_dim) - layer for layer, s in enumerate(SPECS)]
+    return [k.contiguous() for k in ks], [v.contiguous() for v in vs]
+
+
+def read_back(store: KVStore, tokens: list[int], num: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    ks = [torch.empty(1, s.num_kv_heads, num, s.k_head_dim) for s in SPECS]
+    vs = [torch.empty(1, s.num_kv_heads, num, s.v_head_dim) for s in SPECS]
+    with store.acquire(tokens) as lease:
+        assert lease.num_tokens >= num
+        store.read([lease], num, ks, vs)
+    return ks, vs
+
+
+def make_store(num_blocks: int) -> KVStore:
+    return KVStore(BlockPool(SPECS, num_blocks, BS))
+
+
+def test_pool_budget_in_tokens_and_bytes_is_exact():
+    per_token = sum(s.bytes_per_token for s in SPECS)
+    assert per_token == 2 * (8 + 8) * 4 + 2 * (8 + 6) * 4
+    by_tokens = BlockPool.from_budget(SPECS, BS, tokens=100)
+    assert by_tokens.num_blocks == 25 and by_tokens.nbytes == 100 * per_token
+    by_bytes = BlockPool.from_budget(SPECS, BS, bytes=10 * BS * per_token + 7)
+    assert by_bytes.num_blocks == 10
+    actual = sum(t.numel() * t.element_size() for t in by_bytes.k + by_bytes.v)
+    assert actual == by_bytes.nbytes
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({}, "exactly one"), ({"tokens": 1, "bytes": 1}, "exactly one"), ({"tokens": 2}, "too small")],
+)
+def test_pool_budget_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BlockPool.from_budget(SPECS, BS, **kwargs)
+
+
+def test_pool_rejects_bad_block_size_and_reports_exhaustion():
+    with pytest.raises(ValueError, match="power of two"):
+        BlockPool(SPECS, 4, 3)
+    pool = BlockPool(SPECS, 3, BS)
+    ids = pool.allocate(2)
+    assert ids == [0, 1]  # ascending runs: copies move one contiguous slice
+    with pytest.raises(OutOfBlocks, match="2 blocks needed, 1 free"):
+        pool.allocate(2)
+    assert pool.num_free == 1  # a failed allocate takes nothing
+    pool.free(ids)
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free([0])
+    pool.check_invariants()
+
+
+def test_commit_then_read_returns_the_same_kv():
+    store = make_store(16)
+    tokens = list(range(10, 23))  # 13 tokens: 3 whole blocks
+    ks, vs = kv_for(tokens)
+    assert store.commit(tokens, ks, vs) == 12
+    assert store.commit(tokens, ks, vs) == 0  # already cached
+    got_k, got_v = read_back(store, tokens, 12)
+    for a, b in zip(got_k + got_v, ks + vs):
+        assert torch.equal(a, b[:, :, :12])
+    stats = store.stats()
+    assert stats["inserted_tokens"] == 12 and stats["hit_tokens"] == 12 and stats["cached_blocks"] == 3
+    store.check_invariants()
+
+
+def test_extension_copies_only_new_blocks_and_namespaces_do_not_share():
+    store = make_store(16)
+    first = list(range(8))
+    store.commit(first, *kv_for(first))
+    longer = first + [50, 51, 52, 53]
+    assert store.commit(longer, *kv_for(longer)) == 4
+    assert store.commit(longer, *kv_for(longer), namespace="tenant-b") == 12
+    with store.acquire(longer, namespace="tenant-c") as lease:
+        assert lease.num_tokens == 0
+    assert store.stats()["cached_blocks"] == 6
+    store.check_invariants()
+
+
+def test_every_block_pinned_degrades_to_no_caching():
+    store = make_store(2)
+    a = [1] * 8
+    store.commit(a, *kv_for(a))
+    with store.acquire(a + [9]) as lease:  # pins both blocks
+        assert lease.num_tokens == 8
+        b = [2] * 8
+        assert store.commit(b, *kv_for(b)) == 0
+        assert store.stats()["uncached_tokens"] == 8
+        store.check_invariants()
+    assert store.commit(b, *kv_for(b)) == 8  # after release, LRU makes room
+    assert store.stats()["evicted_blocks"] == 2
+    store.check_invariants()
+
+
+def test_sequence_longer_than_pool_caches_its_prefix():
+    store = make_store(3)
+    tokens = list(range(40))
+    assert store.commit(tokens, *kv_for(tokens)) == 12
+    got_k, _ = read_back(store, tokens, 12)
+    assert torch.equal(got_k[0], kv_for(tokens)[0][0][:, :, :12])
+    store.check_invariants()
+
+
+def test_flush_keeps_pinned_blocks_until_released_and_drops_stale_commits():
+    store = make_store(8)
+    tokens = list(range(12))
+    store.commit(tokens, *kv_for(tokens))
+    lease = store.acquire(tokens + [99])
+    epoch = lease.epoch
+    store.flush()
+    assert store.stats()["free_blocks"] == 5  # pinned blocks still held for the reader
+    ks = [torch.empty(1, s.num_kv_heads, 12, s.k_head_dim) for s in SPECS]
+    vs = [torch.empty(1, s.num_kv_heads, 12, s.v_head_dim) for s in SPECS]
+    store.read([lease], 12, ks, vs)
+    assert torch.equal(ks[1], kv_for(tokens)[0][1])
+    store.check_invariants()
+    lease.release()
+    lease.release()  # idempotent
+    assert store.stats()["free_blocks"] == 8
+    assert store.commit(tokens, *kv_for(tokens), epoch=epoch) == 0  # computed before the flush
+    with store.acquire(tokens) as fresh:
+        assert fresh.num_tokens == 0
+    store.check_invariants()
+
+
+def test_read_checks_its_lease():
+    store = make_store(4)
+    tokens = list(range(8))
+    store.commit(tokens, *kv_for(tokens))
+    lease = store.acquire(tokens)
+    out = [torch.empty(1, s.num_kv_heads, 8, s.k_head_dim) for s in SPECS]
+    with pytest.raises(ValueError, match="holds 8 tokens, 12 requested"):
+        store.read([lease], 12, out, out)
+    lease.release()
+    with pytest.raises(RuntimeError, match="released lease"):
+        store.read([lease], 8, out, out)
+
+
+def test_threads_share_one_store_consistently():
+    store = make_store(24)
+    prefixes = [[p] * 8 for p in range(6)]
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(150):
+                tokens = rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randrange(0, 9))]
+                with store.acquire(tokens, max_tokens=len(tokens) - 1) as lease:
+                    n = lease.num_tokens
+                    if n:
+                        ks = [torch.empty(1, s.num_kv_heads, n, s.k_head_dim) for s in SPECS]
+                        vs = [torch.empty(1, s.num_kv_heads, n, s.v_head_dim) for s in SPECS]
+                        store.read([lease], n, ks, vs)
+                        want_k, want_v = kv_for(tokens)
+                        assert all(torch.equal(a, b[:, :, :n]) for a, b in zip(ks + vs, want_k + want_v))
+                store.commit(tokens, *kv_for(tokens))
+                if rng.random() < 0.02:
+                    store.flush()
+        except BaseException as exc:  # surfaced below: a thread's failure must fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    store.check_invariants()
+    stats = store.stats()
+    assert stats["pinned_blocks"] == 0 and stats["hit_tokens"] > 0
+    assert stats["free_blocks"] + stats["cached_blocks"] == stats["num_blocks"]
