@@ -1,0 +1,15 @@
+"""Automatic prefix reuse inside stock ``model.generate()``.
+
+    import hf_patch
+    out = model.generate(ids, past_key_values=hf_patch.RadixCache(), max_new_tokens=64)
+
+Importing installs the generate() integration once; for any other cache it changes nothing.
+"""
+
+from hf_patch.cache import RadixCache
+from hf_patch.model_spec import UnsupportedModelError, build_store, default_store
+from hf_patch.patch import install
+
+install()
+
+__all__ = ["RadixCache", "UnsupportedModelError", "build_store", "default_store", "install"]

@@ -1,0 +1,127 @@
+"""AppendLayer: a cache layer that appends into a preallocated buffer instead of concatenating.
+
+Stock ``DynamicLayer.update`` runs ``torch.cat`` every step: an O(T) copy per token and
+layer. This layer keeps ``[B, H, capacity, D]`` buffers, writes new K/V at the end and hands
+attention views ``buf[:, :, :length]``. Capacity grows geometrically when exceeded, so the
+amortised cost per appended token is O(1). Prefix reuse preloads the first columns straight
+from the block pool into the same buffers (one copy, no concatenation afterwards).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+
+class AppendLayer(DynamicLayer):
+    """Full-attention KV for one layer, ``[batch, kv_heads, seq, head_dim]``, growing in place."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._k_buf: torch.Tensor | None = None
+        self._v_buf: torch.Tensor | None = None
+        self.length = 0
+
+    # -- buffer management ------------------------------------------------------------------
+    def allocate(
+        self,
+        batch: int,
+        num_kv_heads: int,
+        k_head_dim: int,
+        v_head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """Create empty buffers of ``capacity`` tokens (contents undefined until written)."""
+        self._k_buf = torch.empty(batch, num_kv_heads, capacity, k_head_dim, dtype=dtype, device=device)
+        self._v_buf = torch.empty(batch, num_kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.length = 0
+        self.is_initialized = True
+        self._refresh_views()
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full ``[B, H, capacity, D]`` buffers (for preloading columns in place)."""
+        assert self._k_buf is not None and self._v_buf is not None
+        return self._k_buf, self._v_buf
+
+    def set_length(self, length: int) -> None:
+        """Declare the first ``length`` columns valid (after writing them through ``buffers()``)."""
+        assert self._k_buf is not None and 0 <= length <= self._k_buf.shape[2]
+        self.length = length
+        self._refresh_views()
+
+    def _refresh_views(self) -> None:
+        self.keys = self._k_buf[:, :, : self.length]
+        self.values = self._v_buf[:, :, : self.length]
+
+    def _ensure_capacity(self, needed: int) -> None:
+        capacity = self._k_buf.shape[2]
+        if needed <= capacity:
+            return
+        new_capacity = max(needed, 2 * capacity, 16)
+        for name in ("_k_buf", "_v_buf"):
+            old = getattr(self, name)
+            new = old.new_empty(old.shape[0], old.shape[1], new_capacity, old.shape[3])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    # -- CacheLayerMixin API ----------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, q, dk = key_states.shape
+        self.allocate(b, h, dk, value_states.shape[3], max(q, 16), key_states.dtype, key_states.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        end = self.length + q
+        self._ensure_capacity(end)
+        self._k_buf[:, :, self.length : end] = key_states
+        self._v_buf[:, :, self.length : end] = value_states
+        self.length = end
+        self._refresh_views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def reset(self) -> None:
+        self._k_buf = self._v_buf = None
+        self.keys = self.values = None
+        self.length = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop() takes a negative count of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self.length = max(0, self.length + tokens_to_remove)
+        self._refresh_views()
+
+    def _map_batch(self, fn) -> None:
+        if self.is_initialized:
+            self._k_buf = fn(self._k_buf)
+            self._v_buf = fn(self._v_buf)
+            self._refresh_views()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def offload(self) -> None:
+        self._map_batch(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self._k_buf.device != self.device:
+            self._map_batch(lambda t: t.to(self.device, non_blocking=True))

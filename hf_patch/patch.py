@@ -1,0 +1,128 @@
+"""The generate() integration: two thin wrappers that do nothing unless the cache is a RadixCache.
+
+- ``GenerationMixin._prefill`` is the last stop before the first forward and the first place
+  that sees the final ``input_ids`` (after beam / num_return_sequences expansion) and the
+  full 2-D attention mask: match and preload there.
+- ``GenerationMixin.generate``: bind the store, then after generation commit the finished
+  sequences, and in ``finally`` release every pin (exceptions, KeyboardInterrupt, a streamer
+  consumer that raises).
+
+Assisted / prompt-lookup decoding never calls ``_prefill``, and ``inputs_embeds`` prompts
+have no ids: those calls generate correctly with the RadixCache as a plain cache, no reuse.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import threading
+
+import torch
+from transformers.generation.utils import GenerationMixin
+
+from hf_patch.cache import RadixCache
+from hf_patch.model_spec import check_store_fits, default_store, layer_specs
+from hf_patch.request import Request
+from hf_patch.weights import flush_if_weights_changed
+
+logger = logging.getLogger(__name__)
+
+_install_lock = threading.Lock()
+_MARK = "_radixkv_wrapped"
+
+
+def _eos_ids(generation_config) -> list[int]:
+    eos = generation_config.eos_token_id
+    if eos is None:
+        return []
+    if isinstance(eos, torch.Tensor):
+        return eos.flatten().tolist()
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def _reject_unsupported_kwargs(model, kwargs: dict) -> None:
+    config = kwargs.get("generation_config")
+    use_cache = kwargs.get("use_cache", getattr(config, "use_cache", None))
+    if use_cache is False:
+        raise ValueError(
+            "RadixCache needs use_cache=True: with use_cache=False generate feeds the whole sequence every step "
+            "while the model still writes the cache, which is silently wrong"
+        )
+
+
+def _clear_cache_implementation(model, kwargs: dict) -> None:
+    """A generation config's ``cache_implementation`` makes generate refuse any cache object."""
+    config = kwargs.get("generation_config")
+    if config is not None and getattr(config, "cache_implementation", None) is not None:
+        config = copy.deepcopy(config)
+        config.cache_implementation = None
+        kwargs["generation_config"] = config
+    elif "cache_implementation" not in kwargs and getattr(model.generation_config, "cache_implementation", None):
+        kwargs["cache_implementation"] = None
+
+
+def _wrap_generate(original):
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        if not isinstance(cache, RadixCache):
+            return original(self, *args, **kwargs)
+        _reject_unsupported_kwargs(self, kwargs)
+        specs = layer_specs(self)  # also refuses recurrent / shared-KV models
+        if cache.store is None:
+            cache.store = default_store(self)
+        else:
+            check_store_fits(cache.store, self)
+        flush_if_weights_changed(cache.store, self)
+        _clear_cache_implementation(self, kwargs)
+        if cache._request is not None:
+            raise RuntimeError("this RadixCache is already in use by a running generate() call")
+        cache.start(len(specs))
+        request = cache._request = Request(cache, cache.store, specs)
+        try:
+            output = original(self, *args, **kwargs)
+            sequences = output if isinstance(output, torch.Tensor) else output.sequences
+            with torch.no_grad():
+                request.commit(sequences)
+            return output
+        finally:
+            request.release()
+            cache._request = None
+
+    setattr(generate, _MARK, True)
+    return generate
+
+
+def _wrap_prefill(original):
+    @functools.wraps(original)
+    def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True, *args, **kwargs):
+        cache = model_kwargs.get("past_key_values")
+        request = getattr(cache, "_request", None) if isinstance(cache, RadixCache) else None
+        if (
+            request is not None
+            and is_first_iteration
+            and model_kwargs.get("inputs_embeds") is None
+            and input_ids.shape[1] > 0
+            and cache.get_seq_length() == 0
+        ):
+            request.preload(
+                input_ids,
+                model_kwargs.get("attention_mask"),
+                max_length=generation_config.max_length or 0,
+                eos_token_ids=_eos_ids(generation_config),
+                prompt_only=(generation_config.num_beams or 1) > 1,
+            )
+        return original(self, input_ids, generation_config, model_kwargs, is_first_iteration, *args, **kwargs)
+
+    setattr(_prefill, _MARK, True)
+    return _prefill
+
+
+def install() -> None:
+    """Install the wrappers on GenerationMixin once; calling again is a no-op."""
+    with _install_lock:
+        if not getattr(GenerationMixin.generate, _MARK, False):
+            GenerationMixin.generate = _wrap_generate(GenerationMixin.generate)
+        if not getattr(GenerationMixin._prefill, _MARK, False):
+            GenerationMixin._prefill = _wrap_prefill(GenerationMixin._prefill)

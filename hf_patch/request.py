@@ -1,0 +1,158 @@
+"""One generate() call's dealings with the store: match + preload before the first forward,
+commit after generation, release always.
+
+Left padding: real token j of every row has position j whatever its padding, and K is
+stored after the position encoding, so KV of an unpadded prefix is valid in any padded row.
+Row i with ``pad_i`` left pads and a match of ``m_i`` tokens; the batch preloads a common
+column count ``L = min_i(pad_i + m_i)``, the most a rectangular batch allows.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hf_patch.cache import RadixCache
+from radixkv import KVStore, Lease, LayerSpec
+
+logger = logging.getLogger(__name__)
+
+
+def left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> list[int] | None:
+    """Left-pad count per row, or None when the mask is not plain left padding (then no reuse)."""
+    if attention_mask is None:
+        return [0] * batch
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
+        return None
+    mask = attention_mask.to("cpu", torch.bool)
+    real = mask.sum(dim=1)
+    # Left padding <=> every row is zeros then ones <=> the ones are a suffix.
+    expected = torch.arange(length).unsqueeze(0) >= (length - real).unsqueeze(1)
+    if not torch.equal(mask, expected):
+        return None
+    return (length - real).tolist()
+
+
+class Request:
+    """State of one generate() call on a RadixCache."""
+
+    def __init__(self, cache: RadixCache, store: KVStore, specs: tuple[LayerSpec, ...]) -> None:
+        self.cache = cache
+        self.store = store
+        self.specs = specs
+        self.epoch = store.epoch  # KV computed now is stale if the store is flushed meanwhile
+        self.leases: list[Lease] = []
+        self.prompt_ids: list[list[int]] | None = None  # rows as seen by the first forward
+        self.pads: list[int] | None = None
+        self.eos_token_ids: list[int] = []
+        self.prompt_only = False
+
+    # -- before the first forward --------------------------------------------------------------
+    def preload(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        max_length: int,
+        eos_token_ids: list[int],
+        prompt_only: bool,
+    ) -> None:
+        """Match every row, copy the common reusable prefix into fresh layer buffers.
+
+        ``prompt_only``: commit only the prompt afterwards (beam search: the cache rows are
+        reordered running beams, not the returned sequences).
+        """
+        self.eos_token_ids = eos_token_ids
+        self.prompt_only = prompt_only
+        batch, length = input_ids.shape
+        capacity = max(max_length, length)
+        for layer, spec in zip(self.cache.layers, self.specs):
+            layer.allocate(batch, spec.num_kv_heads, spec.k_head_dim, spec.v_head_dim, capacity, spec.dtype, spec.device)
+        self.cache.cached_tokens = [0] * batch
+        self.pads = left_pads(attention_mask, batch, length)
+        if self.pads is None:
+            logger.debug("attention mask is not left padding: generating without reuse")
+            return
+        rows = input_ids.tolist()
+        self.prompt_ids = rows
+        try:
+            ns = self.cache.namespace
+            for row, pad in zip(rows, self.pads):
+                real = row[pad:]
+                # Leave at least one token to compute: a fully cached prompt would be fed again.
+                self.leases.append(self.store.acquire(real, ns, max_tokens=len(real) - 1))
+            common = min(pad + lease.num_tokens for pad, lease in zip(self.pads, self.leases))
+            if common > 0:
+                self._copy_prefix(common)
+        finally:
+            self.release()  # the copy is done: blocks need not stay pinned through decode
+
+    def _copy_prefix(self, common: int) -> None:
+        layers = self.cache.layers
+        k_bufs, v_bufs = zip(*(layer.buffers() for layer in layers))
+        for i, pad in enumerate(self.pads):
+            if pad:  # pad columns are masked, but must be finite: NaN * 0 still poisons attn @ V
+                width = min(pad, common)
+                for buf in (*k_bufs, *v_bufs):
+                    buf[i, :, :width].zero_()
+        # One fused read per run of consecutive rows with equal padding (views stay views).
+        start = 0
+        while start < len(self.pads):
+            pad = self.pads[start]
+            stop = start + 1
+            while stop < len(self.pads) and self.pads[stop] == pad:
+                stop += 1
+            reuse = common - pad
+            if reuse > 0:
+                self.store.read(
+                    self.leases[start:stop],
+                    reuse,
+                    [k[start:stop, :, pad:common] for k in k_bufs],
+                    [v[start:stop, :, pad:common] for v in v_bufs],
+                )
+                self.cache.cached_tokens[start:stop] = [reuse] * (stop - start)
+            start = stop
+        for layer in layers:
+            layer.set_length(common)
+
+    # -- after generation ----------------------------------------------------------------------
+    def commit(self, sequences: torch.Tensor) -> int:
+        """Cache each row's prompt + generated tokens (cut after the first EOS; prompt only for beams)."""
+        if self.prompt_ids is None or not self.cache.layers:
+            return 0
+        layers = self.cache.layers
+        kv_length = layers[0].get_seq_length()  # the last sampled token is never fed: no KV for it
+        prompt_length = len(self.prompt_ids[0])
+        if layers[0].keys is None or layers[0].keys.shape[0] != len(self.prompt_ids):
+            logger.debug("cache batch differs from the prompt batch: nothing committed")
+            return 0
+        prompt_only = self.prompt_only
+        seq_rows = None if prompt_only else sequences.tolist()
+        eos = set(self.eos_token_ids)
+        seen: set[tuple[int, ...]] = set()
+        added = 0
+        for i, pad in enumerate(self.pads):
+            if prompt_only:
+                row, end = self.prompt_ids[i], prompt_length
+            else:
+                row = seq_rows[i]
+                end = next((j + 1 for j in range(prompt_length, len(row)) if row[j] in eos), len(row))
+            end = min(end, kv_length)
+            tokens = tuple(row[pad:end])
+            if len(tokens) < self.store.block_size or tokens in seen:
+                continue
+            seen.add(tokens)
+            added += self.store.commit(
+                tokens,
+                [layer.keys[i : i + 1, :, pad:end] for layer in layers],
+                [layer.values[i : i + 1, :, pad:end] for layer in layers],
+                self.cache.namespace,
+                epoch=self.epoch,
+            )
+        return added
+
+    def release(self) -> None:
+        """Unpin everything this request pinned; idempotent, safe in ``finally``."""
+        leases, self.leases = self.leases, []
+        for lease in leases:
+            lease.release()
