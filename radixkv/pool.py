@@ -167,11 +167,11 @@ class BlockPool:
         block_ids: ``[B, nb]`` int64 on CPU; ``k_out[l]``/``v_out[l]``: ``[B, H, num_tokens, D]``
         on layer ``l``'s device, any strides. One fused op per device.
         """
-        for device, idx in self.device_groups.items():
+        for idx in self.device_groups.values():
             cuda_ext.paged_gather(
                 [self.k[i] for i in idx],
                 [self.v[i] for i in idx],
-                block_ids.to(device, non_blocking=True),
+                block_ids,  # CPU ids: the op range-checks them on the host, no device sync
                 num_tokens,
                 [k_out[i] for i in idx],
                 [v_out[i] for i in idx],
@@ -184,11 +184,11 @@ class BlockPool:
         v_src: Sequence[torch.Tensor],
     ) -> None:
         """Write ``[B, H, S, D]`` sources (any strides) into blocks ``block_ids`` ``[B, nb]``, S <= nb*bs."""
-        for device, idx in self.device_groups.items():
+        for idx in self.device_groups.values():
             cuda_ext.paged_scatter(
                 [k_src[i] for i in idx],
                 [v_src[i] for i in idx],
-                block_ids.to(device, non_blocking=True),
+                block_ids,
                 [self.k[i] for i in idx],
                 [self.v[i] for i in idx],
             )

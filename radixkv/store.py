@@ -82,7 +82,9 @@ class KVStore:
         return self.pool.block_size
 
     # -- lookup -------------------------------------------------------------------------
-    def acquire(self, tokens: Sequence[int], namespace: Hashable = None, max_tokens: int | None = None) -> Lease:
+    def acquire(
+        self, tokens: Sequence[int], namespace: Hashable = None, max_tokens: int | None = None
+    ) -> Lease:
         """Match the longest cached whole-block prefix of ``tokens[:max_tokens]`` and pin it.
 
         Counts ``len(tokens)`` query tokens. O(len(tokens) / block_size) plus the tree's match.

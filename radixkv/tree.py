@@ -1,0 +1,319 @@
+"""A compressed radix tree over token ids whose edges are whole KV blocks (pure Python, no torch).
+
+Each node's edge holds a run of whole blocks of ``block_size`` tokens (packed as int64 bytes,
+see ``radixkv.node``) and the ids of the KV blocks storing them. Equal tokens under different namespaces never share a node: each
+namespace has its own root. Eviction takes least-recently-used unpinned leaves first from a
+``SortedList`` kept up to date incrementally, so it never scans the tree.
+
+Recency is an integer clock bumped once per ``match``/``insert``, so ordering is
+deterministic. Every node on a matched/inserted path gets the new clock value, which keeps
+``parent.last_access >= child.last_access`` (checked by ``check_invariants``).
+
+The tree is not thread-safe; the store wraps it in one lock.
+
+>>> tree = RadixTree(block_size=2)
+>>> tree.insert([1, 2, 3, 4, 5], [10, 11])        # trailing partial block ignored
+0
+>>> r = tree.match([1, 2, 3, 9])
+>>> (r.num_tokens, r.block_ids)
+(2, (10,))
+>>> with tree.pinned(r.node):
+...     tree.evict(5)                                # only the unpinned leaf can go
+[11]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Hashable, Iterator, Sequence
+
+from sortedcontainers import SortedList
+
+from radixkv.node import TOKEN_BYTES, MatchResult, Node, TreeInvariantError, pack, split, walk
+from radixkv.tree_check import check_tree
+
+__all__ = ["MatchResult", "Node", "RadixTree", "TreeInvariantError"]
+
+logger = logging.getLogger(__name__)
+
+_ALLOWED_BLOCK_SIZES = "a power of two (1, 2, 4, 8, 16, 32, ...)"
+
+
+class RadixTree:
+    """Radix tree mapping whole-block token prefixes to KV block ids, with pins and LRU eviction.
+
+    ``n`` below is the query length in tokens, ``d`` the depth of the path in nodes and ``L``
+    the number of evictable leaves.
+    """
+
+    def __init__(self, block_size: int = 16) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be {_ALLOWED_BLOCK_SIZES}, got {block_size!r}")
+        if block_size & (block_size - 1):
+            raise ValueError(f"block_size must be {_ALLOWED_BLOCK_SIZES}, got {block_size}")
+        self._block_size = block_size
+        self._width = block_size * TOKEN_BYTES  # bytes of one packed block
+        self._roots: dict[Hashable, Node] = {}
+        # Unpinned non-root leaves as (last_access, uid, node); uid is unique so tuples never
+        # compare nodes. Pop from the front = least recently used.
+        self._evictable: SortedList = SortedList()
+        self._clock = 0
+        self._next_uid = 0
+        self._num_nodes = 0
+        self._num_cached_blocks = 0
+        self._num_pinned_blocks = 0
+
+    # ---------------------------------------------------------------- counters
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block (a power of two)."""
+        return self._block_size
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks referenced by the tree (owned by it). O(1)."""
+        return self._num_cached_blocks
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks in nodes with a pin on themselves or a descendant. O(1)."""
+        return self._num_pinned_blocks
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks that ``evict`` could free now (every unpinned node, leaves first). O(1)."""
+        return self._num_cached_blocks - self._num_pinned_blocks
+
+    @property
+    def num_nodes(self) -> int:
+        """Non-root nodes in the tree. O(1)."""
+        return self._num_nodes
+
+    # ---------------------------------------------------------------- lookup and insert
+
+    def match(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:
+        """Longest cached whole-block prefix of ``tokens`` under ``namespace``.
+
+        Tokens beyond the last whole block are ignored. Side effects: when the match ends
+        inside an edge, that node is split at the block boundary so ``result.node`` ends
+        exactly at ``num_tokens`` (the original node object stays the deeper part); every node
+        on the matched path becomes most recently used; an unknown namespace gets an (empty)
+        root. O(n) to pack the query (in C), one dict lookup and one ``memcmp`` per node on the
+        path (O(d) Python steps), O(log(edge blocks)) comparisons on a partially matched edge,
+        and O(log L) to refresh the deepest node's place in the eviction order.
+        """
+        bs = self._block_size
+        end = len(tokens) - len(tokens) % bs
+        query = pack(tokens, end)
+        tick = self._tick()
+        ids: list[int] = []
+        node, pos, edge, matched = walk(self._root(namespace), query, self._width, tick, ids)
+        if edge is not None:
+            node = self._split(edge, matched)
+            node.last_access = tick
+            ids += node.block_ids
+            pos += matched
+        self._touch(node)
+        return MatchResult(pos // TOKEN_BYTES, tuple(ids), node)
+
+    def insert(self, tokens: Sequence[int], block_ids: Sequence[int], namespace: Hashable = None) -> int:
+        """Cache ``tokens`` (whole blocks only) stored in ``block_ids``; return the tokens already cached.
+
+        ``block_ids`` must hold one id per whole block: ``len(tokens) // block_size``. The tree
+        takes ownership of ``block_ids[returned // block_size:]``; the leading
+        ``returned // block_size`` ids are duplicates the caller frees itself. Inserting an
+        already-cached sequence returns its full length and changes nothing but recency (when
+        it ends inside an edge, that whole edge is refreshed and nothing is split). Side
+        effects: may split one node; the path becomes most recently used. Cost as ``match``.
+        """
+        bs = self._block_size
+        end = len(tokens) - len(tokens) % bs
+        if len(block_ids) != end // bs:
+            raise ValueError(
+                f"insert needs one block id per whole block of {bs} tokens: "
+                f"{len(tokens)} tokens -> {end // bs} block ids, got {len(block_ids)}"
+            )
+        query = pack(tokens, end)
+        end_bytes = len(query)
+        tick = self._tick()
+        node, pos, edge, matched = walk(self._root(namespace), query, self._width, tick, None)
+        if edge is not None:
+            if pos + matched == end_bytes:  # already cached, ending inside ``edge``
+                edge.last_access = tick
+                node, pos = edge, end_bytes
+            else:
+                node = self._split(edge, matched)
+                node.last_access = tick
+                pos += matched
+        if pos == end_bytes:
+            self._touch(node)
+        else:
+            self._add_leaf(node, query[pos:], list(block_ids[pos // self._width :]), tick)
+        return pos // TOKEN_BYTES
+
+    # ---------------------------------------------------------------- pins
+
+    def pin(self, node: Node) -> None:
+        """Pin ``node``: it and all its ancestors cannot be evicted until ``unpin``. O(d + log L)."""
+        if not node.attached:
+            raise ValueError(f"cannot pin {node!r}: it is no longer in the tree")
+        node.own_pins += 1
+        n: Node | None = node
+        while n is not None:
+            if n.pin_count == 0:
+                self._num_pinned_blocks += len(n.block_ids)
+                if n.evict_entry is not None:
+                    self._evictable.remove(n.evict_entry)
+                    n.evict_entry = None
+            n.pin_count += 1
+            n = n.parent
+
+    def unpin(self, node: Node) -> None:
+        """Release one ``pin(node)``; nodes left unpinned become evictable again. O(d + log L).
+
+        A namespace root left unpinned and empty is dropped (a miss that was never followed by
+        an insert leaves nothing behind).
+
+        Raises RuntimeError when ``node`` holds no pin of its own.
+        """
+        if node.own_pins <= 0:
+            raise RuntimeError(f"unpin without a matching pin on {node!r}")
+        node.own_pins -= 1
+        n: Node | None = node
+        while n is not None:
+            n.pin_count -= 1
+            if n.pin_count == 0:
+                self._num_pinned_blocks -= len(n.block_ids)
+                if not n.children:  # only ``node`` itself can be a leaf on this path
+                    if n.is_root:
+                        self._drop_root(n)
+                    else:
+                        self._add_evictable(n)
+            n = n.parent
+
+    @contextlib.contextmanager
+    def pinned(self, node: Node) -> Iterator[Node]:
+        """Context manager: ``pin(node)`` on entry, ``unpin(node)`` on exit (also on exceptions)."""
+        self.pin(node)
+        try:
+            yield node
+        finally:
+            self.unpin(node)
+
+    # ---------------------------------------------------------------- eviction
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Free at least ``num_blocks`` blocks, least-recently-used unpinned leaves first.
+
+        Whole leaves go, so more may be freed; fewer when not enough is evictable. A parent
+        left as an unpinned leaf becomes a candidate in turn; a namespace root left empty and
+        unpinned is dropped. Returns the freed block ids (ownership passes to the caller).
+        O(log L) per evicted node; never scans the tree.
+        """
+        if num_blocks < 0:
+            raise ValueError(f"evict needs num_blocks >= 0, got {num_blocks}")
+        freed: list[int] = []
+        evictable = self._evictable
+        while len(freed) < num_blocks and evictable:
+            node = evictable.pop(0)[2]
+            node.evict_entry = None
+            freed += node.block_ids
+            self._remove_leaf(node)
+        return freed
+
+    def clear(self) -> list[int]:
+        """Drop every unpinned node (a cache flush) and return their block ids; pinned paths stay.
+
+        Empty unpinned namespace roots are dropped too. O(N log N) for N nodes.
+        """
+        freed = self.evict(self._num_cached_blocks)
+        for root in list(self._roots.values()):
+            if not root.children and root.pin_count == 0:
+                self._drop_root(root)
+        logger.debug("clear freed %d blocks, %d remain pinned", len(freed), self._num_cached_blocks)
+        return freed
+
+    # ---------------------------------------------------------------- inspection
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every non-root node, parents before children. O(N); do not mutate while iterating."""
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            if not node.is_root:
+                yield node
+            stack.extend(node.children.values())
+
+    def check_invariants(self) -> None:
+        """Recount everything from scratch; raise ``TreeInvariantError`` naming the first violation. O(N log N)."""
+        check_tree(
+            roots=self._roots,
+            evictable=self._evictable,
+            block_size=self._block_size,
+            clock=self._clock,
+            num_nodes=self._num_nodes,
+            num_cached_blocks=self._num_cached_blocks,
+            num_pinned_blocks=self._num_pinned_blocks,
+        )
+
+    # ---------------------------------------------------------------- internals
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _root(self, namespace: Hashable) -> Node:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = Node(b"", [], None, namespace, self._uid(), 0, is_root=True)
+        return root
+
+    def _uid(self) -> int:
+        self._next_uid += 1
+        return self._next_uid
+
+    def _split(self, node: Node, cut: int) -> Node:
+        self._num_nodes += 1
+        return split(node, cut, self._width, self._uid())
+
+    def _add_leaf(self, parent: Node, data: bytes, block_ids: list[int], tick: int) -> None:
+        if parent.evict_entry is not None:  # no longer a leaf
+            self._evictable.remove(parent.evict_entry)
+            parent.evict_entry = None
+        key = data[: self._width]
+        leaf = parent.children[key] = Node(data, block_ids, parent, key, self._uid(), tick)
+        self._num_nodes += 1
+        self._num_cached_blocks += len(block_ids)
+        self._add_evictable(leaf)
+
+    def _remove_leaf(self, node: Node) -> None:
+        """Detach an unpinned leaf already taken out of the evictable set; cascade to its parent."""
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key]
+        node.parent = None
+        node.attached = False
+        self._num_nodes -= 1
+        self._num_cached_blocks -= len(node.block_ids)
+        if parent.children or parent.pin_count:
+            return
+        if parent.is_root:
+            self._drop_root(parent)
+        else:
+            self._add_evictable(parent)
+
+    def _drop_root(self, root: Node) -> None:
+        del self._roots[root.key]
+        root.attached = False
+
+    def _add_evictable(self, node: Node) -> None:
+        entry = node.evict_entry = (node.last_access, node.uid, node)
+        self._evictable.add(entry)
+
+    def _touch(self, node: Node) -> None:
+        """Move ``node`` to the most-recent end of the eviction order if it is a candidate. O(log L)."""
+        if node.evict_entry is not None and node.evict_entry[0] != node.last_access:
+            self._evictable.remove(node.evict_entry)
+            self._add_evictable(node)

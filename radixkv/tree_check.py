@@ -1,0 +1,137 @@
+"""Full recount of a ``RadixTree``'s structure and counters (used by ``check_invariants``).
+
+Kept apart from the tree so the hot paths stay short; every check here raises
+``TreeInvariantError`` (not ``assert``, which ``python -O`` would strip).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from sortedcontainers import SortedList
+
+from radixkv.node import TOKEN_BYTES, Node, TreeInvariantError
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise TreeInvariantError(message)
+
+
+def _check_root(namespace: Hashable, root: Node) -> None:
+    _require(root.is_root and root.attached, f"root of namespace {namespace!r} is not an attached root")
+    _require(root.parent is None, f"root of namespace {namespace!r} has a parent")
+    _require(root.key == namespace, f"root of namespace {namespace!r} has key {root.key!r}")
+    _require(
+        not root.tokens and not root.block_ids, f"root of namespace {namespace!r} holds tokens or blocks"
+    )
+    _require(root.evict_entry is None, f"root of namespace {namespace!r} is in the evictable set")
+
+
+def _check_edge(parent: Node, key: Hashable, node: Node, block_size: int, clock: int) -> None:
+    """Checks of one non-root node against its parent."""
+    _require(not node.is_root and node.attached, f"{node!r} under {parent!r} is a root or detached")
+    _require(node.parent is parent, f"{node!r} has parent {node.parent!r}, but sits under {parent!r}")
+    _require(len(node.block_ids) > 0, f"{node!r} is an empty non-root node")
+    _require(
+        isinstance(node.data, bytes) and len(node.data) == len(node.block_ids) * block_size * TOKEN_BYTES,
+        f"{node!r} has {len(node.data) / TOKEN_BYTES} tokens for {len(node.block_ids)} blocks of {block_size}",
+    )
+    first_block = node.data[: block_size * TOKEN_BYTES]
+    _require(
+        key == node.key == first_block,
+        f"{node!r} is stored under key {key!r}, its key is {node.key!r}, its first block {first_block!r}",
+    )
+    _require(0 <= node.last_access <= clock, f"{node!r} last_access outside [0, clock={clock}]")
+    if not parent.is_root:
+        _require(
+            parent.last_access >= node.last_access,
+            f"{node!r} was used after its parent {parent!r} (path recency not monotone)",
+        )
+
+
+def _check_blocks_unique(node: Node, seen_blocks: set[int]) -> None:
+    own = set(node.block_ids)
+    duplicates = own & seen_blocks
+    if len(own) != len(node.block_ids):
+        duplicates |= {b for b in own if node.block_ids.count(b) > 1}
+    _require(not duplicates, f"block ids {sorted(duplicates)} of {node!r} appear twice in the tree")
+    seen_blocks |= own
+
+
+def _check_pins(node: Node) -> None:
+    expected = node.own_pins + sum(child.pin_count for child in node.children.values())
+    _require(node.own_pins >= 0, f"{node!r} has negative own pins")
+    _require(
+        node.pin_count == expected,
+        f"{node!r} pin_count {node.pin_count} != own pins {node.own_pins} + children's pins",
+    )
+
+
+def check_tree(
+    *,
+    roots: dict[Hashable, Node],
+    evictable: SortedList,
+    block_size: int,
+    clock: int,
+    num_nodes: int,
+    num_cached_blocks: int,
+    num_pinned_blocks: int,
+) -> None:
+    """Recount the tree under ``roots`` and compare with the evictable set and counters. O(N log N)."""
+    seen_blocks: set[int] = set()
+    seen_uids: set[int] = set()
+    candidates: set[int] = set()  # id() of unpinned non-root leaves
+    count_nodes = count_blocks = count_pinned = 0
+    for namespace, root in roots.items():
+        _check_root(namespace, root)
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            _require(node.uid not in seen_uids, f"uid {node.uid} appears twice")
+            seen_uids.add(node.uid)
+            _check_pins(node)
+            for key, child in node.children.items():
+                _check_edge(node, key, child, block_size, clock)
+                stack.append(child)
+            if node.is_root:
+                continue
+            count_nodes += 1
+            count_blocks += len(node.block_ids)
+            _check_blocks_unique(node, seen_blocks)
+            if node.pin_count > 0:
+                count_pinned += len(node.block_ids)
+            if node.pin_count == 0 and not node.children:
+                candidates.add(id(node))
+                _require(
+                    node.evict_entry == (node.last_access, node.uid, node),
+                    f"evictable leaf {node!r} has a stale or missing evict entry {node.evict_entry!r}",
+                )
+            else:
+                _require(node.evict_entry is None, f"non-evictable {node!r} has an evict entry")
+    _check_evictable(evictable, candidates)
+    _require(count_nodes == num_nodes, f"num_nodes {num_nodes} != recount {count_nodes}")
+    _require(
+        count_blocks == num_cached_blocks, f"num_cached_blocks {num_cached_blocks} != recount {count_blocks}"
+    )
+    _require(
+        count_pinned == num_pinned_blocks, f"num_pinned_blocks {num_pinned_blocks} != recount {count_pinned}"
+    )
+
+
+def _check_evictable(evictable: SortedList, candidates: set[int]) -> None:
+    """The evictable set holds exactly the unpinned non-root leaves, each once, in LRU order."""
+    try:
+        evictable._check()  # sortedcontainers' own structural check
+    except AssertionError as exc:
+        raise TreeInvariantError(f"evictable SortedList is corrupt: {exc!r}") from exc
+    for entry in evictable:
+        _require(entry[2].evict_entry is entry, f"stale evictable entry {entry[:2]} for {entry[2]!r}")
+    members = [id(entry[2]) for entry in evictable]
+    _require(len(members) == len(set(members)), "a node appears twice in the evictable set")
+    extra = len(set(members) - candidates)
+    missing = len(candidates - set(members))
+    _require(
+        not extra and not missing,
+        f"evictable set differs from the unpinned leaves: {extra} extra, {missing} missing",
+    )

@@ -1,0 +1,115 @@
+"""Hypothesis state machine over ``RadixTree``: random match/insert/pin/unpin/evict/clear sequences.
+
+A 2-token vocabulary makes prefixes collide, so edges split in their middle all the time.
+After every step the tree recounts itself (``check_invariants``) and must hold exactly the
+prefixes the brute-force model says, with every block id either free or in the tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from radixkv.tree import MatchResult, RadixTree
+from tests.test_tree_stress import ReferenceCache, tree_contents
+
+NUM_BLOCKS = 24
+tokens_st = st.lists(st.integers(0, 1), max_size=14)
+namespace_st = st.sampled_from([None, "tenant"])
+
+
+class TreeMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.free = list(range(NUM_BLOCKS))
+        self.results: list[tuple[MatchResult, list[int], Hashable]] = []  # earlier matches
+        self.pins: list[tuple[MatchResult, list[int], Hashable]] = []  # pins held
+
+    @initialize(block_size=st.sampled_from([1, 2, 4]))
+    def setup(self, block_size: int) -> None:
+        self.tree = RadixTree(block_size)
+        self.model = ReferenceCache(block_size)
+
+    def _release(self, freed: list[int]) -> None:
+        self.model.remove(freed)
+        assert not set(freed) & set(self.free), "double free"
+        self.free += freed
+
+    @rule(tokens=tokens_st, namespace=namespace_st)
+    def match(self, tokens: list[int], namespace: Hashable) -> None:
+        result = self.tree.match(tokens, namespace)
+        assert list(result.block_ids) == self.model.longest(tokens, namespace)
+        assert result.num_tokens == len(result.block_ids) * self.tree.block_size
+        self.results = [*self.results[-5:], (result, tokens, namespace)]
+
+    @precondition(lambda self: self.results)
+    @rule(data=st.data())
+    def pin(self, data: st.DataObject) -> None:
+        entry = data.draw(st.sampled_from(self.results))
+        result, tokens, namespace = entry
+        if not result.node.attached:  # evicted (or its empty namespace dropped) since
+            with pytest.raises(ValueError, match="no longer in the tree"):
+                self.tree.pin(result.node)
+            return
+        self.tree.pin(result.node)
+        self.model.pin(tokens, namespace, len(result.block_ids), +1)
+        self.pins.append(entry)
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        entry = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+        result, tokens, namespace = entry
+        self.tree.unpin(result.node)
+        self.model.pin(tokens, namespace, len(result.block_ids), -1)
+
+    @rule(tokens=tokens_st, namespace=namespace_st)
+    def insert(self, tokens: list[int], namespace: Hashable) -> None:
+        need = len(tokens) // self.tree.block_size
+        if need > len(self.free):
+            self.evict(need - len(self.free))
+        if need > len(self.free):
+            return
+        ids, self.free = self.free[len(self.free) - need :], self.free[: len(self.free) - need]
+        cached = self.tree.insert(tokens, ids, namespace)
+        assert cached == self.model.insert(tokens, ids, namespace)
+        self.free += ids[: cached // self.tree.block_size]  # our duplicates
+
+    @rule(num_blocks=st.integers(0, 8))
+    def evict(self, num_blocks: int) -> None:
+        evictable = self.tree.num_evictable_blocks
+        freed = self.tree.evict(num_blocks)
+        assert len(freed) >= min(num_blocks, evictable)
+        self._release(freed)
+
+    @rule()
+    def clear(self) -> None:
+        freed = self.tree.clear()
+        assert self.tree.num_evictable_blocks == 0
+        self._release(freed)
+
+    @invariant()
+    def consistent(self) -> None:
+        self.tree.check_invariants()
+        assert tree_contents(self.tree) == self.model.blocks
+        assert self.tree.num_pinned_blocks == len(self.model.pins)
+        assert sorted(self.free + list(self.model.key_of)) == list(range(NUM_BLOCKS))
+
+    def teardown(self) -> None:
+        for result, _, _ in self.pins:
+            self.tree.unpin(result.node)
+        self.tree.clear()
+        assert self.tree.num_cached_blocks == 0 and self.tree.num_nodes == 0
+
+
+TreeMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_tree_state_machine = TreeMachine.TestCase
