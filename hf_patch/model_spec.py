@@ -12,7 +12,7 @@ import threading
 import weakref
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
 
 from radixkv import BlockPool, KVStore, LayerSpec
 
@@ -34,7 +34,9 @@ def check_supported(model) -> None:
     """Raise UnsupportedModelError for models whose reuse could not be correct."""
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder model; radixkv serves decoder-only LMs")
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is an encoder-decoder model; radixkv serves decoder-only LMs"
+        )
     text_config = config.get_text_config(decoder=True)
     if getattr(text_config, "num_kv_shared_layers", 0):
         raise UnsupportedModelError(
@@ -48,24 +50,34 @@ def check_supported(model) -> None:
         )
     layers = DynamicCache(config=text_config).layers
     for i, layer in enumerate(layers):
-        if not isinstance(layer, DynamicLayer):  # linear attention, dummy (shared-KV), ...
+        # Hybrid layers (Falcon-H1's LinearAttentionAndFullAttentionLayer) subclass DynamicLayer
+        # but also carry conv/recurrent state: the mixin is what marks them.
+        if not isinstance(layer, DynamicLayer) or isinstance(layer, LinearAttentionCacheLayerMixin):
             raise UnsupportedModelError(
                 f"{type(model).__name__} layer {i} keeps {type(layer).__name__} state "
                 "(recurrent/linear-attention or shared KV); radixkv can only reuse plain attention KV"
             )
 
 
+def _placement(model) -> tuple:
+    """The (dtype, device) pairs of the model's parameters: what ``.to()``/``.half()`` change."""
+    return tuple(sorted({(str(p.dtype), str(p.device)) for p in model.parameters()}))
+
+
 @torch.no_grad()
 def layer_specs(model) -> tuple[LayerSpec, ...]:
-    """Per-layer KV shape, dtype and device, read off a one-token probe forward (memoised per model).
+    """Per-layer KV shape, dtype and device, read off a one-token probe forward.
 
     A probe is exact for every family (GQA, explicit head_dim, K/V dims that differ, layers
     dispatched to several devices) where reading config fields would need a case per family.
+    Memoised per model and per parameter placement, so a model moved to another dtype or
+    device after its first call is probed again (one pass over the parameters per call).
     """
+    placement = _placement(model)
     with _lock:
         cached = _specs.get(model)
-    if cached is not None:
-        return cached
+    if cached is not None and cached[0] == placement:
+        return cached[1]
     check_supported(model)
     probe = DynamicCache()
     token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
@@ -83,7 +95,7 @@ def layer_specs(model) -> tuple[LayerSpec, ...]:
     if not specs:
         raise UnsupportedModelError(f"{type(model).__name__} wrote no KV in a probe forward")
     with _lock:
-        _specs[model] = specs
+        _specs[model] = (placement, specs)
     return specs
 
 
@@ -123,19 +135,33 @@ def build_store(
     store = KVStore(pool)
     logger.info(
         "radixkv store for %s: %d blocks x %d tokens, %.1f MiB, %d layers",
-        type(model).__name__, pool.num_blocks, block_size, pool.nbytes / 2**20, len(specs),
+        type(model).__name__,
+        pool.num_blocks,
+        block_size,
+        pool.nbytes / 2**20,
+        len(specs),
     )
     return store
 
 
 def default_store(model) -> KVStore:
-    """The store ``RadixCache()`` binds to for ``model``: built on first use, one per model object."""
+    """The store ``RadixCache()`` uses for ``model``: built on first use, one per model object.
+
+    A model converted since (``.half()``, ``.to(device)``) gets a new store of its new shape;
+    the old one is dropped with its KV, which the converted weights would not reproduce.
+    """
+    specs = layer_specs(model)
     with _lock:
         store = _default_stores.get(model)
-    if store is None:
-        store = build_store(model)
-        with _lock:
-            store = _default_stores.setdefault(model, store)
+    if store is not None and tuple(store.pool.layers) == specs:
+        return store
+    if store is not None:
+        logger.warning("radixkv: %s changed dtype/device; replacing its default store", type(model).__name__)
+    fresh = build_store(model)
+    with _lock:
+        store = _default_stores.get(model)
+        if store is None or tuple(store.pool.layers) != specs:
+            _default_stores[model] = store = fresh
     return store
 
 

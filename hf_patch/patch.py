@@ -42,7 +42,8 @@ def _eos_ids(generation_config) -> list[int]:
 
 
 def _reject_unsupported_kwargs(model, kwargs: dict) -> None:
-    config = kwargs.get("generation_config")
+    """``use_cache=False`` from a kwarg, an explicit generation config, or the model's own config."""
+    config = kwargs.get("generation_config") or model.generation_config
     use_cache = kwargs.get("use_cache", getattr(config, "use_cache", None))
     if use_cache is False:
         raise ValueError(
@@ -58,7 +59,9 @@ def _clear_cache_implementation(model, kwargs: dict) -> None:
         config = copy.deepcopy(config)
         config.cache_implementation = None
         kwargs["generation_config"] = config
-    elif "cache_implementation" not in kwargs and getattr(model.generation_config, "cache_implementation", None):
+    elif "cache_implementation" not in kwargs and getattr(
+        model.generation_config, "cache_implementation", None
+    ):
         kwargs["cache_implementation"] = None
 
 
@@ -70,19 +73,24 @@ def _wrap_generate(original):
             return original(self, *args, **kwargs)
         _reject_unsupported_kwargs(self, kwargs)
         specs = layer_specs(self)  # also refuses recurrent / shared-KV models
+        # Resolved per call, never written back to the cache: the same RadixCache() may later
+        # serve another model (or this one after .half()), which needs its own default store.
         if cache.store is None:
-            cache.store = default_store(self)
+            store = default_store(self)
         else:
-            check_store_fits(cache.store, self)
-        flush_if_weights_changed(cache.store, self)
+            store = cache.store
+            check_store_fits(store, self)
+        flush_if_weights_changed(store, self)
         _clear_cache_implementation(self, kwargs)
         if cache._request is not None:
             raise RuntimeError("this RadixCache is already in use by a running generate() call")
         cache.start(len(specs))
-        request = cache._request = Request(cache, cache.store, specs)
+        request = cache._request = Request(cache, store, specs)
         try:
             output = original(self, *args, **kwargs)
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
+            if not cache.cached_tokens:  # no preload ran (assisted decoding, inputs_embeds)
+                cache.cached_tokens = [0] * sequences.shape[0]
             with torch.no_grad():
                 request.commit(sequences)
             return output
@@ -106,12 +114,19 @@ def _wrap_prefill(original):
             and input_ids.shape[1] > 0
             and cache.get_seq_length() == 0
         ):
+            if generation_config.use_cache is False:  # merged config: the last word on use_cache
+                raise ValueError(
+                    "RadixCache needs use_cache=True (the generation config sets use_cache=False)"
+                )
             request.preload(
                 input_ids,
                 model_kwargs.get("attention_mask"),
                 max_length=generation_config.max_length or 0,
                 eos_token_ids=_eos_ids(generation_config),
                 prompt_only=(generation_config.num_beams or 1) > 1,
+                # Per-token outputs of the prompt must cover every prompt token, as in stock
+                # generate(): compute the whole prompt then (and still commit it).
+                reuse=not (generation_config.output_hidden_states or generation_config.output_attentions),
             )
         return original(self, input_ids, generation_config, model_kwargs, is_first_iteration, *args, **kwargs)
 

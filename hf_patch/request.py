@@ -14,7 +14,7 @@ import logging
 import torch
 
 from hf_patch.cache import RadixCache
-from radixkv import KVStore, Lease, LayerSpec
+from radixkv import KVStore, LayerSpec, Lease
 
 logger = logging.getLogger(__name__)
 
@@ -56,18 +56,22 @@ class Request:
         max_length: int,
         eos_token_ids: list[int],
         prompt_only: bool,
+        reuse: bool = True,
     ) -> None:
         """Match every row, copy the common reusable prefix into fresh layer buffers.
 
         ``prompt_only``: commit only the prompt afterwards (beam search: the cache rows are
-        reordered running beams, not the returned sequences).
+        reordered running beams, not the returned sequences). ``reuse=False``: prepare the
+        buffers and the commit, read nothing from the store.
         """
         self.eos_token_ids = eos_token_ids
         self.prompt_only = prompt_only
         batch, length = input_ids.shape
         capacity = max(max_length, length)
         for layer, spec in zip(self.cache.layers, self.specs):
-            layer.allocate(batch, spec.num_kv_heads, spec.k_head_dim, spec.v_head_dim, capacity, spec.dtype, spec.device)
+            layer.allocate(
+                batch, spec.num_kv_heads, spec.k_head_dim, spec.v_head_dim, capacity, spec.dtype, spec.device
+            )
         self.cache.cached_tokens = [0] * batch
         self.pads = left_pads(attention_mask, batch, length)
         if self.pads is None:
@@ -75,6 +79,8 @@ class Request:
             return
         rows = input_ids.tolist()
         self.prompt_ids = rows
+        if not reuse:
+            return
         try:
             ns = self.cache.namespace
             for row, pad in zip(rows, self.pads):

@@ -32,6 +32,7 @@ def flush_if_weights_changed(store: KVStore, model) -> bool:
     flushed = store.flush()
     logger.warning(
         "radixkv: weights of %s changed since its KV was cached; flushed the store (%d blocks)",
-        type(model).__name__, flushed,
+        type(model).__name__,
+        flushed,
     )
     return True

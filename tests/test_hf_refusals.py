@@ -1,0 +1,235 @@
+"""What a RadixCache must refuse, clearly, instead of generating something wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    GenerationConfig,
+    TextStreamer,
+)
+
+import hf_patch
+from tests.hf_models import (
+    BASE,
+    assert_same_as_stock,
+    build,
+    ids,
+    one_torch_thread,  # noqa: F401  (autouse)
+    shared,
+    store_for,
+    tokenizer,
+    tokens,
+)
+
+PROMPT = tokens(40, seed=70)
+
+
+# -- use_cache=False ------------------------------------------------------------------------------
+def test_use_cache_false_kwarg():
+    model = shared("llama-sdpa")
+    with pytest.raises(ValueError, match="use_cache"):
+        model.generate(ids(PROMPT), use_cache=False, max_new_tokens=3, past_key_values=hf_patch.RadixCache())
+
+
+def test_use_cache_false_in_explicit_generation_config():
+    model = shared("llama-sdpa")
+    config = GenerationConfig(use_cache=False, max_new_tokens=3)
+    with pytest.raises(ValueError, match="use_cache"):
+        model.generate(ids(PROMPT), generation_config=config, past_key_values=hf_patch.RadixCache())
+
+
+def test_use_cache_false_in_model_generation_config():
+    """The model's own generation config is merged by generate(): use_cache=False there is just as wrong."""
+    model = build("llama-sdpa")
+    model.generation_config.use_cache = False
+    store = store_for(model)
+    with pytest.raises(ValueError, match="use_cache"):
+        model.generate(ids(PROMPT), max_new_tokens=3, past_key_values=hf_patch.RadixCache(store=store))
+
+
+def test_use_cache_true_overrides_model_generation_config():
+    model = build("llama-sdpa")
+    model.generation_config.use_cache = False
+    cache, _ = assert_same_as_stock(model, ids(PROMPT), store_for(model), use_cache=True)
+    cache, _ = assert_same_as_stock(model, ids(PROMPT), cache.store, use_cache=True)
+    assert cache.cached_tokens == [36]
+
+
+# -- store / model mismatch -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(num_hidden_layers=3), dict(num_key_value_heads=4), dict(head_dim=32)],
+    ids=["layers", "kv-heads", "head-dim"],
+)
+def test_store_of_another_shape(overrides):
+    store = store_for(shared("llama-sdpa"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **{**BASE, **overrides})).eval()
+    with pytest.raises(ValueError, match="another shape"):
+        model.generate(ids(PROMPT), max_new_tokens=3, past_key_values=hf_patch.RadixCache(store=store))
+    store.check_invariants()
+
+
+def test_store_of_another_family_with_the_same_shape():
+    """Same KV shape, so the store fits; the other weights must never see this model's KV."""
+    llama = shared("llama-sdpa")
+    store = store_for(llama)
+    qwen2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **BASE)).eval()
+    for model in (llama, qwen2, llama):
+        cache, _ = assert_same_as_stock(model, ids(PROMPT), store)
+        assert cache.cached_tokens == [0]
+
+
+def test_store_with_another_dtype():
+    store = store_for(shared("llama-sdpa"))
+    model = build("llama-sdpa").to(torch.float64)
+    with pytest.raises(ValueError, match="another shape"):
+        model.generate(ids(PROMPT), max_new_tokens=3, past_key_values=hf_patch.RadixCache(store=store))
+
+
+def test_store_built_before_a_dtype_change_is_refused():
+    model = build("llama-sdpa")
+    store = store_for(model)
+    assert_same_as_stock(model, ids(PROMPT), store)
+    model.to(torch.float64)
+    with pytest.raises(ValueError, match="another shape"):
+        model.generate(ids(PROMPT), max_new_tokens=3, past_key_values=hf_patch.RadixCache(store=store))
+
+
+def test_model_converted_after_first_use_gets_a_store_of_its_new_dtype():
+    """What the model looks like is read from the model as it is now, not as it was at its first call."""
+    model = build("llama-sdpa")
+    assert_same_as_stock(model, ids(PROMPT), store_for(model))
+    model.to(torch.float64)
+    store = store_for(model)
+    assert store.pool.layers[0].dtype == torch.float64
+    assert_same_as_stock(model, ids(PROMPT), store)
+    cache, _ = assert_same_as_stock(model, ids(PROMPT), store)
+    assert cache.cached_tokens == [36]
+
+
+# -- unsupported models -----------------------------------------------------------------------------
+UNSUPPORTED = {
+    "mamba": {},
+    "falcon_mamba": {},
+    "recurrent_gemma": {},
+    "jamba": {},
+    "bamba": {},
+    "granitemoehybrid": {},
+    "lfm2-conv": dict(layer_types=["conv", "full_attention"]),
+    "olmo_hybrid": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_next": dict(
+        layer_types=["linear_attention", "full_attention"],
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        head_dim=16,
+    ),
+    "falcon_h1": dict(
+        mamba_d_ssm=64,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_chunk_size=16,
+        head_dim=16,
+    ),
+    "minimax": dict(layer_types=["linear_attention", "full_attention"], num_local_experts=2, head_dim=16),
+    "gemma4_text-kv-shared": dict(
+        num_hidden_layers=4,
+        num_kv_shared_layers=2,
+        head_dim=16,
+        global_head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=128,
+    ),
+    "gemma3n_text-kv-shared": dict(
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2,
+        sliding_window=8,
+        head_dim=16,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=128,
+        altup_num_inputs=2,
+        laurel_rank=8,
+        activation_sparsity_pattern=[0.0] * 4,
+        intermediate_size=[128] * 4,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_unsupported_model_is_refused(name):
+    model_type = name.split("-")[0]
+    config = AutoConfig.for_model(model_type, **{**BASE, **UNSUPPORTED[name]})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(hf_patch.UnsupportedModelError) as info:
+        model.generate(ids(PROMPT[:12]), max_new_tokens=2, past_key_values=hf_patch.RadixCache())
+    assert type(model).__name__ in str(info.value)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(hf_patch.UnsupportedModelError):
+        hf_patch.build_store(model, budget_tokens=64)
+
+
+def test_unsupported_model_generates_normally_without_radix_cache():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("mamba", **BASE)).eval()
+    out = model.generate(ids(PROMPT[:12]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 15)
+
+
+def test_encoder_decoder_is_refused():
+    config = AutoConfig.for_model(
+        "t5", vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, decoder_start_token_id=0
+    )
+    model = AutoModelForSeq2SeqLM.from_config(config).eval()
+    with pytest.raises(hf_patch.UnsupportedModelError, match="encoder-decoder"):
+        model.generate(ids(PROMPT[:10]), max_new_tokens=2, past_key_values=hf_patch.RadixCache())
+
+
+# -- misuse of the cache object -----------------------------------------------------------------
+def test_bad_constructor_arguments():
+    with pytest.raises(TypeError):
+        hf_patch.RadixCache(store="not a store")
+    with pytest.raises(TypeError):
+        hf_patch.RadixCache(namespace=["unhashable"])
+
+
+def test_one_cache_in_two_generate_calls_at_once():
+    """A streamer that re-enters generate() with the cache that is running."""
+    model = shared("llama-sdpa")
+    store = store_for(model)
+    cache = hf_patch.RadixCache(store=store)
+    seen = []
+
+    class Reentrant(TextStreamer):
+        def put(self, value):
+            if not seen:
+                with pytest.raises(RuntimeError, match="already in use"):
+                    model.generate(ids(PROMPT), max_new_tokens=2, past_key_values=cache)
+                seen.append(True)
+
+        def end(self):
+            pass
+
+    out = model.generate(
+        ids(PROMPT), max_new_tokens=3, do_sample=False, past_key_values=cache, streamer=Reentrant(tokenizer())
+    )
+    assert seen == [True]
+    assert torch.equal(out, model.generate(ids(PROMPT), max_new_tokens=3, do_sample=False))
+    assert store.stats()["pinned_blocks"] == 0
+    store.check_invariants()
