@@ -1,0 +1,175 @@
+"""Time to first token over HTTP, prefix reuse on vs off: the "long table, many questions" demo.
+
+Starts `python -m demo` twice on 127.0.0.1 (a free port; RADIXKV_REUSE=1, then 0), sends a
+~2,000-token markdown table of people followed by different questions, streaming, and measures
+the time to the first generated text on the client. Then several clients at once.
+
+    python benchmarks/bench_http.py                  # built-in model
+    python benchmarks/bench_http.py --model PATH --rows 300 --questions 8 --concurrency 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIRST = ["Alice", "Bruno", "Chen", "Dara", "Elif", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kenji", "Lena"]
+LAST = ["Smith", "Okafor", "Tanaka", "Rossi", "Novak", "Silva", "Haddad", "Kim", "Berg", "Moreau"]
+CITIES = ["Berlin", "Lagos", "Lima", "Osaka", "Paris", "Porto", "Quito", "Rome", "Seoul", "Tunis", "Vienna"]
+JOBS = ["baker", "doctor", "engineer", "farmer", "lawyer", "nurse", "pilot", "teacher", "writer"]
+
+
+def table(rows: int) -> str:
+    lines = ["| id | name | age | city | job |", "|---|---|---|---|---|"]
+    for i in range(rows):
+        name = f"{FIRST[i % len(FIRST)]} {LAST[(i * 7) % len(LAST)]}"
+        lines.append(
+            f"| {i} | {name} | {18 + (i * 37) % 60} | {CITIES[(i * 5) % len(CITIES)]} | {JOBS[(i * 3) % len(JOBS)]} |"
+        )
+    return "Here is a table of people:\n\n" + "\n".join(lines) + "\n\n"
+
+
+def questions(n: int) -> list[str]:
+    forms = [
+        "Who lives in {}?",
+        "How many people are {}s?",
+        "What is the average age in {}?",
+        "Name every {}.",
+    ]
+    values = [CITIES, JOBS, CITIES, JOBS]
+    qs = [forms[i % 4].format(values[i % 4][(i * 5) % len(values[i % 4])]) for i in range(n)]
+    return [f"Question {i + 1}: {q}" for i, q in enumerate(qs)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(reuse: bool, model: str | None, threads: int | None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "RADIXKV_REUSE": "1" if reuse else "0", "PYTHONPATH": ROOT}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    cmd = [sys.executable, "-m", "demo", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--model", model] if model else []
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    for line in proc.stdout:  # wait for the line demo/__main__.py prints once it listens
+        if "serving on" in line:
+            return proc, url
+    raise RuntimeError(f"server exited with {proc.wait()} before listening")
+
+
+def ask(url: str, content: str, max_tokens: int) -> dict:
+    """One streaming chat request; client-side TTFT = first non-empty content delta."""
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft, usage = None, None
+    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines(decode_unicode=True):
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            if ttft is None and any(c["delta"].get("content") for c in chunk["choices"]):
+                ttft = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    return {
+        "ttft": ttft if ttft is not None else total,
+        "total": total,
+        "prompt": usage["prompt_tokens"],
+        "cached": usage["prompt_tokens_details"]["cached_tokens"],
+        "completion": usage["completion_tokens"],
+    }
+
+
+def run_mode(reuse: bool, args) -> tuple[list[dict], list[dict], float]:
+    proc, url = start_server(reuse, args.model, args.threads)
+    try:
+        ask(url, "warm-up", 4)  # first-call overheads (allocations, lazy imports) out of the table
+        doc = table(args.rows)
+        sequential = [ask(url, doc + q, args.max_tokens) for q in questions(args.questions)]
+        more = questions(args.questions + args.concurrency)[args.questions :]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            concurrent = list(pool.map(lambda q: ask(url, doc + q, args.max_tokens), more))
+        return sequential, concurrent, time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="passed to python -m demo --model (default: built-in)")
+    p.add_argument(
+        "--rows", type=int, default=110, help="table rows (110 = ~2,000 tokens on the built-in model)"
+    )
+    p.add_argument("--questions", type=int, default=6, help="sequential questions per mode")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=4, help="clients at once, after the sequential part")
+    p.add_argument(
+        "--threads", type=int, help="OMP_NUM_THREADS for the server (steadier on a shared machine)"
+    )
+    args = p.parse_args()
+
+    results = {}
+    for reuse in (True, False):
+        results[reuse] = run_mode(reuse, args)
+    print(
+        f"\nlong-table benchmark: {args.rows} rows, {args.questions} questions, max_tokens {args.max_tokens}, "
+        "client-side time to first token (streaming)\n"
+    )
+    print(f"{'reuse':>5} {'req':>4} {'prompt':>7} {'cached':>7} {'TTFT ms':>9} {'total ms':>9}")
+    for reuse in (True, False):
+        for i, r in enumerate(results[reuse][0]):
+            print(
+                f"{'on' if reuse else 'off':>5} {i + 1:>4} {r['prompt']:>7} {r['cached']:>7} "
+                f"{r['ttft'] * 1e3:>9.1f} {r['total'] * 1e3:>9.1f}"
+            )
+    on, off = results[True][0], results[False][0]
+    on_next = statistics.median(r["ttft"] for r in on[1:])
+    off_next = statistics.median(r["ttft"] for r in off[1:])
+    print(
+        f"\nreuse on : first {on[0]['ttft'] * 1e3:.1f} ms, following (median) {on_next * 1e3:.1f} ms "
+        f"-> {on[0]['ttft'] / on_next:.1f}x faster"
+    )
+    print(
+        f"reuse off: first {off[0]['ttft'] * 1e3:.1f} ms, following (median) {off_next * 1e3:.1f} ms "
+        f"-> {off[0]['ttft'] / off_next:.1f}x"
+    )
+    print(f"following requests, off / on: {off_next / on_next:.1f}x")
+    print(f"\n{args.concurrency} clients at once (one generation at a time on the server):")
+    for reuse in (True, False):
+        rs, wall = results[reuse][1], results[reuse][2]
+        ttfts = sorted(r["ttft"] * 1e3 for r in rs)
+        print(
+            f"  reuse {'on ' if reuse else 'off'}: TTFT min {ttfts[0]:.1f} / median {statistics.median(ttfts):.1f} "
+            f"/ max {ttfts[-1]:.1f} ms, all {len(rs)} done in {wall * 1e3:.1f} ms, "
+            f"cached {[r['cached'] for r in rs]}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Flask app: the chat page, the OpenAI-compatible API, metrics and the admin flush.
+
+    app = create_app(Config())      # builds the model and the engine
+    app = create_app(config, engine) # or serve an engine you built (config's model, reuse,
+                                     # block_size, cache_tokens and max_queue are then unused)
+
+Routes: GET / (chat page), GET /health, GET /v1/models, POST /v1/chat/completions,
+POST /v1/completions, POST /v1/cache/flush (admin token), GET /metrics (Prometheus).
+Every error is JSON: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+from flask import Flask, Response, jsonify, render_template, request
+from werkzeug.exceptions import HTTPException
+
+from demo import schema
+from demo.auth import Auth
+from demo.config import Config
+from demo.engine import Busy, Engine, Generation, Params
+from demo.metrics import Metrics
+from demo.model import BUILTIN
+from demo.schema import ApiError
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 1 << 20
+_ROUTES = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/models": "models",
+    "/v1/cache/flush": "flush",
+}
+
+
+def build_engine(config: Config) -> Engine:
+    from demo import model as model_lib
+
+    device = config.resolve_device()
+    model, tokenizer = model_lib.load(config.model, device, config.resolve_dtype(device))
+    return Engine(
+        model,
+        tokenizer,
+        model_lib.context_length(model, tokenizer),
+        reuse=config.reuse,
+        block_size=config.block_size,
+        cache_tokens=config.cache_tokens,
+        max_queue=config.max_queue,
+    )
+
+
+def _usage(r) -> dict:
+    return {
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "total_tokens": r.prompt_tokens + r.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
+    }
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def create_app(config: Config, engine: Engine | None = None) -> Flask:
+    engine = engine or build_engine(config)
+    auth = Auth(config.api_keys, config.admin_token, config.tenant_secret)
+    metrics = Metrics()
+    app = Flask(__name__, static_folder="static", template_folder="templates")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.extensions["radixkv"] = {"engine": engine, "metrics": metrics, "config": config}
+    model_id = config.model_id
+    vocab_size = engine.model.get_input_embeddings().num_embeddings
+
+    @app.errorhandler(ApiError)
+    def api_error(e: ApiError):
+        return jsonify(e.body()), e.status
+
+    @app.errorhandler(HTTPException)
+    def http_error(e: HTTPException):
+        message = f"request body larger than {MAX_BODY_BYTES} bytes" if e.code == 413 else e.description
+        kind = "invalid_request_error" if (e.code or 500) < 500 else "server_error"
+        return api_error(ApiError(e.code or 500, message, type=kind))
+
+    @app.errorhandler(Exception)
+    def server_error(e: Exception):
+        log.exception("unhandled error")
+        return api_error(ApiError(500, f"internal error: {type(e).__name__}", type="server_error"))
+
+    def body():
+        try:
+            return json.loads(request.get_data(cache=False) or b"null")
+        except (ValueError, RecursionError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+
+    def respond(endpoint: str, prompt_ids: list[int], s: schema.Sampling, namespace, started: float):
+        max_new = schema.check_length(
+            len(prompt_ids), s.max_tokens, config.default_max_tokens, engine.context
+        )
+        try:
+            gen = engine.submit(
+                prompt_ids, Params(max_new, s.temperature, s.top_p, s.stop, s.seed), namespace
+            )
+        except Busy as e:
+            raise ApiError(503, f"server busy: {e}; retry later", type="server_error", code="busy") from None
+        rid, created = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        if not s.stream:
+            try:
+                r = gen.collect()
+            finally:
+                gen.cancel()
+            metrics.generation(endpoint, r)
+            metrics.request(endpoint, 200, time.perf_counter() - started)
+            if endpoint == "chat":
+                choice = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": r.text},
+                    "finish_reason": r.finish_reason,
+                    "logprobs": None,
+                }
+            else:
+                choice = {"index": 0, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
+            return jsonify(
+                {
+                    "id": rid,
+                    "object": "chat.completion" if endpoint == "chat" else "text_completion",
+                    "created": created,
+                    "model": model_id,
+                    "choices": [choice],
+                    "usage": _usage(r),
+                }
+            )
+        return Response(
+            _stream(endpoint, gen, s.include_usage, rid, created, started),
+            mimetype="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    def _stream(endpoint: str, gen: Generation, include_usage: bool, rid: str, created: int, started: float):
+        obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> dict:
+            if endpoint == "chat":
+                d = (
+                    {"role": "assistant", "content": ""}
+                    if role
+                    else ({"content": delta} if delta is not None else {})
+                )
+                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            c = {"id": rid, "object": obj, "created": created, "model": model_id, "choices": [choice]}
+            return {**c, "usage": None} if include_usage else c
+
+        try:
+            if endpoint == "chat":
+                yield _sse(chunk(None, role=True))
+            for delta in gen:
+                yield _sse(chunk(delta))
+            r = gen.result
+            metrics.generation(endpoint, r)
+            yield _sse(chunk(None, finish=r.finish_reason))
+            if include_usage:
+                yield _sse(
+                    {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": model_id,
+                        "choices": [],
+                        "usage": _usage(r),
+                    }
+                )
+        except Exception as e:  # headers are sent: report in-band, then end the stream
+            log.exception("generation failed mid-stream")
+            yield _sse(ApiError(500, f"generation failed: {type(e).__name__}", type="server_error").body())
+        finally:  # also on client disconnect (GeneratorExit): stop generating for nobody
+            gen.cancel()
+            metrics.request(endpoint, 200, time.perf_counter() - started)
+        yield "data: [DONE]\n\n"
+
+    @app.get("/")
+    def index():
+        return render_template(
+            "index.html",
+            model_id=model_id,
+            builtin=config.model in BUILTIN,
+            reuse=engine.store is not None,
+            keys_required=auth.enabled,
+        )
+
+    @app.get("/health")
+    def health():
+        return jsonify({"status": "ok"})
+
+    @app.get("/v1/models")
+    def models():
+        auth.namespace(request.headers)
+        return jsonify(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model_id,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "radixkv",
+                        "max_model_len": engine.context,
+                    }
+                ],
+            }
+        )
+
+    @app.post("/v1/chat/completions")
+    def chat():
+        started, namespace = time.perf_counter(), auth.namespace(request.headers)
+        req = schema.chat(body(), engine.context)
+        try:
+            ids = engine.chat_ids(req.messages)
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+        return respond("chat", ids, req.sampling, namespace, started)
+
+    @app.post("/v1/completions")
+    def completions():
+        started, namespace = time.perf_counter(), auth.namespace(request.headers)
+        req = schema.completion(body(), engine.context, vocab_size)
+        ids = list(req.prompt) if isinstance(req.prompt, list) else engine.text_ids(req.prompt)
+        return respond("completions", ids, req.sampling, namespace, started)
+
+    @app.post("/v1/cache/flush")
+    def flush():
+        auth.check_admin(request.headers)
+        engine.flush()
+        return jsonify({"flushed": True, "reuse": engine.store is not None})
+
+    @app.get("/metrics")
+    def prometheus():
+        text = metrics.render(engine.stats(), reuse=engine.store is not None, queued=engine.queued)
+        return Response(text, mimetype="text/plain; version=0.0.4")
+
+    @app.after_request
+    def count_errors(resp):
+        if resp.status_code >= 400 and request.path.startswith("/v1/"):
+            metrics.request(_ROUTES.get(request.path, "other"), resp.status_code)
+        return resp
+
+    return app

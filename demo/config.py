@@ -1,0 +1,150 @@
+"""Server configuration: command-line flags over RADIXKV_* environment variables over defaults.
+
+python -m demo --port 8080 --no-reuse        # flags win over the environment
+RADIXKV_REUSE=0 RADIXKV_PORT=8080 python -m demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Config:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "builtin"  # a demo.model.BUILTIN name or a local checkpoint directory
+    device: str = "auto"  # auto = cuda if available else cpu
+    dtype: str = "auto"  # auto = bfloat16 on cuda, float32 on cpu
+    reuse: bool = True  # False: plain generate(), no RadixCache (A/B baseline)
+    block_size: int = 16
+    cache_tokens: int | None = None  # KV pool budget in tokens; None = hf_patch's default
+    api_keys: tuple[str, ...] = ()  # non-empty: Bearer key required, one cache namespace each
+    admin_token: str | None = None  # required by POST /v1/cache/flush; None = flush refused
+    default_max_tokens: int = 256  # when a request gives no max_tokens (clamped to the context)
+    max_queue: int = 32  # requests waiting for the generation worker before 503
+    served_name: str | None = None  # model id in responses; default: basename of `model`
+    tenant_secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.cache_tokens is not None and self.cache_tokens < self.block_size:
+            raise ValueError(
+                f"cache_tokens must be >= block_size ({self.block_size}), got {self.cache_tokens}"
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda", "mps", "xpu"):
+            raise ValueError(f"device must be auto, cpu, cuda[:N], mps or xpu, got {self.device!r}")
+        if self.default_max_tokens < 1 or self.max_queue < 1:
+            raise ValueError("default_max_tokens and max_queue must be >= 1")
+        if any(not k for k in self.api_keys):
+            raise ValueError("api_keys must be non-empty strings")
+
+    @property
+    def model_id(self) -> str:
+        return self.served_name or os.path.basename(os.path.normpath(self.model)) or self.model
+
+    def resolve_device(self) -> str:
+        import torch
+
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolve_dtype(self, device: str):
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        return getattr(torch, self.dtype)
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
+
+
+def _keys(text: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in text.split(",") if k.strip())
+
+
+# field -> (environment variable, parser of its text)
+_ENV = {
+    "host": ("RADIXKV_HOST", str),
+    "port": ("RADIXKV_PORT", int),
+    "model": ("RADIXKV_MODEL", str),
+    "device": ("RADIXKV_DEVICE", str),
+    "dtype": ("RADIXKV_DTYPE", str),
+    "reuse": ("RADIXKV_REUSE", _bool),
+    "block_size": ("RADIXKV_BLOCK_SIZE", int),
+    "cache_tokens": ("RADIXKV_CACHE_TOKENS", int),
+    "api_keys": ("RADIXKV_API_KEYS", _keys),
+    "admin_token": ("RADIXKV_ADMIN_TOKEN", str),
+    "default_max_tokens": ("RADIXKV_MAX_TOKENS", int),
+    "max_queue": ("RADIXKV_MAX_QUEUE", int),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m demo", description="radixkv chat page + OpenAI-compatible API"
+    )
+    p.add_argument("--host", help="bind address (default 127.0.0.1; env RADIXKV_HOST)")
+    p.add_argument("--port", type=int, help="port (default 8000; env RADIXKV_PORT)")
+    p.add_argument("--model", help="builtin, builtin-tiny or a local HF checkpoint dir (env RADIXKV_MODEL)")
+    p.add_argument("--device", help="auto, cpu, cuda, cuda:N (env RADIXKV_DEVICE)")
+    p.add_argument("--dtype", choices=_DTYPES, help="default auto: bfloat16 on cuda, float32 on cpu")
+    p.add_argument(
+        "--no-reuse",
+        dest="reuse",
+        action="store_false",
+        default=None,
+        help="plain generate() without prefix reuse (env RADIXKV_REUSE=0)",
+    )
+    p.add_argument(
+        "--block-size", type=int, help="tokens per KV block, power of two (env RADIXKV_BLOCK_SIZE)"
+    )
+    p.add_argument("--cache-tokens", type=int, help="KV pool budget in tokens (env RADIXKV_CACHE_TOKENS)")
+    p.add_argument("--api-keys", type=_keys, help="comma-separated tenant keys (env RADIXKV_API_KEYS)")
+    p.add_argument("--admin-token", help="token for POST /v1/cache/flush (env RADIXKV_ADMIN_TOKEN)")
+    p.add_argument(
+        "--max-tokens",
+        dest="default_max_tokens",
+        type=int,
+        help="completion length when a request sets none (default 256; env RADIXKV_MAX_TOKENS)",
+    )
+    p.add_argument(
+        "--max-queue", type=int, help="waiting requests before 503 (default 32; env RADIXKV_MAX_QUEUE)"
+    )
+    p.add_argument("--served-name", help="model id reported by the API")
+    return p
+
+
+def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Build a Config: defaults, then environment variables, then flags. Raises ValueError."""
+    env = os.environ if env is None else env
+    values = {}
+    for name, (var, parse) in _ENV.items():
+        if env.get(var, "") != "":
+            try:
+                values[name] = parse(env[var])
+            except ValueError as e:
+                raise ValueError(f"{var}: {e}") from None
+    args = parser().parse_args(argv)
+    values.update(
+        {f.name: getattr(args, f.name) for f in fields(Config) if getattr(args, f.name, None) is not None}
+    )
+    return Config(**values)

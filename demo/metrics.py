@@ -1,0 +1,119 @@
+"""Prometheus text exposition (format 0.0.4) for GET /metrics, with no client library.
+
+Request counters and latency histograms are kept here; prefix-cache and pool numbers are
+read from `KVStore.stats()` at scrape time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict
+
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# stats() key -> (metric name, type, help)
+_STORE = [
+    (
+        "query_tokens",
+        "radixkv_prefix_cache_queries_total",
+        "counter",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    (
+        "hit_tokens",
+        "radixkv_prefix_cache_hits_total",
+        "counter",
+        "Prompt tokens served from the prefix cache.",
+    ),
+    ("hit_rate", "radixkv_prefix_cache_hit_rate", "gauge", "hits / queries since start (tokens)."),
+    (
+        "inserted_tokens",
+        "radixkv_prefix_cache_inserted_tokens_total",
+        "counter",
+        "Tokens committed to the cache.",
+    ),
+    ("evicted_blocks", "radixkv_prefix_cache_evictions_total", "counter", "Blocks evicted (LRU leaves)."),
+    ("num_blocks", "radixkv_pool_blocks_total", "gauge", "Blocks in the KV pool."),
+    ("block_size", "radixkv_pool_block_size", "gauge", "Tokens per block."),
+    ("pool_bytes", "radixkv_pool_bytes", "gauge", "Bytes of KV pool storage."),
+]
+_POOL_STATES = (("free_blocks", "free"), ("cached_blocks", "cached"), ("pinned_blocks", "pinned"))
+
+
+class Histogram:
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKETS) + 1)  # last: +Inf
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
+        self.sum += seconds
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out, total = [], 0
+        for le, n in zip([*map(repr, BUCKETS), "+Inf"], self.counts):
+            total += n
+            out.append(f'{name}_bucket{{{labels},le="{le}"}} {total}')
+        return out + [f"{name}_sum{{{labels}}} {self.sum:.6f}", f"{name}_count{{{labels}}} {total}"]
+
+
+class Metrics:
+    """Thread-safe request metrics. `endpoint` is a short route name: chat, completions, ..."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[tuple[str, int], int] = defaultdict(int)
+        self._seconds: dict[str, Histogram] = defaultdict(Histogram)
+        self._ttft: dict[str, Histogram] = defaultdict(Histogram)
+        self._tokens = {"prompt": 0, "completion": 0, "cached": 0}
+
+    def request(self, endpoint: str, status: int, seconds: float | None = None) -> None:
+        with self._lock:
+            self._requests[endpoint, status] += 1
+            if seconds is not None:
+                self._seconds[endpoint].observe(seconds)
+
+    def generation(self, endpoint: str, result) -> None:
+        """Record a finished demo.engine.Result."""
+        with self._lock:
+            self._ttft[endpoint].observe(result.ttft_s)
+            self._tokens["prompt"] += result.prompt_tokens
+            self._tokens["completion"] += result.completion_tokens
+            self._tokens["cached"] += result.cached_tokens
+
+    def render(self, stats: dict, *, reuse: bool, queued: int) -> str:
+        out = [
+            "# HELP radixkv_prefix_reuse_enabled 1 if prefix reuse is on.",
+            "# TYPE radixkv_prefix_reuse_enabled gauge",
+            f"radixkv_prefix_reuse_enabled {int(reuse)}",
+            "# HELP radixkv_queue_waiting Requests waiting for the generation worker.",
+            "# TYPE radixkv_queue_waiting gauge",
+            f"radixkv_queue_waiting {queued}",
+        ]
+        for key, name, kind, help_ in _STORE:
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {float(stats.get(key, 0)):g}"]
+        out += ["# HELP radixkv_pool_blocks KV pool blocks by state.", "# TYPE radixkv_pool_blocks gauge"]
+        out += [f'radixkv_pool_blocks{{state="{s}"}} {int(stats.get(k, 0))}' for k, s in _POOL_STATES]
+        with self._lock:
+            out += [
+                "# HELP radixkv_requests_total Requests by endpoint and HTTP status.",
+                "# TYPE radixkv_requests_total counter",
+            ]
+            out += [
+                f'radixkv_requests_total{{endpoint="{e}",status="{s}"}} {n}'
+                for (e, s), n in sorted(self._requests.items())
+            ]
+            out += [
+                "# HELP radixkv_tokens_total Tokens of finished generations, by kind.",
+                "# TYPE radixkv_tokens_total counter",
+            ]
+            out += [f'radixkv_tokens_total{{kind="{k}"}} {n}' for k, n in self._tokens.items()]
+            for name, help_, hists in (
+                ("radixkv_request_seconds", "Request latency (to the last byte).", self._seconds),
+                ("radixkv_ttft_seconds", "Time to first token, queueing included.", self._ttft),
+            ):
+                out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+                for endpoint, h in sorted(hists.items()):
+                    out += h.lines(name, f'endpoint="{endpoint}"')
+        return "\n".join(out) + "\n"

@@ -1,0 +1,190 @@
+"""OpenAI request validation: a JSON body in, a typed request out, or an ApiError.
+
+Unknown fields are ignored (as vLLM and llama.cpp do); known fields are checked for type
+and range, and the first problem is reported with its parameter name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_STOPS = 4
+
+
+class ApiError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int | None  # None: the server default, clamped to what the context leaves
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+    seed: int | None
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}]
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str | list[int]  # text, or token ids
+    sampling: Sampling
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+def _int(body: dict, name: str) -> int | None:
+    v = body.get(name)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+        raise _bad(f"'{name}' must be an integer, got {type(v).__name__}", name)
+    return v
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        raise _bad(f"'{name}' must be a number", name)
+    if v > hi or v < lo or (lo_open and v == lo):
+        raise _bad(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name)
+    return float(v)
+
+
+def _content(v: Any, param: str) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v
+    ):
+        return "".join(p["text"] for p in v)
+    raise _bad("content must be a string or a list of {'type': 'text', 'text': ...} parts", param)
+
+
+def sampling(body: dict, context: int) -> Sampling:
+    max_tokens = _int(body, "max_tokens")
+    if body.get("max_completion_tokens") is not None:
+        max_tokens = _int(body, "max_completion_tokens")
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if max_tokens is not None and not 1 <= max_tokens <= context:
+        raise _bad(
+            f"'{param}' must be between 1 and the model's context length {context}, got {max_tokens}", param
+        )
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise _bad("'stop' must be a non-empty string or a list of them", "stop")
+    if stop is not None and len(stop) > MAX_STOPS:
+        raise _bad(f"'stop' takes at most {MAX_STOPS} strings", "stop")
+    seed = _int(body, "seed")
+    if seed is not None and not -(2**63) <= seed < 2**64:
+        raise _bad("'seed' is out of range", "seed")
+    n = _int(body, "n")
+    if n not in (None, 1):
+        raise _bad("only n=1 is supported", "n")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise _bad("'stream_options' must be an object like {'include_usage': true}", "stream_options")
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        stop=tuple(stop or ()),
+        seed=seed,
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+    )
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+    return body
+
+
+def chat(body: Any, context: int) -> ChatRequest:
+    body = _object(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"{param} must be an object with 'role' and 'content'", param)
+        if m.get("role") not in ROLES:
+            raise _bad(
+                f"{param}.role must be one of {', '.join(ROLES)}, got {m.get('role')!r}", f"{param}.role"
+            )
+        out.append({"role": ROLES[m["role"]], "content": _content(m.get("content"), f"{param}.content")})
+    return ChatRequest(out, sampling(body, context))
+
+
+def completion(body: Any, context: int, vocab_size: int) -> CompletionRequest:
+    body = _object(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    ok_ids = isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt
+    )
+    if not (isinstance(prompt, str) or ok_ids) or not prompt:
+        raise _bad(
+            "'prompt' must be a non-empty string or list of token ids (one prompt per request)", "prompt"
+        )
+    return CompletionRequest(prompt, sampling(body, context))
+
+
+def check_length(num_prompt: int, max_tokens: int | None, default: int, context: int) -> int:
+    """max_new_tokens for a prompt of num_prompt tokens; ApiError if it cannot fit."""
+    if num_prompt == 0:
+        raise _bad("the prompt is empty after tokenization", "prompt")
+    if num_prompt >= context:
+        raise _bad(
+            f"this model's maximum context length is {context} tokens; the prompt has {num_prompt}",
+            "messages",
+            "context_length_exceeded",
+        )
+    if max_tokens is None:
+        return min(default, context - num_prompt)
+    if num_prompt + max_tokens > context:
+        raise _bad(
+            f"this model's maximum context length is {context} tokens; you asked for {num_prompt + max_tokens} "
+            f"({num_prompt} in the prompt, {max_tokens} to generate)",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    return max_tokens

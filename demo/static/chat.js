@@ -1,0 +1,123 @@
+// Chat page: keeps the conversation, streams replies from /v1/chat/completions (SSE),
+// and shows under each reply its time to first token and the prompt tokens from the cache.
+"use strict";
+const $ = (id) => document.getElementById(id);
+const history = [];
+let busy = false;
+
+function addMessage(role, text) {
+  const el = document.createElement("div");
+  el.className = "msg " + role;
+  const body = document.createElement("div");
+  body.className = "text";
+  body.textContent = text;
+  el.appendChild(body);
+  $("log").appendChild(el);
+  el.scrollIntoView({ block: "end" });
+  return el;
+}
+
+// Yields the JSON payload of each `data:` event until `data: [DONE]`.
+async function* sseEvents(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      for (const line of event.split("\n")) {
+        if (!line.startsWith("data: ")) continue;
+        if (line === "data: [DONE]") return;
+        yield JSON.parse(line.slice(6));
+      }
+    }
+  }
+}
+
+function showStats(el, ttftMs, totalMs, usage) {
+  const stats = document.createElement("div");
+  stats.className = "stats";
+  const cached = usage ? usage.prompt_tokens_details.cached_tokens : 0;
+  stats.innerHTML = usage
+    ? `time to first token <b>${ttftMs.toFixed(0)} ms</b> · <b>${cached}</b> of ${usage.prompt_tokens} ` +
+      `prompt tokens from the cache · ${usage.completion_tokens} tokens in ${(totalMs / 1000).toFixed(2)} s`
+    : `time to first token ${ttftMs.toFixed(0)} ms`;
+  el.appendChild(stats);
+  el.dataset.cachedTokens = String(cached);
+  el.dataset.ttftMs = ttftMs.toFixed(1);
+}
+
+async function send(text) {
+  busy = true;
+  $("send").disabled = true;
+  history.push({ role: "user", content: text });
+  addMessage("user", text);
+  const el = addMessage("assistant", "");
+  const body = el.querySelector(".text");
+  const headers = { "Content-Type": "application/json" };
+  const key = $("api-key") && $("api-key").value.trim();
+  if (key) headers.Authorization = "Bearer " + key;
+  const temperature = parseFloat($("temperature").value);
+  const request = {
+    model: $("model").textContent, messages: history, stream: true,
+    stream_options: { include_usage: true },
+    max_tokens: parseInt($("max-tokens").value, 10) || 64,
+    temperature: Number.isFinite(temperature) ? temperature : 1,
+  };
+  const t0 = performance.now();
+  let ttft = null, usage = null, reply = "";
+  try {
+    const response = await fetch("/v1/chat/completions", { method: "POST", headers, body: JSON.stringify(request) });
+    if (!response.ok) throw new Error((await response.json()).error.message);
+    for await (const chunk of sseEvents(response)) {
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) usage = chunk.usage;
+      const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta.content;
+      if (delta) {
+        if (ttft === null) ttft = performance.now() - t0;
+        reply += delta;
+        body.textContent = reply;
+      }
+    }
+    history.push({ role: "assistant", content: reply });
+    const total = performance.now() - t0;
+    showStats(el, ttft === null ? total : ttft, total, usage);
+  } catch (err) {
+    history.pop(); // the user turn that failed is not part of the conversation
+    body.textContent = "error: " + err.message;
+    el.classList.add("error");
+  }
+  el.dataset.done = "1";
+  busy = false;
+  $("send").disabled = false;
+}
+
+// A long deterministic document: ask several questions about it to see the prefix reused.
+function sampleTable() {
+  const names = ["Alice", "Bruno", "Chen", "Dara", "Elif", "Farid", "Greta", "Hugo", "Ines", "Jonas"];
+  const cities = ["Berlin", "Lagos", "Lima", "Osaka", "Paris", "Porto", "Quito", "Rome", "Seoul"];
+  const jobs = ["baker", "doctor", "engineer", "farmer", "lawyer", "nurse", "pilot", "teacher"];
+  const rows = ["| name | age | city | job |", "|---|---|---|---|"];
+  for (let i = 0; i < 80; i++) {
+    rows.push(`| ${names[i % 10]} ${names[(i * 7 + 3) % 10]} | ${20 + (i * 13) % 50} | ${cities[i % 9]} | ${jobs[(i * 5) % 8]} |`);
+  }
+  return "Here is a table of people:\n\n" + rows.join("\n") + "\n\nQuestion: who is the oldest?";
+}
+
+$("form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const text = $("input").value.trim();
+  if (!text || busy) return;
+  $("input").value = "";
+  send(text);
+});
+$("input").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("form").requestSubmit(); }
+});
+$("sample").addEventListener("click", () => { $("input").value = sampleTable(); $("input").focus(); });
+$("reset").addEventListener("click", () => { if (!busy) { history.length = 0; $("log").innerHTML = ""; } });
