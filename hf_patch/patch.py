@@ -24,7 +24,7 @@ from transformers.generation.utils import GenerationMixin
 from hf_patch.cache import RadixCache
 from hf_patch.model_spec import check_store_fits, default_store, layer_specs
 from hf_patch.request import Request
-from hf_patch.weights import flush_if_weights_changed
+from hf_patch.weights import flush_if_weights_changed, model_scope
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,9 @@ def _wrap_generate(original):
         if cache._request is not None:
             raise RuntimeError("this RadixCache is already in use by a running generate() call")
         cache.start(len(specs))
-        request = cache._request = Request(cache, store, specs)
+        # Keyed by model too: a store shared by two models of one shape never mixes their KV.
+        namespace = (model_scope(self), cache.namespace)
+        request = cache._request = Request(cache, store, specs, namespace)
         try:
             output = original(self, *args, **kwargs)
             sequences = output if isinstance(output, torch.Tensor) else output.sequences

@@ -10,6 +10,7 @@ column count ``L = min_i(pad_i + m_i)``, the most a rectangular batch allows.
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable
 
 import torch
 
@@ -37,9 +38,12 @@ def left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> l
 class Request:
     """State of one generate() call on a RadixCache."""
 
-    def __init__(self, cache: RadixCache, store: KVStore, specs: tuple[LayerSpec, ...]) -> None:
+    def __init__(
+        self, cache: RadixCache, store: KVStore, specs: tuple[LayerSpec, ...], namespace: Hashable
+    ) -> None:
         self.cache = cache
         self.store = store
+        self.namespace = namespace  # the tree's key: (model scope, the cache's namespace)
         self.specs = specs
         self.epoch = store.epoch  # KV computed now is stale if the store is flushed meanwhile
         self.leases: list[Lease] = []
@@ -82,7 +86,7 @@ class Request:
         if not reuse:
             return
         try:
-            ns = self.cache.namespace
+            ns = self.namespace
             for row, pad in zip(rows, self.pads):
                 real = row[pad:]
                 # Leave at least one token to compute: a fully cached prompt would be fed again.
@@ -152,7 +156,7 @@ class Request:
                 tokens,
                 [layer.keys[i : i + 1, :, pad:end] for layer in layers],
                 [layer.values[i : i + 1, :, pad:end] for layer in layers],
-                self.cache.namespace,
+                self.namespace,
                 epoch=self.epoch,
             )
         return added

@@ -1,19 +1,42 @@
-"""Cheap detection of weights that changed since a store's blocks were computed.
+"""Which model's KV a store holds, and cheap detection of weights that changed since.
 
-A fingerprint is every parameter's storage address and autograd version counter. In-place
+Model scope: every model object gets a small integer, and hf_patch stores KV under the
+namespace ``(scope, user namespace)``. Two models sharing one store (same KV shape, other
+weights) therefore never see each other's blocks, whatever the interleaving of their calls
+on different threads, and each keeps reusing its own.
+
+Weights fingerprint: every parameter's storage address and autograd version counter. In-place
 updates (optimizer steps, ``load_state_dict``, ``param.add_`` under ``no_grad``) bump the
-version; replacing a parameter changes the address. Writes through ``param.data`` bypass the
-version counter and are NOT seen: call ``store.flush()`` after such surgery.
+version; replacing a parameter changes the address. A model whose fingerprint changed since
+its last call on a store flushes that store. Writes through ``param.data`` bypass the version
+counter and are NOT seen: call ``store.flush()`` after such surgery.
 Cost: one pass over the parameter list (microseconds for hundreds of tensors), no device sync.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
+import weakref
 
 from radixkv import KVStore
 
 logger = logging.getLogger(__name__)
+
+_scopes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> int
+_next_scope = itertools.count(1)
+_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> {scope: fingerprint}
+_lock = threading.Lock()
+
+
+def model_scope(model) -> int:
+    """A number naming this model object for as long as it lives (never reused)."""
+    with _lock:
+        scope = _scopes.get(model)
+        if scope is None:
+            scope = _scopes[model] = next(_next_scope)
+        return scope
 
 
 def fingerprint(model) -> int:
@@ -21,13 +44,13 @@ def fingerprint(model) -> int:
 
 
 def flush_if_weights_changed(store: KVStore, model) -> bool:
-    """Flush ``store`` when ``model``'s weights differ from those its blocks were computed with."""
-    current = fingerprint(model)
-    seen = getattr(store, "weights_fingerprint", None)
-    if seen == current:
-        return False
-    store.weights_fingerprint = current
-    if seen is None:
+    """Flush ``store`` when ``model``'s weights differ from those of its last call on it."""
+    scope, current = model_scope(model), fingerprint(model)
+    with _lock:
+        seen = _seen.setdefault(store, {})
+        previous = seen.get(scope)
+        seen[scope] = current
+    if previous is None or previous == current:
         return False
     flushed = store.flush()
     logger.warning(

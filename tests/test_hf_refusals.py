@@ -17,6 +17,7 @@ from tests.hf_models import (
     BASE,
     assert_same_as_stock,
     build,
+    expected_full_hit,
     ids,
     one_torch_thread,  # noqa: F401  (autouse)
     shared,
@@ -79,9 +80,11 @@ def test_store_of_another_family_with_the_same_shape():
     llama = shared("llama-sdpa")
     store = store_for(llama)
     qwen2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **BASE)).eval()
-    for model in (llama, qwen2, llama):
+    for model in (llama, qwen2):
         cache, _ = assert_same_as_stock(model, ids(PROMPT), store)
         assert cache.cached_tokens == [0]
+    cache, _ = assert_same_as_stock(llama, ids(PROMPT), store)  # its own KV only
+    assert cache.cached_tokens == [expected_full_hit(len(PROMPT), 4)]
 
 
 def test_store_with_another_dtype():

@@ -192,11 +192,37 @@ def test_manual_flush_between_requests():
 
 
 def test_two_models_of_one_shape_on_one_store_never_mix():
+    """Each model sees only its own KV (outputs equal its own stock generate) and keeps it."""
     model_a, model_b = build("llama-sdpa", seed=0), build("llama-sdpa", seed=1)
     store = store_for(model_a, BS)
-    for model in (model_a, model_b, model_a, model_b):
+    for model in (model_a, model_b):
         cache, _ = assert_same_as_stock(model, ids(PROMPT), store)
         assert cache.cached_tokens == [0]
+    for model in (model_a, model_b, model_a):
+        cache, _ = assert_same_as_stock(model, ids(PROMPT), store)
+        assert cache.cached_tokens == [expected_full_hit(len(PROMPT), BS)]
+    assert store.stats()["flushes"] == 0
+
+
+def test_two_models_of_one_shape_in_two_threads_never_mix():
+    model_a, model_b = build("llama-sdpa", seed=0), build("llama-sdpa", seed=1)
+    store = store_for(model_a, BS)
+    errors = []
+
+    def run(model):
+        try:
+            for _ in range(4):
+                assert_same_as_stock(model, ids(PROMPT), store)
+        except BaseException as error:  # reported below, in the test's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in (model_a, model_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    store.check_invariants()
 
 
 # -- pins after exceptions -----------------------------------------------------------------------
