@@ -40,8 +40,8 @@ def check_layout(
     Per layer and per K/V: ``H``, ``D`` and the dtype (fp16/bf16/fp32/fp64; a cache has its
     pool's dtype). ``block_ids`` is ``[B, nb]`` int32/int64 on the pools' device or on the
     CPU, and ``0 <= num_tokens <= nb * bs``. Pools are contiguous; caches may have any
-    strides, but a cache that is written (gather's outputs) must not be an expanded view
-    (zero stride). O(number of layers), no data is read.
+    strides, but a cache that is written (gather's outputs) must not be an expanded or
+    otherwise self-overlapping view. O(number of layers), no data is read.
     """
     kc, vc = cache_names
     n = len(k_pools)
@@ -106,14 +106,31 @@ def check_layout(
                 raise ValueError(f"{op}: {cname}[{i}] is {cache.dtype} but {pname}[{i}] is {pool.dtype}")
             if cache.device != device:
                 raise ValueError(f"{op}: {cname}[{i}] is on {cache.device} but k_pools[0] is on {device}")
-            if (
-                kind == "written"
-                and 0 in cache.stride()
-                and any(st == 0 and sz > 1 for st, sz in zip(cache.stride(), cache.shape))
-            ):
-                raise ValueError(
-                    f"{op}: {cname}[{i}] is an expanded view (zero stride); outputs need distinct elements"
-                )
+            if kind == "written" and not cache.is_contiguous():
+                overlap = _self_overlap(cache.shape, cache.stride())
+                if overlap:
+                    raise ValueError(
+                        f"{op}: {cname}[{i}] is {overlap} (strides {tuple(cache.stride())}); "
+                        "outputs need distinct elements"
+                    )
+
+
+def _self_overlap(shape: Sequence[int], stride: Sequence[int]) -> str | None:
+    """Why a view's elements may share memory (None when they cannot). O(dims log dims).
+
+    Two tokens written to one address race on the GPU (the last writer wins at random), so a
+    written view must be one-to-one. Sufficient test: with dims of size > 1 sorted by stride,
+    each stride exceeds the farthest offset the smaller-stride dims reach. Any slice, permute
+    or transpose of a plain tensor passes; an expanded (zero-stride) or ``as_strided`` view
+    whose rows overlap does not.
+    """
+    dims = sorted((st, sz) for st, sz in zip(stride, shape) if sz > 1)
+    reach = 0  # farthest element offset reachable through the dims seen so far
+    for st, sz in dims:
+        if st <= reach:
+            return "an expanded view (zero stride)" if st == 0 else "a self-overlapping view"
+        reach += (sz - 1) * st
+    return None
 
 
 def check_block_ids(

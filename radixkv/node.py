@@ -19,18 +19,53 @@ from dataclasses import dataclass
 TOKEN_BYTES = 8
 
 
+def check_not_array(seq: object, name: str) -> None:
+    """Raise ValueError when ``seq`` is a torch tensor or numpy array rather than a sequence.
+
+    A ``[1, n]`` tensor has ``len()`` 1 and would silently match nothing; a 1-D one would be
+    unpacked element by element into 0-d tensors (slow, and float ones fail obscurely).
+    """
+    if hasattr(seq, "ndim"):
+        raise ValueError(
+            f"{name} must be a sequence of ints (e.g. ids.tolist()), got {type(seq).__name__} "
+            f"of shape {tuple(getattr(seq, 'shape', ()))}"
+        )
+
+
 def pack(tokens: Sequence[int], num_tokens: int) -> bytes:
     """The first ``num_tokens`` token ids as little-endian int64 bytes. O(num_tokens), in C.
 
-    Raises ValueError when an id is not an int in ``[-2**63, 2**63)``.
+    Raises ValueError when ``tokens`` is an array (a torch tensor or numpy array: pass
+    ``.tolist()``) or an id is not an int in ``[-2**63, 2**63)``.
     """
+    check_not_array(tokens, "tokens")
     try:
         if type(tokens) is list and len(tokens) - num_tokens < 64:
             # Packing the few trailing tokens too is cheaper than copying the list to slice it.
             return struct.pack(f"<{len(tokens)}q", *tokens)[: num_tokens * TOKEN_BYTES]
         return struct.pack(f"<{num_tokens}q", *tokens[:num_tokens])
-    except struct.error as exc:
-        raise ValueError(f"token ids must be ints in [-2**63, 2**63): {exc}") from exc
+    except (struct.error, TypeError) as exc:
+        raise ValueError(
+            f"token ids must be ints in [-2**63, 2**63), in a sliceable sequence: {exc}"
+        ) from exc
+
+
+def check_block_ids(block_ids: Sequence[int], owned: set[int]) -> list[int]:
+    """``block_ids`` as a list of distinct plain ints >= 0 not in ``owned``. O(len), in C.
+
+    Raises ValueError otherwise: a repeated, owned, negative or non-int id would put two
+    blocks of KV in one slot or hand a caller an id the pool never had.
+    """
+    check_not_array(block_ids, "block_ids")
+    try:
+        ids = list(struct.unpack(f"<{len(block_ids)}Q", struct.pack(f"<{len(block_ids)}Q", *block_ids)))
+    except (struct.error, TypeError) as exc:
+        raise ValueError(f"block ids must be ints >= 0: {exc}") from exc
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"block ids must be distinct, got {ids}")
+    if not owned.isdisjoint(ids):
+        raise ValueError(f"block ids {sorted(owned.intersection(ids))} are already in the tree")
+    return ids
 
 
 def unpack(data: bytes) -> list[int]:
@@ -172,6 +207,13 @@ def walk(
                 hi = mid - 1
         return node, pos, child, lo * width
     return node, pos, None, 0
+
+
+def root_of(node: Node) -> Node:
+    """The namespace root above ``node`` (``node`` itself for a root or a detached node). O(d)."""
+    while node.parent is not None:
+        node = node.parent
+    return node
 
 
 def split(node: Node, cut: int, width: int, uid: int) -> Node:

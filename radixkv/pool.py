@@ -9,11 +9,18 @@ addresses the same slot in every layer. Not thread-safe: ``KVStore`` serialises 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
 import cuda_ext
+from cuda_ext.validate import DTYPES  # what the copy ops move: a pool of anything else stays empty
+
+
+def _is_count(value: object) -> bool:
+    """An int but not a bool (``True`` blocks is a bug, not a size)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class OutOfBlocks(RuntimeError):
@@ -38,8 +45,12 @@ class LayerSpec:
     def __post_init__(self) -> None:
         for name in ("num_kv_heads", "k_head_dim", "v_head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_count(value) or value <= 0:
                 raise ValueError(f"LayerSpec.{name} must be a positive int, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(
+                f"LayerSpec.dtype must be one of {', '.join(map(str, DTYPES))}, got {self.dtype!r}"
+            )
         object.__setattr__(self, "device", torch.device(self.device))
 
     @property
@@ -54,10 +65,9 @@ class BlockPool:
     def __init__(self, layers: Sequence[LayerSpec], num_blocks: int, block_size: int) -> None:
         if not layers:
             raise ValueError("BlockPool needs at least one LayerSpec")
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
+        if not _is_count(num_blocks) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if not isinstance(block_size, int) or block_size <= 0 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two (1, 2, 4, ... ), got {block_size!r}")
+        _check_block_size(block_size)
         self.layers = tuple(layers)
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -91,6 +101,10 @@ class BlockPool:
         """Size the pool by a token count or a byte budget (exactly one), rounded down to whole blocks."""
         if (tokens is None) == (bytes is None):
             raise ValueError("give exactly one of tokens= or bytes= for the pool budget")
+        budget = tokens if tokens is not None else bytes
+        if not _is_count(budget) or budget < 0:
+            raise ValueError(f"the pool budget must be an int >= 0, got tokens={tokens!r}, bytes={bytes!r}")
+        _check_block_size(block_size)
         per_block = block_size * sum(s.bytes_per_token for s in layers)
         num_blocks = tokens // block_size if tokens is not None else bytes // per_block
         if num_blocks <= 0:
@@ -115,8 +129,8 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks (refcount 1 each). O(n). Raises OutOfBlocks, taking nothing, if short."""
-        if n < 0:
-            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if not _is_count(n) or n < 0:
+            raise ValueError(f"allocate needs an int >= 0 blocks, got {n!r}")
         if n > len(self._free):
             raise OutOfBlocks(n, len(self._free))
         # The stack's top, reversed: blocks freed together come back as ascending runs of
@@ -129,27 +143,45 @@ class BlockPool:
         return ids
 
     def incref(self, ids: Sequence[int]) -> None:
-        for i in ids:
-            if self._refs[i] <= 0:
-                raise RuntimeError(f"incref of free block {i}")
+        """Add one reference to each (allocated) block. O(len(ids)); all or nothing."""
+        for i in self._checked(ids, "incref of", 0):
             self._refs[i] += 1
 
     def free(self, ids: Sequence[int]) -> None:
-        """Drop one reference from each block; a block at zero returns to the free list. O(len(ids))."""
-        for i in ids:
-            if self._refs[i] <= 0:
-                raise RuntimeError(f"double free of block {i}")
+        """Drop one reference from each block; a block at zero returns to the free list. O(len(ids)).
+
+        All or nothing: raises (changing nothing) on an id outside ``[0, num_blocks)`` or a
+        block freed more often than it is referenced.
+        """
+        for i in self._checked(ids, "double free of", 1):
             self._refs[i] -= 1
             if self._refs[i] == 0:
                 self._free.append(i)
 
+    def _checked(self, ids: Sequence[int], what: str, per_use: int) -> Sequence[int]:
+        """``ids`` after checking each is in range and has more than ``(uses - 1) * per_use`` refs."""
+        # A negative id would index the refcount list from its end and put -1 on the free list.
+        for i in ids:
+            if not _is_count(i) or not 0 <= i < self.num_blocks:
+                raise ValueError(f"block id {i!r} is not an int in [0, {self.num_blocks})")
+        for i, uses in Counter(ids).items():
+            if self._refs[i] < max(1, uses * per_use):
+                raise RuntimeError(f"{what} block {i} (refcount {self._refs[i]}, {uses} in this call)")
+        return ids
+
     def check_invariants(self) -> None:
+        """Recount the free list and refcounts; raise AssertionError on the first mismatch. O(num_blocks)."""
         free = self._free
-        assert len(set(free)) == len(free), "free list holds a block twice"
+        if len(set(free)) != len(free):
+            raise AssertionError("free list holds a block twice")
         for i in free:
-            assert self._refs[i] == 0, f"free block {i} has refcount {self._refs[i]}"
+            if not (_is_count(i) and 0 <= i < self.num_blocks and self._refs[i] == 0):
+                raise AssertionError(f"free list entry {i!r} is out of range or referenced")
+        if any(r < 0 for r in self._refs) or len(self._refs) != self.num_blocks:
+            raise AssertionError("negative refcount or refcount list of the wrong length")
         used = sum(1 for r in self._refs if r > 0)
-        assert used + len(free) == self.num_blocks, "blocks lost: neither free nor referenced"
+        if used + len(free) != self.num_blocks:
+            raise AssertionError("blocks lost: neither free nor referenced")
 
     def used_blocks(self) -> set[int]:
         return {i for i, r in enumerate(self._refs) if r > 0}
@@ -192,3 +224,8 @@ class BlockPool:
                 [self.k[i] for i in idx],
                 [self.v[i] for i in idx],
             )
+
+
+def _check_block_size(block_size: object) -> None:
+    if not _is_count(block_size) or block_size <= 0 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two (1, 2, 4, ... ), got {block_size!r}")

@@ -20,6 +20,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from radixkv.node import check_not_array
 from radixkv.pool import BlockPool
 from radixkv.stats import StoreCounters
 from radixkv.tree import MatchResult, RadixTree
@@ -53,9 +54,8 @@ class Lease:
         return self._tree is not None
 
     def release(self) -> None:
-        if self._tree is not None:
-            tree, self._tree = self._tree, None
-            self._store._unpin(tree, self._match.node)
+        if self._tree is not None:  # else released already: no need for the lock
+            self._store._release(self)
 
     def __enter__(self) -> Lease:
         return self
@@ -112,8 +112,11 @@ class KVStore:
         """
         if num_tokens == 0 or not leases:
             return
+        self._check_layers("read", k_out, v_out)
         nb = -(-num_tokens // self.block_size)
         for lease in leases:
+            if lease._store is not self:  # its block ids index another pool
+                raise ValueError("read() of a lease acquired from another KVStore")
             if not lease.active:
                 raise RuntimeError("read() from a released lease")
             if lease.num_tokens < num_tokens:
@@ -137,12 +140,25 @@ class KVStore:
         Only blocks not already cached are copied. Returns the number of tokens newly cached.
         With ``epoch`` older than the store's (a flush happened since the KV was computed)
         nothing is cached.
+
+        Raises ValueError, caching nothing, when ``tokens`` is a tensor/array or a source does
+        not hold one row of KV for every whole-block token: a shorter source would leave the
+        end of a cached block unwritten (garbage served as a hit).
         """
+        check_not_array(tokens, "tokens")
         bs = self.block_size
         num_blocks = len(tokens) // bs
         if num_blocks == 0:
             return 0
         tokens = tokens[: num_blocks * bs]
+        self._check_layers("commit", k_src, v_src)
+        for name, srcs in (("k_src", k_src), ("v_src", v_src)):
+            for i, src in enumerate(srcs):
+                if src.dim() != 4 or src.shape[0] != 1 or src.shape[2] < len(tokens):
+                    raise ValueError(
+                        f"commit: {name}[{i}] has shape {tuple(src.shape)}, expected "
+                        f"[1, kv_heads, >= {len(tokens)}, head_dim] (KV of every whole-block token)"
+                    )
         with self._lock:
             if epoch is not None and epoch != self.epoch:
                 return 0
@@ -207,9 +223,17 @@ class KVStore:
         self.pool.free(freed)
         self.counters.evicted_blocks += len(freed)
 
-    def _unpin(self, tree: RadixTree, node) -> None:
+    def _check_layers(self, op: str, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> None:
+        n = len(self.pool.layers)
+        if len(ks) != n or len(vs) != n:
+            raise ValueError(f"{op}: the pool has {n} layers, got {len(ks)} K and {len(vs)} V tensors")
+
+    def _release(self, lease: Lease) -> None:
+        # Check and clear under the lock: two threads releasing one lease must unpin once.
         with self._lock:
-            self._unpin_locked(tree, node)
+            tree, lease._tree = lease._tree, None
+            if tree is not None:
+                self._unpin_locked(tree, lease._match.node)
 
     def _unpin_locked(self, tree: RadixTree, node) -> None:
         tree.unpin(node)
@@ -227,6 +251,9 @@ class KVStore:
                 free_blocks=self.pool.num_free,
                 cached_blocks=self.tree.num_cached_blocks,
                 pinned_blocks=self.tree.num_pinned_blocks,
+                # Flushed blocks that live leases still read. While no commit is copying,
+                # free + cached + retired == num_blocks.
+                retired_blocks=sum(t.num_cached_blocks for t in self._retired),
                 block_size=self.block_size,
                 bytes_per_token=self.pool.bytes_per_token,
                 pool_bytes=self.pool.nbytes,
@@ -243,5 +270,7 @@ class KVStore:
                 t.check_invariants()
                 owned.extend(b for node in t.iter_nodes() for b in node.block_ids)
             owned.extend(self._private)
-            assert len(owned) == len(set(owned)), "a block is owned twice"
-            assert set(owned) == self.pool.used_blocks(), "pool references differ from owners"
+            if len(owned) != len(set(owned)):
+                raise AssertionError("a block is owned twice")
+            if set(owned) != self.pool.used_blocks():
+                raise AssertionError("pool references differ from owners")

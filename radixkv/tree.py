@@ -30,6 +30,7 @@ from collections.abc import Hashable, Iterator, Sequence
 
 from sortedcontainers import SortedList
 
+import radixkv.node as _node
 from radixkv.node import TOKEN_BYTES, MatchResult, Node, TreeInvariantError, pack, split, walk
 from radixkv.tree_check import check_tree
 
@@ -63,6 +64,9 @@ class RadixTree:
         self._num_nodes = 0
         self._num_cached_blocks = 0
         self._num_pinned_blocks = 0
+        # Every block id the tree owns: insert refuses an id it already holds (two blocks of KV
+        # in one slot), in O(new blocks) instead of a walk over the tree.
+        self._owned: set[int] = set()
 
     # ---------------------------------------------------------------- counters
 
@@ -126,7 +130,12 @@ class RadixTree:
         ``returned // block_size`` ids are duplicates the caller frees itself. Inserting an
         already-cached sequence returns its full length and changes nothing but recency (when
         it ends inside an edge, that whole edge is refreshed and nothing is split). Side
-        effects: may split one node; the path becomes most recently used. Cost as ``match``.
+        effects: may split one node; the path becomes most recently used. Cost as ``match``,
+        plus O(new blocks) to check the ids the tree takes.
+
+        Raises ValueError, leaving the tree's contents unchanged (only recency may move), when
+        the count is wrong, a token is not an int, or an id the tree would take is not an
+        int >= 0, repeats, or is already owned by the tree.
         """
         bs = self._block_size
         end = len(tokens) - len(tokens) % bs
@@ -139,8 +148,16 @@ class RadixTree:
         end_bytes = len(query)
         tick = self._tick()
         node, pos, edge, matched = walk(self._root(namespace), query, self._width, tick, None)
+        cached = pos + matched  # bytes already in the tree (matched is 0 when edge is None)
+        new_ids: list[int] = []
+        if cached < end_bytes:
+            try:  # the ids the tree takes
+                new_ids = _node.check_block_ids(block_ids[cached // self._width :], self._owned)
+            except ValueError:
+                self._touch(node)  # walk() stamped ``node``: keep its place in the eviction order
+                raise
         if edge is not None:
-            if pos + matched == end_bytes:  # already cached, ending inside ``edge``
+            if cached == end_bytes:  # already cached, ending inside ``edge``
                 edge.last_access = tick
                 node, pos = edge, end_bytes
             else:
@@ -150,15 +167,18 @@ class RadixTree:
         if pos == end_bytes:
             self._touch(node)
         else:
-            self._add_leaf(node, query[pos:], list(block_ids[pos // self._width :]), tick)
+            self._add_leaf(node, query[pos:], new_ids, tick)
         return pos // TOKEN_BYTES
 
     # ---------------------------------------------------------------- pins
 
     def pin(self, node: Node) -> None:
-        """Pin ``node``: it and all its ancestors cannot be evicted until ``unpin``. O(d + log L)."""
-        if not node.attached:
-            raise ValueError(f"cannot pin {node!r}: it is no longer in the tree")
+        """Pin ``node``: it and all its ancestors cannot be evicted until ``unpin``. O(d + log L).
+
+        Raises ValueError, changing nothing, when ``node`` is not in this tree (evicted,
+        dropped, or another tree's: e.g. a store's tree from before a flush).
+        """
+        self._check_owned(node, "pin")
         node.own_pins += 1
         n: Node | None = node
         while n is not None:
@@ -180,6 +200,7 @@ class RadixTree:
         """
         if node.own_pins <= 0:
             raise RuntimeError(f"unpin without a matching pin on {node!r}")
+        self._check_owned(node, "unpin")
         node.own_pins -= 1
         n: Node | None = node
         while n is not None:
@@ -256,6 +277,7 @@ class RadixTree:
             num_nodes=self._num_nodes,
             num_cached_blocks=self._num_cached_blocks,
             num_pinned_blocks=self._num_pinned_blocks,
+            owned=self._owned,
         )
 
     # ---------------------------------------------------------------- internals
@@ -269,6 +291,12 @@ class RadixTree:
         if root is None:
             root = self._roots[namespace] = Node(b"", [], None, namespace, self._uid(), 0, is_root=True)
         return root
+
+    def _check_owned(self, node: Node, op: str) -> None:
+        """Raise ValueError unless ``node`` hangs under one of this tree's roots. O(d)."""
+        root = _node.root_of(node)
+        if not node.attached or self._roots.get(root.key) is not root:
+            raise ValueError(f"cannot {op} {node!r}: it is no longer in the tree (or another tree's)")
 
     def _uid(self) -> int:
         self._next_uid += 1
@@ -286,6 +314,7 @@ class RadixTree:
         leaf = parent.children[key] = Node(data, block_ids, parent, key, self._uid(), tick)
         self._num_nodes += 1
         self._num_cached_blocks += len(block_ids)
+        self._owned.update(block_ids)
         self._add_evictable(leaf)
 
     def _remove_leaf(self, node: Node) -> None:
@@ -297,6 +326,7 @@ class RadixTree:
         node.attached = False
         self._num_nodes -= 1
         self._num_cached_blocks -= len(node.block_ids)
+        self._owned.difference_update(node.block_ids)
         if parent.children or parent.pin_count:
             return
         if parent.is_root:

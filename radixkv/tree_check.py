@@ -51,6 +51,10 @@ def _check_edge(parent: Node, key: Hashable, node: Node, block_size: int, clock:
 
 
 def _check_blocks_unique(node: Node, seen_blocks: set[int]) -> None:
+    _require(
+        all(type(b) is int and b >= 0 for b in node.block_ids),
+        f"{node!r} holds a block id that is not an int >= 0",
+    )
     own = set(node.block_ids)
     duplicates = own & seen_blocks
     if len(own) != len(node.block_ids):
@@ -77,6 +81,7 @@ def check_tree(
     num_nodes: int,
     num_cached_blocks: int,
     num_pinned_blocks: int,
+    owned: set[int],
 ) -> None:
     """Recount the tree under ``roots`` and compare with the evictable set and counters. O(N log N)."""
     seen_blocks: set[int] = set()
@@ -117,6 +122,7 @@ def check_tree(
     _require(
         count_pinned == num_pinned_blocks, f"num_pinned_blocks {num_pinned_blocks} != recount {count_pinned}"
     )
+    _require(seen_blocks == owned, "the set of owned block ids differs from the ids in the tree")
 
 
 def _check_evictable(evictable: SortedList, candidates: set[int]) -> None:

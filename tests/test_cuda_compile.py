@@ -4,7 +4,8 @@
 2. The kernel's per-CTA body is ``__host__ __device__``: a small harness runs the real
    launch planning and every (view, CTA, thread) of every launch on the CPU, and the result
    must equal the pure-torch reference bit for bit (vector widths, strides, chunking of
-   more than 64 views, odd block sizes, out-of-range ids skipped).
+   more than 64 views, odd block sizes, out-of-range ids skipped), with every unit copy
+   aligned to its size as the GPU requires (the harness fails the call otherwise).
 3. The torch bindings pass a syntax-only compile against this torch's headers (when a host
    compiler and the headers are there; a CPU torch wheel lacks one generated CUDA header,
    which is stubbed).
@@ -53,6 +54,11 @@ def test_kernel_compiles_for_sm80_and_sm90_without_warnings(tmp_path):
 # ---- the kernel body, run on the CPU ---------------------------------------------------------
 
 _HARNESS = r"""
+#include <cstdint>
+// Counts unit copies at an address the GPU's vector load/store would fault on.
+static int64_t g_misaligned = 0;
+#define RADIXKV_HOST_COPY_HOOK(dst, src, unit) \
+  g_misaligned += ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % (unit)) != 0
 #include "paged_copy.cu"
 #include <vector>
 // Runs every launch that paged_copy() would make, thread by thread, on host memory.
@@ -89,6 +95,10 @@ extern "C" int radixkv_emulate(int scatter, const void* ids, int ids_int32,
         return cudaSuccess;
       });
   *num_launches = launches;
+  if (g_misaligned != 0) {
+    g_misaligned = 0;
+    return -1;  // the GPU would have raised a misaligned address error
+  }
   return static_cast<int>(err);
 }
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -182,6 +183,8 @@ def test_threads_share_one_store_consistently():
                 store.commit(tokens, *kv_for(tokens))
                 if rng.random() < 0.02:
                     store.flush()
+                if rng.random() < 0.1:  # a full recount while the other threads are mid-request
+                    store.check_invariants()
         except BaseException as exc:  # surfaced below: a thread's failure must fail the test
             errors.append(exc)
 
@@ -195,3 +198,140 @@ def test_threads_share_one_store_consistently():
     stats = store.stats()
     assert stats["pinned_blocks"] == 0 and stats["hit_tokens"] > 0
     assert stats["free_blocks"] + stats["cached_blocks"] == stats["num_blocks"]
+
+
+# ---- bad input: a clear error, nothing cached, nothing leaked -----------------------------------
+
+
+def test_pool_free_and_incref_check_ids_all_or_nothing():
+    pool = BlockPool(SPECS, 4, BS)
+    ids = pool.allocate(2)
+    for bad in ([-1], [4], [ids[0], 99], [ids[0], 1.0]):
+        with pytest.raises(ValueError, match=r"not an int in \[0, 4\)"):
+            pool.free(bad)  # -1 used to index the refcounts from the end and join the free list
+        with pytest.raises(ValueError, match=r"not an int in \[0, 4\)"):
+            pool.incref(bad)
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free([ids[1], ids[0], ids[0]])  # refcount 1, freed twice in one call
+    with pytest.raises(RuntimeError, match="incref of"):
+        pool.incref([3])  # a free block
+    assert pool.num_free == 2 and pool.used_blocks() == set(ids)
+    pool.check_invariants()
+
+
+def test_pool_check_invariants_catches_a_bad_free_list():
+    pool = BlockPool(SPECS, 4, BS)
+    pool._free.append(-1)
+    with pytest.raises(AssertionError, match="out of range"):
+        pool.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: BlockPool.from_budget(SPECS, 0, tokens=64), "power of two"),
+        (lambda: BlockPool.from_budget(SPECS, BS, tokens=-8), "int >= 0"),
+        (lambda: BlockPool.from_budget(SPECS, BS, tokens=64.0), "int >= 0"),
+        (lambda: BlockPool(SPECS, True, BS), "num_blocks must be a positive int"),
+        (lambda: LayerSpec(True, 8, 8, torch.float32, "cpu"), "num_kv_heads must be a positive int"),
+        (lambda: LayerSpec(2, 8, 8, torch.int8, "cpu"), "dtype must be one of"),
+        (lambda: BlockPool(SPECS, 4, BS).allocate(1.5), "int >= 0"),
+    ],
+)
+def test_pool_configuration_errors(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_commit_refuses_kv_that_does_not_cover_the_tokens():
+    store = make_store(8)
+    tokens = list(range(16))
+    ks, vs = kv_for(tokens)
+    short = [k[:, :, :8] for k in ks]  # used to cache blocks 2-3 with whatever the pool held
+    cases = [(short, vs), (ks[:1], vs), (ks, vs + vs), ([k.expand(2, -1, -1, -1) for k in ks], vs)]
+    for k_src, v_src in cases:
+        with pytest.raises(ValueError, match="commit: "):
+            store.commit(tokens, k_src, v_src)
+    assert store.stats()["cached_blocks"] == 0 and store.stats()["free_blocks"] == 8
+    store.check_invariants()
+
+
+def test_tensors_as_tokens_are_refused():
+    store = make_store(8)
+    tokens = list(range(8))
+    store.commit(tokens, *kv_for(tokens))
+    batch = torch.tensor([tokens])  # [1, n]: len() 1, so it used to match and cache nothing
+    with pytest.raises(ValueError, match="tokens must be a sequence of ints"):
+        store.acquire(batch)
+    with pytest.raises(ValueError, match="tokens must be a sequence of ints"):
+        store.commit(batch, *kv_for(tokens))
+    assert store.stats()["pinned_blocks"] == 0
+    store.check_invariants()
+
+
+def test_read_refuses_a_lease_of_another_store():
+    first, second = make_store(4), make_store(4)
+    tokens = list(range(8))
+    first.commit(tokens, *kv_for(tokens))
+    out_k = [torch.empty(1, s.num_kv_heads, 8, s.k_head_dim) for s in SPECS]
+    out_v = [torch.empty(1, s.num_kv_heads, 8, s.v_head_dim) for s in SPECS]
+    with first.acquire(tokens) as lease, pytest.raises(ValueError, match="another KVStore"):
+        second.read([lease], 8, out_k, out_v)  # its ids would index second's pool
+    with first.acquire(tokens) as lease, pytest.raises(ValueError, match="the pool has 2 layers"):
+        first.read([lease], 8, out_k[:1], out_v[:1])
+
+
+def test_stats_account_for_blocks_kept_by_leases_across_a_flush():
+    store = make_store(8)
+    tokens = list(range(12))
+    store.commit(tokens, *kv_for(tokens))
+    with store.acquire(tokens):
+        store.flush()
+        stats = store.stats()
+        assert (stats["free_blocks"], stats["cached_blocks"], stats["retired_blocks"]) == (5, 0, 3)
+    stats = store.stats()
+    assert (stats["free_blocks"], stats["retired_blocks"]) == (8, 0)
+
+
+class _CountingLock:
+    """The store's lock, counting threads that reached it (to line up a race deterministically)."""
+
+    def __init__(self) -> None:
+        self.lock, self.arrived = threading.Lock(), 0
+
+    def __enter__(self):
+        self.arrived += 1
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+
+def test_two_threads_releasing_one_lease_unpin_it_once():
+    store = make_store(4)
+    tokens = list(range(8))
+    store.commit(tokens, *kv_for(tokens))
+    other, shared = store.acquire(tokens), store.acquire(tokens)  # two pins on one node
+    store._lock = lock = _CountingLock()
+    errors: list[BaseException] = []
+
+    def release() -> None:
+        try:
+            shared.release()
+        except BaseException as exc:
+            errors.append(exc)
+
+    with lock.lock:  # both threads get past `if active` before either may unpin
+        threads = [threading.Thread(target=release) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while lock.arrived < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    for t in threads:
+        t.join()
+    assert lock.arrived == 2, "a release did not take the store's lock"
+    assert not errors, errors
+    assert other._match.node.own_pins == 1  # the other lease's pin survived
+    other.release()
+    store.check_invariants()

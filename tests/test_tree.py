@@ -450,6 +450,8 @@ def _corruptions() -> dict[str, tuple[str, object]]:
         "pinned counter": ("num_pinned_blocks", lambda t: setattr(t, "_num_pinned_blocks", 1)),
         "recency": ("used after its parent", lambda t: setattr(leaf(t, 2).parent, "last_access", 0)),
         "clock": ("outside", lambda t: setattr(leaf(t, 2), "last_access", t._clock + 5)),
+        "owned set": ("owned block ids", lambda t: t._owned.add(99)),
+        "negative id": ("not an int >= 0", lambda t: leaf(t, 2).block_ids.__setitem__(0, -12)),
     }
 
 

@@ -1,8 +1,12 @@
 """Hypothesis state machine over ``RadixTree``: random match/insert/pin/unpin/evict/clear sequences.
 
-A 2-token vocabulary makes prefixes collide, so edges split in their middle all the time.
-After every step the tree recounts itself (``check_invariants``) and must hold exactly the
-prefixes the brute-force model says, with every block id either free or in the tree.
+A 2-token vocabulary makes prefixes collide, so edges split in their middle. Random queries
+mostly miss once the tree is deep, so ``*_known`` rules re-use a cut of an inserted sequence
+plus a new tail: matches then end inside (pinned) edges and split them, pins land on inner
+nodes, and inserts extend cached paths. ``clear`` runs only while pins are held (the case it
+must get right; eviction already empties the tree otherwise). After every step the tree
+recounts itself (``check_invariants``) and must hold exactly the prefixes the brute-force
+model says, with every block id either free or in the tree.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class TreeMachine(RuleBasedStateMachine):
         self.free = list(range(NUM_BLOCKS))
         self.results: list[tuple[MatchResult, list[int], Hashable]] = []  # earlier matches
         self.pins: list[tuple[MatchResult, list[int], Hashable]] = []  # pins held
+        self.inserted: list[tuple[list[int], Hashable]] = []  # recent inserts, for *_known rules
 
     @initialize(block_size=st.sampled_from([1, 2, 4]))
     def setup(self, block_size: int) -> None:
@@ -39,6 +44,24 @@ class TreeMachine(RuleBasedStateMachine):
         assert not set(freed) & set(self.free), "double free"
         self.free += freed
 
+    def _known(self, data: st.DataObject) -> tuple[list[int], Hashable]:
+        """A cut of a recently inserted sequence plus a fresh tail, in its namespace."""
+        tokens, namespace = data.draw(st.sampled_from(self.inserted))
+        cut = len(tokens) - data.draw(st.integers(0, len(tokens)))  # hypothesis favours small draws
+        return tokens[:cut] + data.draw(st.lists(st.integers(0, 1), max_size=6)), namespace
+
+    @precondition(lambda self: self.inserted)
+    @rule(data=st.data(), pin=st.booleans())
+    def match_known(self, data: st.DataObject, pin: bool) -> None:
+        self.match(*self._known(data))
+        if pin:
+            self._pin(self.results[-1])
+
+    @precondition(lambda self: self.inserted)
+    @rule(data=st.data())
+    def insert_known(self, data: st.DataObject) -> None:
+        self.insert(*self._known(data))
+
     @rule(tokens=tokens_st, namespace=namespace_st)
     def match(self, tokens: list[int], namespace: Hashable) -> None:
         result = self.tree.match(tokens, namespace)
@@ -49,7 +72,9 @@ class TreeMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.results)
     @rule(data=st.data())
     def pin(self, data: st.DataObject) -> None:
-        entry = data.draw(st.sampled_from(self.results))
+        self._pin(data.draw(st.sampled_from(self.results)))
+
+    def _pin(self, entry: tuple[MatchResult, list[int], Hashable]) -> None:
         result, tokens, namespace = entry
         if not result.node.attached:  # evicted (or its empty namespace dropped) since
             with pytest.raises(ValueError, match="no longer in the tree"):
@@ -77,7 +102,22 @@ class TreeMachine(RuleBasedStateMachine):
         ids, self.free = self.free[len(self.free) - need :], self.free[: len(self.free) - need]
         cached = self.tree.insert(tokens, ids, namespace)
         assert cached == self.model.insert(tokens, ids, namespace)
+        if need:
+            self.inserted = [*self.inserted[-7:], (tokens, namespace)]
         self.free += ids[: cached // self.tree.block_size]  # our duplicates
+
+    @precondition(lambda self: self.inserted and self.model.key_of)
+    @rule(data=st.data())
+    def insert_owned_id(self, data: st.DataObject) -> None:
+        """An id the tree already owns, where the tree would take it: refused, nothing changes."""
+        tokens, namespace = self._known(data)
+        need = len(tokens) // self.tree.block_size
+        if need <= len(self.model.longest(tokens, namespace)):
+            return  # nothing new: the ids are not looked at
+        ids = list(range(NUM_BLOCKS, NUM_BLOCKS + need))  # ids the model never hands out
+        ids[-1] = data.draw(st.sampled_from(sorted(self.model.key_of)))
+        with pytest.raises(ValueError, match="already in the tree"):
+            self.tree.insert(tokens, ids, namespace)
 
     @rule(num_blocks=st.integers(0, 8))
     def evict(self, num_blocks: int) -> None:
@@ -86,6 +126,7 @@ class TreeMachine(RuleBasedStateMachine):
         assert len(freed) >= min(num_blocks, evictable)
         self._release(freed)
 
+    @precondition(lambda self: self.pins)
     @rule()
     def clear(self) -> None:
         freed = self.tree.clear()

@@ -26,6 +26,13 @@
 #define RADIXKV_UNROLL(n)
 #endif
 
+// Host-side hook on every emulated unit copy. memcpy forgives what a GPU vector access does
+// not (an address that is not a multiple of the unit size), so the CPU emulation in the tests
+// defines this to flag misaligned units; a real build never runs copy_unit on the host.
+#ifndef RADIXKV_HOST_COPY_HOOK
+#define RADIXKV_HOST_COPY_HOOK(dst, src, unit_bytes)
+#endif
+
 namespace radixkv {
 namespace detail {
 
@@ -77,6 +84,7 @@ __host__ __device__ inline void copy_unit(char* dst, const char* src) {
 #if defined(__CUDA_ARCH__)
   *reinterpret_cast<Unit*>(dst) = *reinterpret_cast<const Unit*>(src);
 #else
+  RADIXKV_HOST_COPY_HOOK(dst, src, sizeof(Unit));
   std::memcpy(dst, src, sizeof(Unit));
 #endif
 }
