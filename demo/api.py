@@ -22,10 +22,11 @@ from werkzeug.exceptions import HTTPException
 from demo import schema
 from demo.auth import Auth
 from demo.config import Config
-from demo.engine import Busy, Engine, Generation, Params
+from demo.engine import Busy, Disconnected, Engine, Generation, Params
 from demo.metrics import Metrics
 from demo.model import BUILTIN
 from demo.schema import ApiError
+from demo.server import client_alive
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
@@ -71,7 +72,9 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     auth = Auth(config.api_keys, config.admin_token, config.tenant_secret)
     metrics = Metrics()
     app = Flask(__name__, static_folder="static", template_folder="templates")
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    # One byte over the limit: werkzeug refuses a too-long Content-Length itself, but silently
+    # truncates a chunked body at the limit; reading one byte more lets body() tell (413).
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES + 1
     app.extensions["radixkv"] = {"engine": engine, "metrics": metrics, "config": config}
     model_id = config.model_id
     vocab_size = engine.model.get_input_embeddings().num_embeddings
@@ -92,14 +95,22 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         return api_error(ApiError(500, f"internal error: {type(e).__name__}", type="server_error"))
 
     def body():
+        data = request.get_data(cache=False)
+        if len(data) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
         try:
-            return json.loads(request.get_data(cache=False) or b"null")
+            return json.loads(data or b"null")
         except (ValueError, RecursionError):
             raise ApiError(400, "the request body is not valid JSON") from None
 
     def respond(endpoint: str, prompt_ids: list[int], s: schema.Sampling, namespace, started: float):
         max_new = schema.check_length(
-            len(prompt_ids), s.max_tokens, config.default_max_tokens, engine.context
+            len(prompt_ids),
+            s.max_tokens,
+            config.default_max_tokens,
+            engine.context,
+            "messages" if endpoint == "chat" else "prompt",
+            s.max_param,
         )
         try:
             gen = engine.submit(
@@ -107,10 +118,13 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
             )
         except Busy as e:
             raise ApiError(503, f"server busy: {e}; retry later", type="server_error", code="busy") from None
+        gen.alive = client_alive(request.environ)
         rid, created = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if not s.stream:
             try:
                 r = gen.collect()
+            except Disconnected:  # nobody reads this; counted as 499 by count_errors
+                raise ApiError(499, "the client closed the connection", code="client_closed") from None
             finally:
                 gen.cancel()
             metrics.generation(endpoint, r)
@@ -175,6 +189,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                         "usage": _usage(r),
                     }
                 )
+        except Disconnected:  # the client is gone: nothing to say, nobody to say it to
+            return
         except Exception as e:  # headers are sent: report in-band, then end the stream
             log.exception("generation failed mid-stream")
             yield _sse(ApiError(500, f"generation failed: {type(e).__name__}", type="server_error").body())

@@ -31,10 +31,21 @@ class Busy(RuntimeError):
     """The generation queue is full."""
 
 
+class Disconnected(RuntimeError):
+    """The client went away: the generation was cancelled and its result is nobody's."""
+
+
+# Below this temperature, sampling is greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow to
+# inf and the softmax to NaN, which made generate() raise on a valid request.
+GREEDY_BELOW = 1e-5
+# How often (seconds) a waiting request asks its `alive` callback whether the client is there.
+ALIVE_EVERY = 0.25
+
+
 @dataclass(frozen=True)
 class Params:
     max_new_tokens: int
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # below GREEDY_BELOW: greedy
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
@@ -68,22 +79,52 @@ class Generation:
         self._events: queue.Queue = queue.Queue()  # ("ids", list) | ("done", cached) | ("error", exc)
         self._text = TextStream(decode, params.stop)
         self._eos = eos
+        # Set by the HTTP layer: returns False once the client has hung up. Without it a
+        # non-streaming request (which writes nothing until the end) would keep the single
+        # worker generating for nobody, as would a stream still queued or holding text back.
+        self.alive = None
+        self.generated = 0  # tokens the worker produced, read or not (the worker writes it)
+        self.finished = threading.Event()  # the worker is done with this request
+        self._checked = time.monotonic()  # last `alive` poll
 
     def cancel(self) -> None:
         self.cancelled.set()
 
+    def _next_event(self) -> tuple:
+        # Polls `alive` by the clock, not only on idle waits: tokens may arrive faster than
+        # the poll interval for the whole reply.
+        while True:
+            try:
+                event = self._events.get(timeout=ALIVE_EVERY) if self.alive else self._events.get()
+            except queue.Empty:
+                event = None
+            now = time.monotonic()
+            if self.alive is not None and now - self._checked >= ALIVE_EVERY:
+                self._checked = now
+                if not self.alive():
+                    self.cancel()  # the worker skips it if queued, stops it if running
+                    raise Disconnected("the client closed the connection")
+            if event is not None:
+                return event
+
     def __iter__(self) -> Iterator[str]:
         ids: list[int] = []
         ttft = None
+        counted = None  # ids up to the one that completed a stop string
+        self._checked = time.monotonic()
         while True:
-            kind, value = self._events.get()
+            kind, value = self._next_event()
             if kind == "error":
                 raise value
             if kind == "ids":
                 ttft = time.perf_counter() - self.submitted if ttft is None else ttft
                 ids.extend(value)
                 delta = self._text.push(value)
-                if self._text.stopped:
+                if self._text.stopped and counted is None:
+                    # The worker runs ahead until it sees the cancel: the tokens it made
+                    # after the stop are not part of the reply (nor of usage), else
+                    # completion_tokens would depend on thread scheduling.
+                    counted = len(ids)
                     self.cancel()  # stop string seen: no need to generate further
             else:  # "done"
                 delta = self._text.finish()
@@ -92,6 +133,7 @@ class Generation:
             if kind == "done":
                 break
         now = time.perf_counter()
+        ids = ids if counted is None else ids[:counted]
         if self._text.stopped or (ids and ids[-1] in self._eos) or len(ids) < self.params.max_new_tokens:
             reason = "stop"
         else:
@@ -117,12 +159,14 @@ class Generation:
 class _Streamer(BaseStreamer):
     """Forwards generated ids to the request's queue; the first put() is the prompt."""
 
-    def __init__(self, events: queue.Queue):
-        self.events, self.seen_prompt = events, False
+    def __init__(self, gen: Generation):
+        self.gen, self.seen_prompt = gen, False
 
     def put(self, value: torch.Tensor) -> None:
         if self.seen_prompt:
-            self.events.put(("ids", value.reshape(-1).tolist()))
+            ids = value.reshape(-1).tolist()
+            self.gen.generated += len(ids)
+            self.gen._events.put(("ids", ids))
         self.seen_prompt = True
 
     def end(self) -> None:
@@ -210,12 +254,14 @@ class Engine:
             except Exception as e:  # report to the request; the worker keeps serving
                 log.exception("generate failed")
                 gen._events.put(("error", e))
+            finally:
+                gen.finished.set()
 
     def _generate(self, gen: Generation):
         p = gen.params
         cfg = copy.deepcopy(self.model.generation_config)
         cfg.max_new_tokens, cfg.min_new_tokens, cfg.max_length = p.max_new_tokens, None, None
-        cfg.do_sample = p.temperature > 0
+        cfg.do_sample = p.temperature >= GREEDY_BELOW
         cfg.temperature, cfg.top_p, cfg.top_k = (
             (p.temperature, p.top_p, 0) if cfg.do_sample else (1.0, 1.0, None)
         )
@@ -236,7 +282,7 @@ class Engine:
             attention_mask=torch.ones_like(ids),
             past_key_values=cache,
             generation_config=cfg,
-            streamer=_Streamer(gen._events),
+            streamer=_Streamer(gen),
             stopping_criteria=StoppingCriteriaList([_Cancelled(gen.cancelled)]),
         )
         return cache

@@ -41,6 +41,23 @@ _STORE = [
 _POOL_STATES = (("free_blocks", "free"), ("cached_blocks", "cached"), ("pinned_blocks", "pinned"))
 
 
+def number(v) -> str:
+    """A sample value, exact: integers as integers, floats round-trip (repr).
+
+    `:g` kept 6 digits, so 1073741824 pool bytes read 1.07374e+09 and counters past a
+    million moved in steps: rate() over them was wrong."""
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, int):
+        return str(v)
+    v = float(v)
+    if v != v:
+        return "NaN"
+    if v in (float("inf"), float("-inf")):
+        return "+Inf" if v > 0 else "-Inf"
+    return str(int(v)) if v.is_integer() and abs(v) < 2**53 else repr(v)
+
+
 class Histogram:
     def __init__(self) -> None:
         self.counts = [0] * (len(BUCKETS) + 1)  # last: +Inf
@@ -55,7 +72,7 @@ class Histogram:
         for le, n in zip([*map(repr, BUCKETS), "+Inf"], self.counts):
             total += n
             out.append(f'{name}_bucket{{{labels},le="{le}"}} {total}')
-        return out + [f"{name}_sum{{{labels}}} {self.sum:.6f}", f"{name}_count{{{labels}}} {total}"]
+        return out + [f"{name}_sum{{{labels}}} {number(self.sum)}", f"{name}_count{{{labels}}} {total}"]
 
 
 class Metrics:
@@ -92,7 +109,7 @@ class Metrics:
             f"radixkv_queue_waiting {queued}",
         ]
         for key, name, kind, help_ in _STORE:
-            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {float(stats.get(key, 0)):g}"]
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {number(stats.get(key, 0))}"]
         out += ["# HELP radixkv_pool_blocks KV pool blocks by state.", "# TYPE radixkv_pool_blocks gauge"]
         out += [f'radixkv_pool_blocks{{state="{s}"}} {int(stats.get(k, 0))}' for k, s in _POOL_STATES]
         with self._lock:

@@ -40,6 +40,7 @@ class Sampling:
     seed: int | None
     stream: bool
     include_usage: bool
+    max_param: str = "max_tokens"  # the field max_tokens came from, for error messages
 
 
 @dataclass(frozen=True)
@@ -76,14 +77,42 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
     return float(v)
 
 
+def _utf8(v: str, param: str) -> str:
+    # JSON may carry lone surrogates (the escape \ud800 alone): json.loads accepts them, the
+    # tokenizer does not (it raised TypeError: a 500 for a bad request).
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad("text must be valid Unicode (no unpaired surrogates)", param) from None
+    return v
+
+
 def _content(v: Any, param: str) -> str:
     if isinstance(v, str):
-        return v
+        return _utf8(v, param)
     if isinstance(v, list) and all(
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v
     ):
-        return "".join(p["text"] for p in v)
+        return _utf8("".join(p["text"] for p in v), param)
     raise _bad("content must be a string or a list of {'type': 'text', 'text': ...} parts", param)
+
+
+# Options that change what a response contains: ignoring them would answer another question
+# (logprobs: null where the client reads logprobs, no prompt where echo asked for it), so
+# they are refused by name; other unknown fields are ignored.
+_UNSUPPORTED = {
+    "logprobs": lambda v: v not in (None, False),
+    "top_logprobs": lambda v: v not in (None, 0),
+    "echo": lambda v: v not in (None, False),
+    "best_of": lambda v: v not in (None, 1),
+    "suffix": lambda v: v not in (None, ""),
+}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, used in _UNSUPPORTED.items():
+        if used(body.get(name)):
+            raise _bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
 
 
 def sampling(body: dict, context: int) -> Sampling:
@@ -101,6 +130,8 @@ def sampling(body: dict, context: int) -> Sampling:
         raise _bad("'stop' must be a non-empty string or a list of them", "stop")
     if stop is not None and len(stop) > MAX_STOPS:
         raise _bad(f"'stop' takes at most {MAX_STOPS} strings", "stop")
+    for s in stop or ():
+        _utf8(s, "stop")
     seed = _int(body, "seed")
     if seed is not None and not -(2**63) <= seed < 2**64:
         raise _bad("'seed' is out of range", "seed")
@@ -115,6 +146,7 @@ def sampling(body: dict, context: int) -> Sampling:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise _bad("'stream_options' must be an object like {'include_usage': true}", "stream_options")
+    _refuse_unsupported(body)
     return Sampling(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -123,6 +155,7 @@ def sampling(body: dict, context: int) -> Sampling:
         seed=seed,
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
+        max_param=param,
     )
 
 
@@ -165,17 +198,29 @@ def completion(body: Any, context: int, vocab_size: int) -> CompletionRequest:
         raise _bad(
             "'prompt' must be a non-empty string or list of token ids (one prompt per request)", "prompt"
         )
+    if isinstance(prompt, str):
+        _utf8(prompt, "prompt")
     return CompletionRequest(prompt, sampling(body, context))
 
 
-def check_length(num_prompt: int, max_tokens: int | None, default: int, context: int) -> int:
-    """max_new_tokens for a prompt of num_prompt tokens; ApiError if it cannot fit."""
+def check_length(
+    num_prompt: int,
+    max_tokens: int | None,
+    default: int,
+    context: int,
+    prompt_param: str = "messages",
+    max_param: str = "max_tokens",
+) -> int:
+    """max_new_tokens for a prompt of num_prompt tokens; ApiError if it cannot fit.
+
+    The params name the fields the client sent (messages or prompt, max_tokens or
+    max_completion_tokens), so the error points at them."""
     if num_prompt == 0:
-        raise _bad("the prompt is empty after tokenization", "prompt")
+        raise _bad("the prompt is empty after tokenization", prompt_param)
     if num_prompt >= context:
         raise _bad(
             f"this model's maximum context length is {context} tokens; the prompt has {num_prompt}",
-            "messages",
+            prompt_param,
             "context_length_exceeded",
         )
     if max_tokens is None:
@@ -184,7 +229,7 @@ def check_length(num_prompt: int, max_tokens: int | None, default: int, context:
         raise _bad(
             f"this model's maximum context length is {context} tokens; you asked for {num_prompt + max_tokens} "
             f"({num_prompt} in the prompt, {max_tokens} to generate)",
-            "max_tokens",
+            max_param,
             "context_length_exceeded",
         )
     return max_tokens

@@ -6,10 +6,39 @@ single worker (see demo.engine), so many clients can stream at once and queue fa
 
 from __future__ import annotations
 
+import selectors
+import socket
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 
 from werkzeug.serving import make_server
+
+
+def client_alive(environ) -> Callable[[], bool] | None:
+    """A check that the HTTP client is still connected, or None where the server gives no socket.
+
+    werkzeug's server puts the connection in the environ. A closed peer makes the socket
+    readable with nothing to read (EOF). Data waiting (a pipelined request) means alive; so
+    does any failure of the check itself: a check must never cancel a live request.
+    """
+    sock = environ.get("werkzeug.socket")
+    if not isinstance(sock, socket.socket):
+        return None
+
+    def alive() -> bool:
+        try:
+            with selectors.DefaultSelector() as sel:  # epoll/kqueue: no FD_SETSIZE limit
+                sel.register(sock, selectors.EVENT_READ)
+                if not sel.select(timeout=0):
+                    return True
+            return sock.recv(1, socket.MSG_PEEK) != b""
+        except (ConnectionError, TimeoutError):
+            return False
+        except (OSError, ValueError):
+            return True
+
+    return alive
 
 
 class ServerThread:

@@ -59,10 +59,18 @@ class TextStream:
         return min(hits) if hits else None
 
     def _holdback(self, full: str) -> int:
-        n = len(full) - len(full.rstrip("\ufffd"))
-        for s in self._stop:  # longest suffix of `full` that is a proper prefix of a stop
-            for k in range(min(len(s) - 1, len(full)), 0, -1):
-                if full.endswith(s[:k]):
-                    n = max(n, k)
+        # An incomplete character may complete a stop string ("ab" + half of "é" with stop
+        # "abé"): look for stop prefixes before the trailing "\ufffd"s and hold back both.
+        # Taking the larger of the two instead released "ab", and the stop leaked.
+        text = full.rstrip("\ufffd")
+        # Only the unreleased tail can hold a stop prefix: one reaching into released text
+        # would have been held back when that text was released. Bounding k by the tail keeps
+        # a long stop string from costing O(len(stop) * len(text)) on every token.
+        room = max(0, len(text) - len(self.text))
+        best = 0
+        for s in self._stop:  # longest suffix of `text` that is a proper prefix of a stop
+            for k in range(min(len(s) - 1, room), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
                     break
-        return n
+        return len(full) - len(text) + best

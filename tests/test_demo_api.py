@@ -97,6 +97,7 @@ def test_chat_stream_framing(client):
         json={
             "messages": [{"role": "user", "content": doc()}],
             "max_tokens": 6,
+            "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
         },
@@ -107,8 +108,11 @@ def test_chat_stream_framing(client):
     assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 6
     assert all(c["usage"] is None for c in chunks[:-1])
-    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
-    assert isinstance(text, str)
+    deltas = [c["choices"][0]["delta"].get("content") for c in chunks[1:-2]]
+    assert deltas and all(deltas), deltas  # text came in content chunks, none of them empty
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+    u = chunks[-1]["usage"]
+    assert u["prompt_tokens"] > 0 and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
 
 
 def test_completions_stream_without_usage(client):
@@ -171,8 +175,11 @@ def test_tenant_isolation(engine):
     assert cached(chat(c, prompt, headers=b)) == 0  # B never sees A's prefix
     assert cached(chat(c, prompt, headers=a)) > 0
     assert cached(chat(c, prompt, headers=b)) > 0  # B's own copy
-    # The namespace comes from the key alone: a client field cannot pick another tenant's.
-    assert cached(chat(c, doc(), headers=a, user="key-b", cache_salt="x")) == 0
+    # The namespace comes from the key alone: client fields cannot pick another tenant's.
+    # (B repeats A's prompt with A's very fields, so a namespace taken from them would hit.)
+    prompt, fields = doc(), {"user": "key-a", "cache_salt": "key-a", "namespace": "key-a"}
+    assert cached(chat(c, prompt, headers=a, **fields)) == 0
+    assert cached(chat(c, prompt, headers=b, **fields)) == 0
 
 
 def test_flush_needs_admin_token(engine):

@@ -89,6 +89,8 @@ def test_chat_page_streams_two_turns_and_shows_reuse(tmp_path):
             assert int(first.get_attribute("data-cached-tokens")) == 0
             reused = int(replies[1].get_attribute("data-cached-tokens"))
             assert reused > 500 and reused % 16 == 0, stats  # the whole first turn, block-rounded
+            assert f" {reused} of " in f" {stats[1]} ", stats  # and the page shows that number
+            assert " 0 of " in stats[0], stats
             assert replies[1].find_element(By.CSS_SELECTOR, ".text").text.strip()  # text was streamed in
     finally:
         driver.quit()

@@ -91,23 +91,69 @@ def test_full_queue_answers_503_then_recovers():
     engine.check_invariants()
 
 
-def test_client_hanging_up_mid_stream_frees_the_worker(engine):
-    app = create_app(Config(model="builtin-tiny"), engine)
+@pytest.fixture(scope="module")
+def endless():
+    """An engine whose model never emits EOS: a generation runs to max_tokens unless it is
+    cancelled, so a cancellation test cannot pass because the reply happened to end early."""
+    e = build_engine(Config(model="builtin-tiny", cache_tokens=1 << 14))
+    cfg = e.model.generation_config
+    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e._eos]
+    return e
+
+
+def spy_submit(engine, monkeypatch) -> list:
+    """The Generation of every request the engine is given, in order."""
+    gens, submit = [], engine.submit
+
+    def spy(*args, **kwargs):
+        gens.append(submit(*args, **kwargs))
+        return gens[-1]
+
+    monkeypatch.setattr(engine, "submit", spy)
+    return gens
+
+
+LONG = 900  # tokens; ~4 s on two CPU cores, far longer than the checks below allow
+
+
+def assert_cut_short(engine, gen, url) -> None:
+    assert gen.finished.wait(60), "the worker never finished the abandoned request"
+    assert gen.cancelled.is_set() and gen.generated < LONG, gen.generated
+    start = time.perf_counter()
+    text, usage = ask(url, "next one", stream=False, max_tokens=4)
+    waited = time.perf_counter() - start
+    assert usage["completion_tokens"] == 4 and waited < 10, waited
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0
+
+
+def test_client_hanging_up_mid_stream_frees_the_worker(endless, monkeypatch):
+    gens = spy_submit(endless, monkeypatch)
+    app = create_app(Config(model="builtin-tiny"), endless)
     with serving(app) as url:
         body = {
-            "messages": [{"role": "user", "content": "hang up " + TABLE}],
-            "max_tokens": 900,
+            "messages": [{"role": "user", "content": "hang up"}],
+            "max_tokens": LONG,
             "temperature": 1.0,
             "stream": True,
         }
         r = requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=120)
-        lines = r.iter_lines()
-        next(lines)  # the first event arrived: generation is running
+        assert r.status_code == 200, r.text  # a refused request would "hang up" vacuously
+        lines = (line for line in r.iter_lines() if line)
+        next(lines), next(lines)  # the role chunk, then a token: generation is running
         r.close()  # hang up
-        start = time.perf_counter()
-        text, usage = ask(url, "next one", stream=False, max_tokens=4)
-        waited = time.perf_counter() - start
-        assert usage["completion_tokens"] <= 4
-        assert waited < 10, f"the abandoned stream held the worker for {waited:.1f}s"
-    engine.check_invariants()
-    assert engine.stats()["pinned_blocks"] == 0
+        assert_cut_short(endless, gens[0], url)
+
+
+def test_non_streaming_client_hanging_up_frees_the_worker(endless, monkeypatch):
+    # Nothing is written to a non-streaming client until the end, so only watching its
+    # socket can tell that it left; before that check the worker generated all LONG tokens.
+    gens = spy_submit(endless, monkeypatch)
+    app = create_app(Config(model="builtin-tiny"), endless)
+    with serving(app) as url:
+        body = {"messages": [{"role": "user", "content": "walk away"}], "max_tokens": LONG}
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            requests.post(url + "/v1/chat/completions", json=body, timeout=0.5)
+        assert_cut_short(endless, gens[0], url)
+        metrics = requests.get(url + "/metrics", timeout=10).text
+        assert 'radixkv_requests_total{endpoint="chat",status="499"} 1' in metrics

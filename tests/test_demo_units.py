@@ -102,6 +102,49 @@ def test_textstream_random_chunks_never_leak_a_stop():
             assert not any(x in text for x in stops)
 
 
+def test_textstream_random_bytes_never_leak_a_stop():
+    """Byte-level tokens split characters, as byte-level BPE does: a stop string may be
+    completed by the second half of a character (it leaked when that was not checked)."""
+
+    def decode(ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    rng = random.Random(1)
+    alphabet = "abé✓"
+    for _ in range(400):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 20)))
+        stops = [
+            "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 4)))
+            for _ in range(rng.randrange(1, 3))
+        ]
+        data, s, streamed, i = text.encode(), TextStream(decode, stop=stops), "", 0
+        while i < len(data) and not s.stopped:
+            n = rng.randrange(1, 4)
+            streamed += s.push(list(data[i : i + n]))
+            i += n
+        streamed += s.finish()
+        assert streamed == s.text and text.startswith(streamed), (text, stops, streamed)
+        assert not any(x in streamed for x in stops), (text, stops, streamed)  # no leak
+        # Cut where a stop starts: no earlier than the first one in the text, no later than
+        # the first one completed when reading the text a character at a time.
+        first = min((text.find(x) for x in stops if x in text), default=len(text))
+        done = next((e for e in range(len(text) + 1) if any(x in text[:e] for x in stops)), None)
+        latest = len(text) if done is None else min(text[:done].find(x) for x in stops if x in text[:done])
+        assert first <= len(streamed) <= latest, (text, stops, streamed)
+        assert streamed == text or any(text[len(streamed) :].startswith(x) for x in stops)
+
+
+def test_textstream_long_stop_strings_stay_cheap():
+    import time
+
+    s = TextStream(_chars, stop=["q" * 200_000] * 4)
+    start = time.perf_counter()
+    for i in range(2000):
+        s.push([ord("a") + i % 7] * 3)
+    assert time.perf_counter() - start < 5  # was ~12 s: every token scanned every stop prefix
+    assert s.finish() == "" and len(s.text) == 6000
+
+
 def test_textstream_holds_back_incomplete_utf8():
     def decode(ids):
         return bytes(ids).decode("utf-8", errors="replace")
