@@ -34,11 +34,18 @@ _STORE = [
         "Tokens committed to the cache.",
     ),
     ("evicted_blocks", "radixkv_prefix_cache_evictions_total", "counter", "Blocks evicted (LRU leaves)."),
-    ("num_blocks", "radixkv_pool_blocks_total", "gauge", "Blocks in the KV pool."),
+    # Not *_total: that suffix marks counters, and would read as a sample of radixkv_pool_blocks.
+    ("num_blocks", "radixkv_pool_capacity_blocks", "gauge", "Blocks in the KV pool."),
     ("block_size", "radixkv_pool_block_size", "gauge", "Tokens per block."),
     ("pool_bytes", "radixkv_pool_bytes", "gauge", "Bytes of KV pool storage."),
 ]
-_POOL_STATES = (("free_blocks", "free"), ("cached_blocks", "cached"), ("pinned_blocks", "pinned"))
+# pinned is a subset of cached; retired = flushed blocks that running requests still read.
+_POOL_STATES = (
+    ("free_blocks", "free"),
+    ("cached_blocks", "cached"),
+    ("pinned_blocks", "pinned"),
+    ("retired_blocks", "retired"),
+)
 
 
 def number(v) -> str:

@@ -317,7 +317,11 @@ def test_metrics(client):
     assert values["radixkv_prefix_cache_hits_total"] > 0
     assert values["radixkv_prefix_cache_queries_total"] >= values["radixkv_prefix_cache_hits_total"]
     assert 0 < values["radixkv_prefix_cache_hit_rate"] <= 1
-    assert 'radixkv_pool_blocks{state="free"}' in values and "radixkv_prefix_cache_evictions_total" in values
+    assert "radixkv_prefix_cache_evictions_total" in values
+    # Idle server: every block is free, cached (pinned is a subset) or retired by a flush.
+    pool = {s: values[f'radixkv_pool_blocks{{state="{s}"}}'] for s in ("free", "cached", "pinned", "retired")}
+    assert pool["cached"] > 0 and pool["pinned"] == 0
+    assert pool["free"] + pool["cached"] + pool["retired"] == values["radixkv_pool_capacity_blocks"]
     assert values['radixkv_requests_total{endpoint="chat",status="200"}'] >= 2
     assert values['radixkv_ttft_seconds_count{endpoint="chat"}'] >= 2
     assert values['radixkv_request_seconds_bucket{endpoint="chat",le="+Inf"}'] >= 2
