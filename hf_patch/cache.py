@@ -1,7 +1,7 @@
 """RadixCache: the transformers ``Cache`` a user passes to ``generate()`` to get prefix reuse.
 
     out = model.generate(ids, attention_mask=mask, past_key_values=RadixCache(), max_new_tokens=64)
-    cache.cached_tokens  # per row: prompt tokens served from the store in that call
+    cache.cached_tokens  # per returned sequence: prompt tokens served from the store in that call
 
 The object is a plain per-call container of ``AppendLayer``s; what persists between calls
 lives in a ``radixkv.KVStore``. Each ``generate()`` call starts the layers empty (so passing

@@ -1,7 +1,7 @@
 """What a model's KV looks like, whether radixkv can serve it, and its default store.
 
-Every transformers-version-specific check about models lives here (and in ``compat``), so a
-new release means reading one file.
+Every transformers-version-specific check about models lives here, so a new release means
+reading one file.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import threading
 import weakref
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from radixkv import BlockPool, KVStore, LayerSpec
 
@@ -24,6 +24,10 @@ DEFAULT_BUDGET_BYTES = 1 << 30  # 1 GiB of KV per model unless RADIXKV_CACHE_TOK
 _specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _default_stores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+
+
+# Sliding / chunked layers only differ by the mask, which generate() builds from positions.
+_PLAIN_KV_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 class UnsupportedModelError(ValueError):
@@ -50,12 +54,14 @@ def check_supported(model) -> None:
         )
     layers = DynamicCache(config=text_config).layers
     for i, layer in enumerate(layers):
-        # Hybrid layers (Falcon-H1's LinearAttentionAndFullAttentionLayer) subclass DynamicLayer
-        # but also carry conv/recurrent state: the mixin is what marks them.
-        if not isinstance(layer, DynamicLayer) or isinstance(layer, LinearAttentionCacheLayerMixin):
+        # An allowlist, not a denylist: subclasses of DynamicLayer carry state that plain KV does
+        # not rebuild (Falcon-H1's hybrid conv/recurrent state, the DSA indexer keys of GLM-MoE-DSA
+        # / DeepSeek-V3.2, DeepSeek-V4's compressed cache), and a layer type added by a later
+        # release must be refused until someone checks it, not served wrong.
+        if type(layer) not in _PLAIN_KV_LAYERS:
             raise UnsupportedModelError(
                 f"{type(model).__name__} layer {i} keeps {type(layer).__name__} state "
-                "(recurrent/linear-attention or shared KV); radixkv can only reuse plain attention KV"
+                "(recurrent/linear-attention, indexer or shared KV); radixkv can only reuse plain attention KV"
             )
 
 
@@ -94,6 +100,14 @@ def layer_specs(model) -> tuple[LayerSpec, ...]:
     )
     if not specs:
         raise UnsupportedModelError(f"{type(model).__name__} wrote no KV in a probe forward")
+    columns = {layer.keys.shape[2] for layer in probe.layers}
+    if columns != {1}:
+        # KV column j must belong to prompt token j: a model that adds its own columns (CPM-Ant
+        # prepends learned prompt tokens) would be preloaded at the wrong offsets.
+        raise UnsupportedModelError(
+            f"{type(model).__name__} wrote {sorted(columns)} KV columns for one input token; "
+            "radixkv needs exactly one KV column per token"
+        )
     with _lock:
         _specs[model] = (placement, specs)
     return specs

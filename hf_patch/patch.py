@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
 import threading
 
@@ -24,7 +25,7 @@ from transformers.generation.utils import GenerationMixin
 from hf_patch.cache import RadixCache
 from hf_patch.model_spec import check_store_fits, default_store, layer_specs
 from hf_patch.request import Request
-from hf_patch.weights import flush_if_weights_changed, model_scope
+from hf_patch.weights import flush_if_weights_changed, model_scope, watch_fused_optimizers
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +66,35 @@ def _clear_cache_implementation(model, kwargs: dict) -> None:
         kwargs["cache_implementation"] = None
 
 
+def _positional_names(function) -> list[str] | None:
+    """Names of generate()'s positional parameters after ``self``; None if it takes ``*args``
+    (another library's wrapper without ``functools.wraps``): then positions cannot be named."""
+    params = list(inspect.signature(function).parameters.values())[1:]
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return None
+    return [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+
+
+def _positional_to_keywords(names: list[str] | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``generate(ids, generation_config, ...)``: name the positional arguments, so the checks
+    below see a positional generation config too (else its ``cache_implementation`` makes
+    generate refuse the cache, and its ``use_cache=False`` escapes the early refusal).
+    Anything it cannot name stays positional, for generate() itself to accept or refuse."""
+    if names is None or len(args) > len(names) or any(name in kwargs for name in names[: len(args)]):
+        return args, kwargs
+    kwargs.update(zip(names, args))
+    return (), kwargs
+
+
 def _wrap_generate(original):
+    names = _positional_names(original)
+
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
         cache = kwargs.get("past_key_values")
         if not isinstance(cache, RadixCache):
             return original(self, *args, **kwargs)
+        args, kwargs = _positional_to_keywords(names, args, kwargs)
         _reject_unsupported_kwargs(self, kwargs)
         specs = layer_specs(self)  # also refuses recurrent / shared-KV models
         # Resolved per call, never written back to the cache: the same RadixCache() may later
@@ -91,8 +115,7 @@ def _wrap_generate(original):
         try:
             output = original(self, *args, **kwargs)
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
-            if not cache.cached_tokens:  # no preload ran (assisted decoding, inputs_embeds)
-                cache.cached_tokens = [0] * sequences.shape[0]
+            cache.cached_tokens = request.cached_per_returned_row(sequences.shape[0])
             with torch.no_grad():
                 request.commit(sequences)
             return output
@@ -129,6 +152,9 @@ def _wrap_prefill(original):
                 # Per-token outputs of the prompt must cover every prompt token, as in stock
                 # generate(): compute the whole prompt then (and still commit it).
                 reuse=not (generation_config.output_hidden_states or generation_config.output_attentions),
+                rows_per_prompt=max(
+                    generation_config.num_beams or 1, generation_config.num_return_sequences or 1
+                ),
             )
         return original(self, input_ids, generation_config, model_kwargs, is_first_iteration, *args, **kwargs)
 
@@ -138,6 +164,7 @@ def _wrap_prefill(original):
 
 def install() -> None:
     """Install the wrappers on GenerationMixin once; calling again is a no-op."""
+    watch_fused_optimizers()
     with _install_lock:
         if not getattr(GenerationMixin.generate, _MARK, False):
             GenerationMixin.generate = _wrap_generate(GenerationMixin.generate)

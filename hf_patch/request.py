@@ -35,6 +35,18 @@ def left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> l
     return (length - real).tolist()
 
 
+# Decode headroom preallocated beyond the prompt. ``max_length`` alone is no size: callers pass
+# max_new_tokens=4096 "to be safe" and stop at EOS after 100, and a buffer of max_length would
+# hold ~40x the KV stock DynamicCache ever holds (an OOM on a GPU where stock fits). Past the
+# headroom the layers double their buffers: O(1) amortised copies per token, at most ~2x the KV.
+MIN_HEADROOM = 256
+
+
+def initial_capacity(length: int, max_length: int) -> int:
+    """Tokens per layer buffer: the whole generation when short, else prompt + max(256, prompt)."""
+    return max(length, min(max_length, length + max(MIN_HEADROOM, length)))
+
+
 class Request:
     """State of one generate() call on a RadixCache."""
 
@@ -51,6 +63,8 @@ class Request:
         self.pads: list[int] | None = None
         self.eos_token_ids: list[int] = []
         self.prompt_only = False
+        # generate() expands each prompt to max(num_beams, num_return_sequences) rows
+        self.rows_per_prompt = 1
 
     # -- before the first forward --------------------------------------------------------------
     def preload(
@@ -61,6 +75,7 @@ class Request:
         eos_token_ids: list[int],
         prompt_only: bool,
         reuse: bool = True,
+        rows_per_prompt: int = 1,
     ) -> None:
         """Match every row, copy the common reusable prefix into fresh layer buffers.
 
@@ -70,8 +85,9 @@ class Request:
         """
         self.eos_token_ids = eos_token_ids
         self.prompt_only = prompt_only
+        self.rows_per_prompt = rows_per_prompt
         batch, length = input_ids.shape
-        capacity = max(max_length, length)
+        capacity = initial_capacity(length, max_length)
         for layer, spec in zip(self.cache.layers, self.specs):
             layer.allocate(
                 batch, spec.num_kv_heads, spec.k_head_dim, spec.v_head_dim, capacity, spec.dtype, spec.device
@@ -126,6 +142,22 @@ class Request:
             layer.set_length(common)
 
     # -- after generation ----------------------------------------------------------------------
+    def cached_per_returned_row(self, returned: int) -> list[int]:
+        """``cached_tokens`` with one entry per returned sequence, as ``sequences`` is laid out.
+
+        The preload counted per cache row: with beams a prompt has ``num_beams`` rows but returns
+        ``num_return_sequences`` of them, so entry i would belong to another prompt than
+        ``sequences[i]``. All rows of one prompt share its padding and match: take the first.
+        """
+        cached = self.cache.cached_tokens
+        if not cached:  # no preload ran (assisted decoding, inputs_embeds)
+            return [0] * returned
+        prompts = len(cached) // self.rows_per_prompt
+        if prompts == 0 or returned % prompts or len(cached) % self.rows_per_prompt:
+            return cached  # a layout this code does not know: leave the per-row counts as they are
+        per_prompt = returned // prompts
+        return [cached[(j // per_prompt) * self.rows_per_prompt] for j in range(returned)]
+
     def commit(self, sequences: torch.Tensor) -> int:
         """Cache each row's prompt + generated tokens (cut after the first EOS; prompt only for beams)."""
         if self.prompt_ids is None or not self.cache.layers:

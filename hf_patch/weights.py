@@ -8,9 +8,12 @@ on different threads, and each keeps reusing its own.
 Weights fingerprint: every parameter's storage address and autograd version counter. In-place
 updates (optimizer steps, ``load_state_dict``, ``param.add_`` under ``no_grad``) bump the
 version; replacing a parameter changes the address. A model whose fingerprint changed since
-its last call on a store flushes that store. Writes through ``param.data`` bypass the version
-counter and are NOT seen: call ``store.flush()`` after such surgery.
-Cost: one pass over the parameter list (microseconds for hundreds of tensors), no device sync.
+its last call on a store flushes that store. Fused optimizer kernels (``AdamW(fused=True)``,
+the Trainer's ``adamw_torch_fused``) write parameters without bumping their version: a global
+optimizer post-step hook bumps it for them (``watch_fused_optimizers``). Writes through
+``param.data`` bypass the version counter and are NOT seen: call ``store.flush()`` after such
+surgery. Cost: one pass over the parameter list (microseconds for hundreds of tensors), no
+device sync.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import logging
 import threading
 import weakref
 
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
 from radixkv import KVStore
 
 logger = logging.getLogger(__name__)
@@ -28,6 +34,7 @@ _scopes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> int
 _next_scope = itertools.count(1)
 _seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> {scope: fingerprint}
 _lock = threading.Lock()
+_optimizer_hook = None  # the handle, once watch_fused_optimizers() has run
 
 
 def model_scope(model) -> int:
@@ -50,12 +57,30 @@ def flush_if_weights_changed(store: KVStore, model) -> bool:
         seen = _seen.setdefault(store, {})
         previous = seen.get(scope)
         seen[scope] = current
-    if previous is None or previous == current:
-        return False
-    flushed = store.flush()
+        if previous is None or previous == current:
+            return False
+        # Flushed under the lock: a second thread that sees the new fingerprint already
+        # recorded must not match the stale tree before this flush has replaced it.
+        flushed = store.flush()
     logger.warning(
         "radixkv: weights of %s changed since its KV was cached; flushed the store (%d blocks)",
         type(model).__name__,
         flushed,
     )
     return True
+
+
+def _bump_fused_step(optimizer, args, kwargs) -> None:
+    # A fused step rewrites every parameter in one kernel that autograd's version counter never
+    # sees (torch 2.13, CPU and CUDA). Bump it as an in-place op would, which is what
+    # increment_version exists for; non-fused steps bump it themselves and are left alone.
+    if any(group.get("fused") for group in optimizer.param_groups):
+        torch.autograd.graph.increment_version([p for g in optimizer.param_groups for p in g["params"]])
+
+
+def watch_fused_optimizers() -> None:
+    """Register the post-step hook once (idempotent)."""
+    global _optimizer_hook
+    with _lock:
+        if _optimizer_hook is None:
+            _optimizer_hook = register_optimizer_step_post_hook(_bump_fused_step)

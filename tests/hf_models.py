@@ -6,7 +6,6 @@ chosen so one generate() call takes tens of milliseconds on two CPU cores.
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
@@ -257,6 +256,22 @@ def _generate(model, input_ids, seed, kwargs):
         return model.generate(input_ids, **kwargs)
 
 
+def _with_defaults(gen_kwargs: dict) -> dict:
+    gen_kwargs.setdefault("max_new_tokens", 6)
+    gen_kwargs.setdefault("output_logits", True)
+    gen_kwargs.setdefault("return_dict_in_generate", True)
+    gen_kwargs.setdefault("do_sample", False)
+    return gen_kwargs
+
+
+def stock(model, input_ids, *, seed: int | None = None, **gen_kwargs):
+    """Stock generate() (no cache argument) with assert_same_as_stock's defaults: the reference
+    to pass as ``reference=``. Never pass a RadixCache output there: that compares the cache
+    with itself, and the fully cached case is exactly where it could drift from stock."""
+    assert "past_key_values" not in gen_kwargs
+    return _generate(model, input_ids, seed, _with_defaults(gen_kwargs))
+
+
 def assert_outputs_equal(ref, out, atol: float = LOGITS_ATOL) -> None:
     """Same sequences; logits / scores / sequences_scores within ``atol`` where present."""
     ref_seq = ref if isinstance(ref, torch.Tensor) else ref.sequences
@@ -300,19 +315,19 @@ def assert_same_as_stock(
     """Generate with stock generate() (no cache argument) and with a RadixCache; assert equal.
 
     ``seed``: ``torch.manual_seed(seed)`` before each call (sampling). ``reference``: a stock
-    output computed earlier (skips the stock call). Unless the caller overrides them, asks for
+    output computed earlier by ``stock()`` with the same arguments (skips the stock call). Unless the caller overrides them, asks for
     ``output_logits`` and ``return_dict_in_generate``. Returns ``(cache, output)``.
     """
-    gen_kwargs.setdefault("max_new_tokens", 6)
-    gen_kwargs.setdefault("output_logits", True)
-    gen_kwargs.setdefault("return_dict_in_generate", True)
-    gen_kwargs.setdefault("do_sample", False)
+    _with_defaults(gen_kwargs)
     if reference is None:
-        reference = _generate(model, input_ids, seed, copy.copy(gen_kwargs))
+        reference = stock(model, input_ids, seed=seed, **gen_kwargs)
     if cache is None:
         cache = hf_patch.RadixCache(store=store, namespace=namespace)
     out = _generate(model, input_ids, seed, {**gen_kwargs, "past_key_values": cache})
     assert_outputs_equal(reference, out)
+    assert len(cache.cached_tokens) == sequences(out).shape[0], (
+        "cached_tokens: one entry per returned sequence"
+    )
     if check_invariants:
         used = cache.store if cache.store is not None else hf_patch.default_store(model)
         used.check_invariants()

@@ -21,6 +21,7 @@ from tests.hf_models import (
     ids,
     one_torch_thread,  # noqa: F401  (autouse)
     shared,
+    stock,
     store_for,
     tokens,
 )
@@ -33,7 +34,8 @@ families = pytest.mark.parametrize("family", FAMILIES)
 @families
 def test_cold_then_fully_cached(family):
     model, store = shared(family), store_for(shared(family), BS)
-    cache, ref = assert_same_as_stock(model, ids(PROMPT), store)
+    ref = stock(model, ids(PROMPT))
+    cache, _ = assert_same_as_stock(model, ids(PROMPT), store, reference=ref)
     assert cache.cached_tokens == [0]
     assert store.stats()["inserted_tokens"] > 0, "a cold call cached nothing"
     # Same prompt again: everything is cached, yet one token must still be computed.
@@ -93,7 +95,8 @@ def test_unrelated_prompts_do_not_hit(family):
 def test_same_cache_object_twice(family):
     model, store = shared(family), store_for(shared(family), BS)
     cache = hf_patch.RadixCache(store=store)
-    _, ref = assert_same_as_stock(model, ids(PROMPT), cache=cache)
+    ref = stock(model, ids(PROMPT))
+    assert_same_as_stock(model, ids(PROMPT), cache=cache, reference=ref)
     assert cache.cached_tokens == [0]
     assert_same_as_stock(model, ids(PROMPT), cache=cache, reference=ref)
     assert cache.cached_tokens == [expected_full_hit(len(PROMPT), BS)]

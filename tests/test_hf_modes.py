@@ -100,7 +100,8 @@ def test_left_padded_batch_with_expansion(family, mode):
     cache, _ = assert_same_as_stock(
         model, input_ids, store, attention_mask=mask, pad_token_id=0, seed=3, **mode
     )
-    per_row = mode.get("num_beams", mode["num_return_sequences"])
+    # One entry per returned sequence (2 per prompt), not per beam: entry i describes sequences[i].
+    per_row = mode["num_return_sequences"]
     assert cache.cached_tokens == [26] * per_row + [20] * per_row  # common column 26 = min(0 + 36, 6 + 20)
 
 
@@ -155,7 +156,7 @@ def test_beam_search(family):
         model, ids(PROMPT + tokens(3, seed=15)), store, num_beams=3, output_scores=True, max_new_tokens=5
     )
     assert out.sequences_scores is not None
-    assert cache.cached_tokens == [44] * 3  # one row per beam
+    assert cache.cached_tokens == [44]  # one entry per returned sequence, not per beam
 
 
 @pytest.mark.parametrize("family", ["llama-sdpa", "gpt2"])
@@ -165,7 +166,7 @@ def test_greedy_beams_with_num_return_sequences(family):
         model, ids(PROMPT), store, num_beams=4, num_return_sequences=2, output_scores=True
     )
     assert out.sequences.shape[0] == 2
-    assert cache.cached_tokens == [expected_full_hit(len(PROMPT), BS)] * 4
+    assert cache.cached_tokens == [expected_full_hit(len(PROMPT), BS)] * 2
 
 
 @families
@@ -308,6 +309,7 @@ def test_decode_appends_into_one_buffer(warm):
         past_key_values=cache,
         logits_processor=LogitsProcessorList([recorder]),
     )
+    assert torch.equal(out, model.generate(ids(PROMPT), max_new_tokens=new, do_sample=False))
     assert out.shape[1] == len(PROMPT) + new
     assert len(recorder.k_ptrs) == new
     assert len(set(recorder.k_ptrs)) == 1 and len(set(recorder.v_ptrs)) == 1, "the KV buffer was reallocated"

@@ -148,6 +148,27 @@ UNSUPPORTED = {
         head_dim=16,
     ),
     "minimax": dict(layer_types=["linear_attention", "full_attention"], num_local_experts=2, head_dim=16),
+    # DynamicLayer subclasses with more per-token state than K/V: DSA indexer keys, a compressed cache.
+    "glm_moe_dsa": dict(
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        moe_intermediate_size=32,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "deepseek_v4": {},
+    # Plain DynamicLayers, but CPM-Ant prepends learned prompt columns: KV column j is not token j.
+    "cpmant": {},
     "gemma4_text-kv-shared": dict(
         num_hidden_layers=4,
         num_kv_shared_layers=2,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -18,6 +19,7 @@ from tests.hf_models import (
     one_torch_thread,  # noqa: F401  (autouse)
     sequences,
     shared,
+    stock,
     store_for,
     tokenizer,
     tokens,
@@ -105,7 +107,8 @@ def test_two_threads_one_store():
 def test_namespaces_do_not_share():
     model = shared("llama-sdpa")
     store = store_for(model, BS)
-    cache_a, ref = assert_same_as_stock(model, ids(PROMPT), store, namespace="tenant-a")
+    ref = stock(model, ids(PROMPT))
+    cache_a, _ = assert_same_as_stock(model, ids(PROMPT), store, namespace="tenant-a", reference=ref)
     cache_b, _ = assert_same_as_stock(model, ids(PROMPT), store, namespace="tenant-b", reference=ref)
     assert cache_b.cached_tokens == [0]
     cache_default, _ = assert_same_as_stock(model, ids(PROMPT), store, reference=ref)
@@ -161,8 +164,20 @@ def _load_other_state(model, other):
     model.load_state_dict(other.state_dict())
 
 
-@pytest.mark.parametrize("change", [_change_in_place, _load_other_state], ids=["add_", "load_state_dict"])
-def test_weights_change_flushes_stale_kv(change):
+def _fused_optimizer_step(model, other):
+    # The Trainer's default optim (adamw_torch_fused): its kernel leaves parameter versions as they were.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model(ids(PROMPT), labels=ids(PROMPT)).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [_change_in_place, _load_other_state, _fused_optimizer_step],
+    ids=["add_", "load_state_dict", "fused-adamw"],
+)
+def test_weights_change_flushes_stale_kv(change, caplog):
     model = build("llama-sdpa", seed=0)
     other = build("llama-sdpa", seed=1)
     store = store_for(model, BS)
@@ -171,9 +186,11 @@ def test_weights_change_flushes_stale_kv(change):
     assert cache.cached_tokens[0] > 0
     flushes = store.stats()["flushes"]
     change(model, other)
-    cache, _ = assert_same_as_stock(model, ids(PROMPT), store)  # against stock of the changed model
+    with caplog.at_level(logging.WARNING, logger="hf_patch.weights"):
+        cache, _ = assert_same_as_stock(model, ids(PROMPT), store)  # against stock of the changed model
     assert cache.cached_tokens == [0]
     assert store.stats()["flushes"] == flushes + 1
+    assert [r.getMessage() for r in caplog.records if "weights of LlamaForCausalLM changed" in r.getMessage()]
     # The changed model's own KV is reused afterwards.
     cache, _ = assert_same_as_stock(model, ids(PROMPT), store)
     assert cache.cached_tokens == [expected_full_hit(len(PROMPT), BS)]
@@ -294,7 +311,8 @@ def test_default_store_is_per_model():
     model = build("llama-sdpa", seed=3)
     store = hf_patch.default_store(model)
     assert hf_patch.default_store(model) is store
-    cache, ref = assert_same_as_stock(model, ids(PROMPT), None)
+    ref = stock(model, ids(PROMPT))
+    cache, _ = assert_same_as_stock(model, ids(PROMPT), None, reference=ref)
     assert store.stats()["inserted_tokens"] > 0
     cache, _ = assert_same_as_stock(model, ids(PROMPT), None, reference=ref)
     assert cache.cached_tokens == [expected_full_hit(len(PROMPT), store.block_size)]
