@@ -229,7 +229,9 @@ def test_two_models_of_one_shape_in_two_threads_never_mix():
     def run(model):
         try:
             for _ in range(4):
-                assert_same_as_stock(model, ids(PROMPT), store)
+                # No per-call pin check: the other thread may hold a pin at that moment.
+                assert_same_as_stock(model, ids(PROMPT), store, check_invariants=False)
+                store.check_invariants()
         except BaseException as error:  # reported below, in the test's thread
             errors.append(error)
 
@@ -239,6 +241,7 @@ def test_two_models_of_one_shape_in_two_threads_never_mix():
     for t in threads:
         t.join()
     assert not errors, errors
+    assert store.stats()["pinned_blocks"] == 0
     store.check_invariants()
 
 
