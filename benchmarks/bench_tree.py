@@ -6,11 +6,14 @@ Run by hand (never a timed test)::
     python -m benchmarks.bench_tree --large      # 2,048 open conversations, 2M-token pool
     python -m benchmarks.bench_tree --requests 2000
     python -m benchmarks.bench_tree --evict-scaling  # + eviction on synthetic 1k-100k-leaf trees
+    python -m benchmarks.bench_tree --check-block-ids  # the tree also validates inserted ids
 
 Each request matches its prompt, pins the match, evicts until the simulated free list covers
 the new blocks, inserts prompt + reply and unpins: what ``KVStore.commit`` does around a
-generate() call. The workload (token ids and schedule) is generated before anything is
-timed; only the tree calls are inside the timers.
+generate() call. Token ids arrive as int64 memory, as hf_patch has them (rows of
+``input_ids`` / ``sequences``), and are packed (``pack_tokens``, timed as "pack") once for the
+match and once for the insert. The workload (token ids and schedule) is generated before
+anything is timed; only packing and tree calls are timed.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 from array import array
 from dataclasses import dataclass, field, replace
 
-from radixkv.tree import RadixTree
+from radixkv import RadixTree, pack_tokens
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Config:
     block_size: int = 16
     vocab: int = 32_000
     seed: int = 0
+    check_block_ids: bool = False  # KVStore's setting: its ids come off the pool's free list
 
 
 LARGE = {"open_conversations": 2048, "pool_tokens": 2_000_000}
@@ -61,7 +65,7 @@ class Timings:
     """Nanosecond totals and counts per operation."""
 
     ns: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(("match", "pin", "evict", "insert", "unpin"), 0)
+        default_factory=lambda: dict.fromkeys(("pack", "match", "pin", "evict", "insert", "unpin"), 0)
     )
     evict_calls: int = 0
     evicted_nodes: int = 0
@@ -110,7 +114,7 @@ def make_workload(cfg: Config) -> tuple[list[array], list[Request]]:
 def replay(cfg: Config, systems: list[array], requests: list[Request]) -> tuple[RadixTree, Timings]:
     """Serve every request against a tree over a pool of ``cfg.pool_tokens`` tokens."""
     bs = cfg.block_size
-    tree = RadixTree(bs)
+    tree = RadixTree(bs, check_block_ids=cfg.check_block_ids)
     num_blocks = cfg.pool_tokens // bs
     free = list(range(num_blocks))
     convs: dict[int, array] = {}  # conversation so far, compact
@@ -119,24 +123,27 @@ def replay(cfg: Config, systems: list[array], requests: list[Request]) -> tuple[
     for req in requests:
         history = array("H", systems[req.system]) if req.system is not None else convs.pop(req.conv)
         history += req.user
-        # A fresh list of fresh ints per call, as ``input_ids.tolist()`` gives the store: the
-        # tree must not get to compare int objects by identity with the ones it stored.
-        tokens = history.tolist()
-        t.query_tokens += len(tokens)
+        # Fresh int64 memory per call, as a row of ``input_ids`` is (hf_patch packs it with
+        # ``pack_tokens(row.numpy())``): nothing is shared with what the tree stored.
+        prompt_row = array("q", history)
+        t.query_tokens += len(prompt_row)
 
         t0 = clock()
-        m = tree.match(tokens)
+        prompt = pack_tokens(prompt_row)
         t1 = clock()
-        tree.pin(m.node)
+        m = tree.match(prompt)
         t2 = clock()
-        t.ns["match"] += t1 - t0
-        t.ns["pin"] += t2 - t1
+        tree.pin(m.node)
+        t3 = clock()
+        t.ns["pack"] += t1 - t0
+        t.ns["match"] += t2 - t1
+        t.ns["pin"] += t3 - t2
         t.hit_tokens += m.num_tokens
 
         history += req.reply
-        tokens = history.tolist()
+        sequence_row = array("q", history)
         have = len(m.block_ids)
-        need = len(tokens) // bs - have
+        need = len(history) // bs - have
         if need > len(free):
             nodes_before = tree.num_nodes
             t0 = clock()
@@ -153,12 +160,15 @@ def replay(cfg: Config, systems: list[array], requests: list[Request]) -> tuple[
         block_ids = list(m.block_ids) + new_ids
 
         t0 = clock()
-        cached = tree.insert(tokens, block_ids)
+        sequence = pack_tokens(sequence_row)
         t1 = clock()
-        tree.unpin(m.node)
+        cached = tree.insert(sequence, block_ids)
         t2 = clock()
-        t.ns["insert"] += t1 - t0
-        t.ns["unpin"] += t2 - t1
+        tree.unpin(m.node)
+        t3 = clock()
+        t.ns["pack"] += t1 - t0
+        t.ns["insert"] += t2 - t1
+        t.ns["unpin"] += t3 - t2
         free += new_ids[: cached // bs - have]  # duplicates stay ours
 
         if not req.last:
@@ -202,16 +212,17 @@ def report(name: str, cfg: Config, tree: RadixTree, t: Timings, ideal: float) ->
     calls = max(t.evict_calls, 1)
     print(
         f"== {name}: {n} requests, {cfg.open_conversations} open conversations, pool {cfg.pool_tokens} "
-        f"tokens ({cfg.pool_tokens // cfg.block_size} blocks), block size {cfg.block_size}"
+        f"tokens ({cfg.pool_tokens // cfg.block_size} blocks), block size {cfg.block_size}, "
+        f"check_block_ids={cfg.check_block_ids}"
     )
-    for op in ("match", "insert", "pin", "unpin"):
+    for op in ("pack", "match", "insert", "pin", "unpin"):
         print(f"{op:<7} {us[op] / n:8.1f} us/request")
     print(
         f"evict   {us['evict'] / n:8.1f} us/request  ({t.evict_calls} calls, {us['evict'] / calls:.1f} us/call; "
         f"{t.evicted_nodes} nodes / {t.evicted_blocks} blocks evicted: "
         f"{us['evict'] / max(t.evicted_nodes, 1):.2f} us/evicted node)"
     )
-    print(f"total   {sum(us.values()) / n:8.1f} us/request (match + pin + evict + insert + unpin)")
+    print(f"total   {sum(us.values()) / n:8.1f} us/request (pack + match + pin + evict + insert + unpin)")
     print(f"hit rate {t.hit_tokens / t.query_tokens:.3f} (ideal, unbounded cache: {ideal:.3f})")
     print(
         f"tree: {t.nodes_at_evict / calls:.0f} nodes on average when evicting; at the end {tree.num_nodes} "
@@ -249,8 +260,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--evict-scaling", action="store_true", help="also time eviction on 1k-100k-leaf trees"
     )
+    parser.add_argument(
+        "--check-block-ids", action="store_true", help="the tree checks inserted ids (direct-use default)"
+    )
     args = parser.parse_args(argv)
-    cfg = replace(Config(requests=args.requests, seed=args.seed), **(LARGE if args.large else {}))
+    cfg = Config(requests=args.requests, seed=args.seed, check_block_ids=args.check_block_ids)
+    cfg = replace(cfg, **(LARGE if args.large else {}))
     systems, requests = make_workload(cfg)
     ideal = ideal_hit_rate(cfg, systems, requests)
     tree, timings = replay(cfg, systems, requests)

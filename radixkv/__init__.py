@@ -4,8 +4,19 @@ Layers: ``RadixTree`` (pure Python) and ``BlockPool`` (torch storage) are combin
 ``KVStore`` behind one lock. See docs/design.md.
 """
 
+from radixkv.node import PackedTokens, pack_tokens
 from radixkv.pool import BlockPool, LayerSpec, OutOfBlocks
 from radixkv.store import KVStore, Lease
 from radixkv.tree import MatchResult, RadixTree
 
-__all__ = ["BlockPool", "KVStore", "LayerSpec", "Lease", "MatchResult", "OutOfBlocks", "RadixTree"]
+__all__ = [
+    "BlockPool",
+    "KVStore",
+    "LayerSpec",
+    "Lease",
+    "MatchResult",
+    "OutOfBlocks",
+    "PackedTokens",
+    "RadixTree",
+    "pack_tokens",
+]

@@ -1,6 +1,6 @@
 """Radix-tree node, match record, token packing and edge walk of :mod:`radixkv.tree` (pure Python).
 
-Edges store their tokens packed as little-endian int64 bytes, not as lists of ints: a slice
+Edges store their tokens packed as native-order int64 bytes, not as lists of ints: a slice
 comparison is then one ``memcmp`` instead of a pointer chase per token through int objects
 scattered over the heap (a fresh query shares no int objects with the tree), and a cached
 token costs 8 bytes instead of ~40. Packing a query costs ~6 ns per token. Positions inside
@@ -27,23 +27,80 @@ def check_not_array(seq: object, name: str) -> None:
     """
     if hasattr(seq, "ndim"):
         raise ValueError(
-            f"{name} must be a sequence of ints (e.g. ids.tolist()), got {type(seq).__name__} "
+            f"{name} must be a sequence of ints (ids.tolist()) or packed (radixkv.pack_tokens("
+            f"ids.numpy()) for a 1-D int64 array), got {type(seq).__name__} "
             f"of shape {tuple(getattr(seq, 'shape', ()))}"
         )
 
 
-def pack(tokens: Sequence[int], num_tokens: int) -> bytes:
-    """The first ``num_tokens`` token ids as little-endian int64 bytes. O(num_tokens), in C.
+class PackedTokens(bytes):
+    """Token ids packed once (``pack_tokens``), accepted wherever a token sequence is.
 
-    Raises ValueError when ``tokens`` is an array (a torch tensor or numpy array: pass
-    ``.tolist()``) or an id is not an int in ``[-2**63, 2**63)``.
+    Converting Python ints is most of what a match or insert of a list costs (~10 ns per
+    token); packing a 1-D int64 array (``tensor.numpy()``) is a memcpy. ``len()`` is in bytes:
+    use ``num_tokens``.
     """
+
+    __slots__ = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self) // TOKEN_BYTES
+
+    def head(self, num_tokens: int) -> PackedTokens:
+        """The first ``num_tokens`` tokens (all of them when there are fewer)."""
+        return (
+            self if num_tokens >= self.num_tokens else PackedTokens(self[: max(0, num_tokens) * TOKEN_BYTES])
+        )
+
+
+Tokens = Sequence[int] | PackedTokens  # what match / insert / acquire / commit take
+
+
+def pack_tokens(tokens: object) -> PackedTokens:
+    """``tokens`` packed for repeated use: PackedTokens as they are, a 1-D int64 buffer (a numpy
+    array, ``torch_tensor.numpy()``, ``array('q')``) by one copy, a sequence of ints converted.
+
+    Raises ValueError for a buffer of another shape or dtype, or as ``pack`` does.
+    """
+    if type(tokens) is PackedTokens:
+        return tokens
+    if isinstance(tokens, (list, tuple)):
+        return PackedTokens(pack(tokens, len(tokens)))
+    try:
+        view = memoryview(tokens)  # type: ignore[arg-type]
+    except TypeError:  # a sequence without the buffer protocol (or a torch tensor: refused)
+        return PackedTokens(pack(tokens, len(tokens)))  # type: ignore[arg-type]
+    if view.ndim != 1 or view.itemsize != TOKEN_BYTES or view.format.lstrip("@=") not in ("q", "l"):
+        raise ValueError(
+            f"a token buffer must be 1-D native int64, got format {view.format!r}, shape {view.shape}"
+        )
+    return PackedTokens(view.tobytes())
+
+
+def num_tokens_of(tokens: Sequence[int] | PackedTokens) -> int:
+    return tokens.num_tokens if type(tokens) is PackedTokens else len(tokens)
+
+
+def head_of(tokens: Sequence[int] | PackedTokens, num_tokens: int) -> Sequence[int] | PackedTokens:
+    """The first ``num_tokens`` tokens of a sequence or of PackedTokens."""
+    return tokens.head(num_tokens) if type(tokens) is PackedTokens else tokens[: max(0, num_tokens)]
+
+
+def pack(tokens: Sequence[int] | PackedTokens, num_tokens: int) -> bytes:
+    """The first ``num_tokens`` token ids as native-order int64 bytes. O(num_tokens), in C.
+
+    PackedTokens are sliced, not converted. Raises ValueError when ``tokens`` is an array (a
+    torch tensor or numpy array: pass ``.tolist()``) or an id is not an int in ``[-2**63, 2**63)``.
+    """
+    if type(tokens) is PackedTokens:
+        return tokens if num_tokens == tokens.num_tokens else tokens[: num_tokens * TOKEN_BYTES]
     check_not_array(tokens, "tokens")
     try:
         if type(tokens) is list and len(tokens) - num_tokens < 64:
             # Packing the few trailing tokens too is cheaper than copying the list to slice it.
-            return struct.pack(f"<{len(tokens)}q", *tokens)[: num_tokens * TOKEN_BYTES]
-        return struct.pack(f"<{num_tokens}q", *tokens[:num_tokens])
+            return struct.pack(f"={len(tokens)}q", *tokens)[: num_tokens * TOKEN_BYTES]
+        return struct.pack(f"={num_tokens}q", *tokens[:num_tokens])
     except (struct.error, TypeError) as exc:
         raise ValueError(
             f"token ids must be ints in [-2**63, 2**63), in a sliceable sequence: {exc}"
@@ -70,7 +127,7 @@ def check_block_ids(block_ids: Sequence[int], owned: set[int]) -> list[int]:
 
 def unpack(data: bytes) -> list[int]:
     """Inverse of ``pack``. O(len(data))."""
-    return list(struct.unpack(f"<{len(data) // TOKEN_BYTES}q", data))
+    return list(struct.unpack(f"={len(data) // TOKEN_BYTES}q", data))
 
 
 class TreeInvariantError(AssertionError):

@@ -20,7 +20,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from radixkv.node import check_not_array
+from radixkv.node import Tokens, head_of, num_tokens_of, pack_tokens
 from radixkv.pool import BlockPool
 from radixkv.stats import StoreCounters
 from radixkv.tree import MatchResult, RadixTree
@@ -69,7 +69,7 @@ class KVStore:
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
-        self.tree = RadixTree(pool.block_size)
+        self.tree = self._new_tree()
         self.counters = StoreCounters()
         # Incremented by flush(): KV committed under an older epoch (older weights) is dropped.
         self.epoch = 0
@@ -83,19 +83,23 @@ class KVStore:
 
     # -- lookup -------------------------------------------------------------------------
     def acquire(
-        self, tokens: Sequence[int], namespace: Hashable = None, max_tokens: int | None = None
+        self,
+        tokens: Tokens,
+        namespace: Hashable = None,
+        max_tokens: int | None = None,
     ) -> Lease:
         """Match the longest cached whole-block prefix of ``tokens[:max_tokens]`` and pin it.
 
-        Counts ``len(tokens)`` query tokens. O(len(tokens) / block_size) plus the tree's match.
+        Counts all of ``tokens`` as query tokens. O(len(tokens)) to pack them (outside the
+        lock; nothing for PackedTokens) plus the tree's match.
         """
-        query = tokens if max_tokens is None else tokens[: max(0, max_tokens)]
+        query = pack_tokens(tokens if max_tokens is None else head_of(tokens, max_tokens))
         with self._lock:
             tree = self.tree
             match = tree.match(query, namespace)
             tree.pin(match.node)
             self.counters.requests += 1
-            self.counters.query_tokens += len(tokens)
+            self.counters.query_tokens += num_tokens_of(tokens)
             return Lease(self, tree, match, self.epoch, namespace)
 
     def read(
@@ -129,7 +133,7 @@ class KVStore:
     # -- insertion ------------------------------------------------------------------------
     def commit(
         self,
-        tokens: Sequence[int],
+        tokens: Tokens,
         k_src: Sequence[torch.Tensor],
         v_src: Sequence[torch.Tensor],
         namespace: Hashable = None,
@@ -145,19 +149,20 @@ class KVStore:
         not hold one row of KV for every whole-block token: a shorter source would leave the
         end of a cached block unwritten (garbage served as a hit).
         """
-        check_not_array(tokens, "tokens")
         bs = self.block_size
-        num_blocks = len(tokens) // bs
+        num_blocks = num_tokens_of(tokens) // bs
         if num_blocks == 0:
+            pack_tokens(tokens)  # still refuses a tensor / non-int ids
             return 0
-        tokens = tokens[: num_blocks * bs]
+        # Packed once, outside the lock: the match and the insert below both reuse it.
+        tokens = pack_tokens(head_of(tokens, num_blocks * bs))
         self._check_layers("commit", k_src, v_src)
         for name, srcs in (("k_src", k_src), ("v_src", v_src)):
             for i, src in enumerate(srcs):
-                if src.dim() != 4 or src.shape[0] != 1 or src.shape[2] < len(tokens):
+                if src.dim() != 4 or src.shape[0] != 1 or src.shape[2] < num_blocks * bs:
                     raise ValueError(
                         f"commit: {name}[{i}] has shape {tuple(src.shape)}, expected "
-                        f"[1, kv_heads, >= {len(tokens)}, head_dim] (KV of every whole-block token)"
+                        f"[1, kv_heads, >= {num_blocks * bs}, head_dim] (KV of every whole-block token)"
                     )
         with self._lock:
             if epoch is not None and epoch != self.epoch:
@@ -196,12 +201,12 @@ class KVStore:
             if tree is not self.tree or not take:  # flushed meanwhile: the KV may be stale
                 self.pool.free(ids)
                 return 0
-            new_tokens = tokens[: (cached_blocks + take) * bs]
+            new_tokens = tokens.head((cached_blocks + take) * bs)
             already = tree.insert(new_tokens, list(match.block_ids) + ids, namespace)
             duplicates = max(0, already // bs - cached_blocks)  # another thread inserted them first
             if duplicates:
                 self.pool.free(ids[:duplicates])
-            added = len(new_tokens) - max(already, cached_blocks * bs)
+            added = new_tokens.num_tokens - max(already, cached_blocks * bs)
             self.counters.inserted_tokens += added
             return added
 
@@ -209,7 +214,7 @@ class KVStore:
     def flush(self) -> int:
         """Drop every cached prefix; returns blocks freed now. Pinned blocks go when released."""
         with self._lock:
-            old, self.tree = self.tree, RadixTree(self.block_size)
+            old, self.tree = self.tree, self._new_tree()
             self.epoch += 1
             self.counters.flushes += 1
             freed = old.clear()
@@ -217,6 +222,11 @@ class KVStore:
             if old.num_cached_blocks:
                 self._retired.append(old)
             return len(freed)
+
+    def _new_tree(self) -> RadixTree:
+        # Ids come off the pool's free list (refcount 1), so the tree need not re-check that it
+        # does not own them already; check_invariants still recounts them.
+        return RadixTree(self.pool.block_size, check_block_ids=False)
 
     def _evict_locked(self, num_blocks: int) -> None:
         freed = self.tree.evict(num_blocks)

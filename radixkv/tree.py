@@ -31,7 +31,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from sortedcontainers import SortedList
 
 import radixkv.node as _node
-from radixkv.node import TOKEN_BYTES, MatchResult, Node, TreeInvariantError, pack, split, walk
+from radixkv.node import TOKEN_BYTES, MatchResult, Node, Tokens, TreeInvariantError, pack, split, walk
 from radixkv.tree_check import check_tree
 
 __all__ = ["MatchResult", "Node", "RadixTree", "TreeInvariantError"]
@@ -48,11 +48,9 @@ class RadixTree:
     the number of evictable leaves.
     """
 
-    def __init__(self, block_size: int = 16) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+    def __init__(self, block_size: int = 16, *, check_block_ids: bool = True) -> None:
+        if type(block_size) is not int or block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be {_ALLOWED_BLOCK_SIZES}, got {block_size!r}")
-        if block_size & (block_size - 1):
-            raise ValueError(f"block_size must be {_ALLOWED_BLOCK_SIZES}, got {block_size}")
         self._block_size = block_size
         self._width = block_size * TOKEN_BYTES  # bytes of one packed block
         self._roots: dict[Hashable, Node] = {}
@@ -64,9 +62,9 @@ class RadixTree:
         self._num_nodes = 0
         self._num_cached_blocks = 0
         self._num_pinned_blocks = 0
-        # Every block id the tree owns: insert refuses an id it already holds (two blocks of KV
-        # in one slot), in O(new blocks) instead of a walk over the tree.
-        self._owned: set[int] = set()
+        # Ids owned, so insert can refuse one held already (two KVs in one slot): ~15% of a
+        # bench_tree request (cache misses); KVStore's ids come off the pool's free list: off.
+        self._owned: set[int] | None = set() if check_block_ids else None
 
     # ---------------------------------------------------------------- counters
 
@@ -97,21 +95,21 @@ class RadixTree:
 
     # ---------------------------------------------------------------- lookup and insert
 
-    def match(self, tokens: Sequence[int], namespace: Hashable = None) -> MatchResult:
+    def match(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:
         """Longest cached whole-block prefix of ``tokens`` under ``namespace``.
 
         Tokens beyond the last whole block are ignored. Side effects: when the match ends
         inside an edge, that node is split at the block boundary so ``result.node`` ends
         exactly at ``num_tokens`` (the original node object stays the deeper part); every node
         on the matched path becomes most recently used; an unknown namespace gets an (empty)
-        root. O(n) to pack the query (in C), one dict lookup and one ``memcmp`` per node on the
+        root. O(n) to pack the query (in C; a slice for ``PackedTokens``), one dict lookup and one ``memcmp`` per node on the
         path (O(d) Python steps), O(log(edge blocks)) comparisons on a partially matched edge,
         and O(log L) to refresh the deepest node's place in the eviction order.
         """
         bs = self._block_size
-        end = len(tokens) - len(tokens) % bs
-        query = pack(tokens, end)
-        tick = self._tick()
+        n = _node.num_tokens_of(tokens)
+        query = pack(tokens, n - n % bs)
+        tick = self._clock = self._clock + 1
         ids: list[int] = []
         node, pos, edge, matched = walk(self._root(namespace), query, self._width, tick, ids)
         if edge is not None:
@@ -122,7 +120,7 @@ class RadixTree:
         self._touch(node)
         return MatchResult(pos // TOKEN_BYTES, tuple(ids), node)
 
-    def insert(self, tokens: Sequence[int], block_ids: Sequence[int], namespace: Hashable = None) -> int:
+    def insert(self, tokens: Tokens, block_ids: Sequence[int], namespace: Hashable = None) -> int:
         """Cache ``tokens`` (whole blocks only) stored in ``block_ids``; return the tokens already cached.
 
         ``block_ids`` must hold one id per whole block: ``len(tokens) // block_size``. The tree
@@ -138,19 +136,22 @@ class RadixTree:
         int >= 0, repeats, or is already owned by the tree.
         """
         bs = self._block_size
-        end = len(tokens) - len(tokens) % bs
+        n = _node.num_tokens_of(tokens)
+        end = n - n % bs
         if len(block_ids) != end // bs:
             raise ValueError(
                 f"insert needs one block id per whole block of {bs} tokens: "
-                f"{len(tokens)} tokens -> {end // bs} block ids, got {len(block_ids)}"
+                f"{n} tokens -> {end // bs} block ids, got {len(block_ids)}"
             )
         query = pack(tokens, end)
         end_bytes = len(query)
-        tick = self._tick()
+        tick = self._clock = self._clock + 1
         node, pos, edge, matched = walk(self._root(namespace), query, self._width, tick, None)
         cached = pos + matched  # bytes already in the tree (matched is 0 when edge is None)
         new_ids: list[int] = []
-        if cached < end_bytes:
+        if cached < end_bytes and self._owned is None:  # trusted ids (check_block_ids=False)
+            new_ids = list(block_ids[cached // self._width :])
+        elif cached < end_bytes:
             try:  # the ids the tree takes
                 new_ids = _node.check_block_ids(block_ids[cached // self._width :], self._owned)
             except ValueError:
@@ -282,10 +283,6 @@ class RadixTree:
 
     # ---------------------------------------------------------------- internals
 
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
     def _root(self, namespace: Hashable) -> Node:
         root = self._roots.get(namespace)
         if root is None:
@@ -314,7 +311,8 @@ class RadixTree:
         leaf = parent.children[key] = Node(data, block_ids, parent, key, self._uid(), tick)
         self._num_nodes += 1
         self._num_cached_blocks += len(block_ids)
-        self._owned.update(block_ids)
+        if self._owned is not None:
+            self._owned.update(block_ids)
         self._add_evictable(leaf)
 
     def _remove_leaf(self, node: Node) -> None:
@@ -326,7 +324,8 @@ class RadixTree:
         node.attached = False
         self._num_nodes -= 1
         self._num_cached_blocks -= len(node.block_ids)
-        self._owned.difference_update(node.block_ids)
+        if self._owned is not None:
+            self._owned.difference_update(node.block_ids)
         if parent.children or parent.pin_count:
             return
         if parent.is_root:

@@ -81,7 +81,7 @@ def check_tree(
     num_nodes: int,
     num_cached_blocks: int,
     num_pinned_blocks: int,
-    owned: set[int],
+    owned: set[int] | None,
 ) -> None:
     """Recount the tree under ``roots`` and compare with the evictable set and counters. O(N log N)."""
     seen_blocks: set[int] = set()
@@ -122,7 +122,8 @@ def check_tree(
     _require(
         count_pinned == num_pinned_blocks, f"num_pinned_blocks {num_pinned_blocks} != recount {count_pinned}"
     )
-    _require(seen_blocks == owned, "the set of owned block ids differs from the ids in the tree")
+    if owned is not None:  # None: the tree does not track them (check_block_ids=False)
+        _require(seen_blocks == owned, "the set of owned block ids differs from the ids in the tree")
 
 
 def _check_evictable(evictable: SortedList, candidates: set[int]) -> None:

@@ -36,7 +36,7 @@ def snapshot(tree: RadixTree) -> tuple:
 def test_arrays_as_tokens_are_refused(tokens, op: str) -> None:
     tree = small_tree()
     before = snapshot(tree)
-    with pytest.raises(ValueError, match=r"tokens must be a sequence of ints \(e.g. ids.tolist\(\)\)"):
+    with pytest.raises(ValueError, match=r"tokens must be a sequence of ints \(ids.tolist\(\)\)"):
         if op == "match":
             tree.match(tokens)
         else:
@@ -119,3 +119,73 @@ def test_owned_id_freed_by_eviction_can_be_inserted_again() -> None:
     assert freed == [11]
     assert tree.insert([4, 4], freed) == 0
     tree.check_invariants()
+
+
+# -- PackedTokens: packed once, from a list or straight from int64 memory -----------------------
+def test_packed_tokens_match_and_insert_like_the_list() -> None:
+    from array import array
+
+    from radixkv import pack_tokens
+
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    packed = [
+        pack_tokens(tokens),
+        pack_tokens(tuple(tokens)),
+        pack_tokens(np.array(tokens, dtype=np.int64)),
+        pack_tokens(torch.tensor(tokens).numpy()),
+        pack_tokens(array("q", tokens)),
+        pack_tokens(np.array([0] + tokens, dtype=np.int64)[1:]),  # a view with an offset
+    ]
+    assert all(p == packed[0] and p.num_tokens == 7 for p in packed)
+    assert pack_tokens(packed[0]) is packed[0]
+    assert packed[0].head(4) == pack_tokens(tokens[:4]) and packed[0].head(99) is packed[0]
+    for p in packed:
+        plain, fast = small_tree(), small_tree()
+        assert fast.insert(p, [30, 31, 32]) == plain.insert(tokens, [30, 31, 32]) == 4  # [1..4] cached
+        assert snapshot(fast) == snapshot(plain)
+        assert fast.match(p).block_ids == plain.match(tokens).block_ids == (10, 11, 32)
+        fast.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "buffer",
+    [
+        np.array([1, 2, 3, 4], dtype=np.int32),  # another width
+        np.array([1.0, 2.0, 3.0, 4.0]),  # float64: 8 bytes, not ints
+        np.array([[1, 2], [3, 4]], dtype=np.int64),  # 2-D
+        b"\x01\x02\x03\x04",  # bytes: not token ids
+    ],
+    ids=["int32", "float64", "2d", "bytes"],
+)
+def test_pack_tokens_refuses_other_buffers(buffer) -> None:
+    from radixkv import pack_tokens
+
+    with pytest.raises(ValueError, match="1-D native int64"):
+        pack_tokens(buffer)
+
+
+def test_pack_tokens_refuses_a_tensor() -> None:
+    from radixkv import pack_tokens
+
+    with pytest.raises(ValueError, match=r"pack_tokens\(ids.numpy\(\)\)"):
+        pack_tokens(torch.tensor([[1, 2, 3, 4]]))
+
+
+def test_unchecked_ids_are_trusted_but_still_recounted() -> None:
+    """check_block_ids=False (KVStore: ids fresh off the pool) skips the owned-set; a duplicate
+    is then not refused by insert, but check_invariants still finds it."""
+    tree = RadixTree(2, check_block_ids=False)
+    assert tree.insert([1, 2, 3, 4], [10, 11]) == 0
+    tree.check_invariants()
+    tree.insert([5, 6], [10])  # a caller bug the checked tree would refuse
+    with pytest.raises(AssertionError, match="appear twice|owned twice|unique"):
+        tree.check_invariants()
+
+
+def test_store_trees_trust_the_pool() -> None:
+    from radixkv import BlockPool, KVStore, LayerSpec
+
+    store = KVStore(BlockPool([LayerSpec(1, 2, 2, torch.float32, "cpu")], 8, 2))
+    assert store.tree._owned is None
+    store.flush()
+    assert store.tree._owned is None
