@@ -3,7 +3,8 @@
 Edges store their tokens packed as native-order int64 bytes, not as lists of ints: a slice
 comparison is then one ``memcmp`` instead of a pointer chase per token through int objects
 scattered over the heap (a fresh query shares no int objects with the tree), and a cached
-token costs 8 bytes instead of ~40. Packing a query costs ~6 ns per token. Positions inside
+token costs 8 bytes instead of ~40. Packing a list costs ~6-10 ns per token (one copy for
+an int64 buffer, see ``pack_tokens``). Positions inside
 this module are byte offsets (``TOKEN_BYTES`` per token); the tree converts.
 
 A node's edge is a run of whole blocks: ``len(data) == len(block_ids) * block_size * 8``.
@@ -17,6 +18,12 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 TOKEN_BYTES = 8
+
+
+def check_block_size(block_size: object) -> None:
+    """Raise ValueError unless ``block_size`` is a power-of-two int (not a bool). Tree and pool share it."""
+    if type(block_size) is not int or block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two (1, 2, 4, 8, 16, ...), got {block_size!r}")
 
 
 def check_not_array(seq: object, name: str) -> None:
@@ -78,23 +85,23 @@ def pack_tokens(tokens: object) -> PackedTokens:
     return PackedTokens(view.tobytes())
 
 
-def num_tokens_of(tokens: Sequence[int] | PackedTokens) -> int:
+def num_tokens_of(tokens: Tokens) -> int:
     return tokens.num_tokens if type(tokens) is PackedTokens else len(tokens)
 
 
-def head_of(tokens: Sequence[int] | PackedTokens, num_tokens: int) -> Sequence[int] | PackedTokens:
+def head_of(tokens: Tokens, num_tokens: int) -> Tokens:
     """The first ``num_tokens`` tokens of a sequence or of PackedTokens."""
     return tokens.head(num_tokens) if type(tokens) is PackedTokens else tokens[: max(0, num_tokens)]
 
 
-def pack(tokens: Sequence[int] | PackedTokens, num_tokens: int) -> bytes:
+def pack(tokens: Tokens, num_tokens: int) -> bytes:
     """The first ``num_tokens`` token ids as native-order int64 bytes. O(num_tokens), in C.
 
     PackedTokens are sliced, not converted. Raises ValueError when ``tokens`` is an array (a
     torch tensor or numpy array: pass ``.tolist()``) or an id is not an int in ``[-2**63, 2**63)``.
     """
     if type(tokens) is PackedTokens:
-        return tokens if num_tokens == tokens.num_tokens else tokens[: num_tokens * TOKEN_BYTES]
+        return tokens.head(num_tokens)
     check_not_array(tokens, "tokens")
     try:
         if type(tokens) is list and len(tokens) - num_tokens < 64:

@@ -16,6 +16,7 @@ import torch
 
 import cuda_ext
 from cuda_ext.validate import DTYPES  # what the copy ops move: a pool of anything else stays empty
+from radixkv.node import check_block_size
 
 
 def _is_count(value: object) -> bool:
@@ -67,7 +68,7 @@ class BlockPool:
             raise ValueError("BlockPool needs at least one LayerSpec")
         if not _is_count(num_blocks) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        _check_block_size(block_size)
+        check_block_size(block_size)
         self.layers = tuple(layers)
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -104,7 +105,7 @@ class BlockPool:
         budget = tokens if tokens is not None else bytes
         if not _is_count(budget) or budget < 0:
             raise ValueError(f"the pool budget must be an int >= 0, got tokens={tokens!r}, bytes={bytes!r}")
-        _check_block_size(block_size)
+        check_block_size(block_size)
         per_block = block_size * sum(s.bytes_per_token for s in layers)
         num_blocks = tokens // block_size if tokens is not None else bytes // per_block
         if num_blocks <= 0:
@@ -224,8 +225,3 @@ class BlockPool:
                 [self.k[i] for i in idx],
                 [self.v[i] for i in idx],
             )
-
-
-def _check_block_size(block_size: object) -> None:
-    if not _is_count(block_size) or block_size <= 0 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two (1, 2, 4, ... ), got {block_size!r}")

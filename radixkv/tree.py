@@ -38,8 +38,6 @@ __all__ = ["MatchResult", "Node", "RadixTree", "TreeInvariantError"]
 
 logger = logging.getLogger(__name__)
 
-_ALLOWED_BLOCK_SIZES = "a power of two (1, 2, 4, 8, 16, 32, ...)"
-
 
 class RadixTree:
     """Radix tree mapping whole-block token prefixes to KV block ids, with pins and LRU eviction.
@@ -49,8 +47,7 @@ class RadixTree:
     """
 
     def __init__(self, block_size: int = 16, *, check_block_ids: bool = True) -> None:
-        if type(block_size) is not int or block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be {_ALLOWED_BLOCK_SIZES}, got {block_size!r}")
+        _node.check_block_size(block_size)
         self._block_size = block_size
         self._width = block_size * TOKEN_BYTES  # bytes of one packed block
         self._roots: dict[Hashable, Node] = {}
@@ -102,9 +99,10 @@ class RadixTree:
         inside an edge, that node is split at the block boundary so ``result.node`` ends
         exactly at ``num_tokens`` (the original node object stays the deeper part); every node
         on the matched path becomes most recently used; an unknown namespace gets an (empty)
-        root. O(n) to pack the query (in C; a slice for ``PackedTokens``), one dict lookup and one ``memcmp`` per node on the
-        path (O(d) Python steps), O(log(edge blocks)) comparisons on a partially matched edge,
-        and O(log L) to refresh the deepest node's place in the eviction order.
+        root. O(n) to pack the query (in C; a slice for ``PackedTokens``), one dict lookup and
+        one ``memcmp`` per node on the path (O(d) Python steps), O(log(edge blocks))
+        comparisons on a partially matched edge, and O(log L) to refresh the deepest node's
+        place in the eviction order.
         """
         bs = self._block_size
         n = _node.num_tokens_of(tokens)
