@@ -44,7 +44,8 @@ def build_engine(config: Config) -> Engine:
     from demo import model as model_lib
 
     device = config.resolve_device()
-    model, tokenizer = model_lib.load(config.model, device, config.resolve_dtype(device))
+    options = model_lib.LoadOptions(config.revision, config.trust_remote_code, config.device_map)
+    model, tokenizer = model_lib.load(config.model, device, config.resolve_dtype(device), options)
     return Engine(
         model,
         tokenizer,
@@ -106,12 +107,15 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         # vLLM answers an unknown model with a 404 and this error object; None = the one served.
         name = body.get("model") if isinstance(body, dict) else None
         if isinstance(name, str) and name not in served_names:
-            raise ApiError(
-                404, f"The model '{name}' does not exist", "model", "model_not_found"
-            )
+            raise ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found")
 
     def respond(
-        endpoint: str, prompt_ids: list[int], s: schema.Sampling, opts: options.Options, namespace, started: float
+        endpoint: str,
+        prompt_ids: list[int],
+        s: schema.Sampling,
+        opts: options.Options,
+        namespace,
+        started: float,
     ):
         max_new = schema.check_length(
             len(prompt_ids),

@@ -97,6 +97,8 @@ def chat_ids(tokenizer, messages: Sequence[dict], template: str | None) -> list[
             continue
         plain = encode_plain(tokenizer, piece)
         if tokenizer.convert_tokens_to_ids(piece) in plain:
-            raise ValueError(f"cannot keep {piece!r} out of the prompt: the tokenizer makes it from plain text")
+            raise ValueError(
+                f"cannot keep {piece!r} out of the prompt: the tokenizer makes it from plain text"
+            )
         ids += plain
     return ids

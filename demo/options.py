@@ -78,7 +78,9 @@ def parse(body: dict, endpoint: str, vocab_size: int) -> Options:
         raise _bad("'cache_prompt' must be a boolean", "cache_prompt")
     salt: Any = body.get("cache_salt")
     if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_SALT_CHARS):
-        raise _bad(f"'cache_salt' must be a non-empty string of at most {MAX_SALT_CHARS} characters", "cache_salt")
+        raise _bad(
+            f"'cache_salt' must be a non-empty string of at most {MAX_SALT_CHARS} characters", "cache_salt"
+        )
     return Options(
         n=n or 1,
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),

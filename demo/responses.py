@@ -97,7 +97,12 @@ class ChunkChoices:
         self._chars = [0] * n
 
     def role(self, index: int) -> dict:
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+        return {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "finish_reason": None,
+            "logprobs": None,
+        }
 
     def delta(self, d: Delta) -> dict:
         steps = d.logprobs if self.logprobs else None
