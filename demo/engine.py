@@ -6,9 +6,10 @@ thread, so one generate() runs at a time (the honest choice on a CPU, and what k
 exact: the global RNG is seeded right before that request's generate). The request's own
 thread reads token ids from the worker through a queue and turns them into text.
 
-A request's n choices are n rows of one generate() call (num_return_sequences). With the
-prefix cache on, the prompt is first committed by a one-token greedy pass, so the n rows
-read its KV from the store instead of computing the prompt n times.
+A request's n sampled choices are n rows of one generate() call (num_return_sequences).
+With the prefix cache on, the prompt is first committed by a one-token greedy pass, so the
+n rows read its KV from the store instead of computing the prompt n times. n greedy choices
+are equal: one row is generated and copied.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class Engine:
         cfg.temperature, cfg.top_p, cfg.top_k = (
             (p.temperature, p.top_p, 0) if cfg.do_sample else (1.0, 1.0, None)
         )
-        cfg.num_return_sequences = p.n
+        cfg.num_return_sequences = p.n if cfg.do_sample else 1
         if cfg.pad_token_id is None:
             cfg.pad_token_id = (
                 self.tokenizer.pad_token_id
@@ -136,7 +137,8 @@ class Engine:
         ids = torch.tensor([gen.prompt_ids], device=self.model.device)
         cache = self._cache(gen)
         cached = None
-        if cache is not None and p.n > 1:
+        rows = p.n if p.temperature >= GREEDY_BELOW else 1
+        if cache is not None and rows > 1:
             # Commit the prompt once (a greedy one-token pass: no RNG used), so the n rows
             # below read it from the store instead of each computing it.
             self.model.generate(
@@ -161,8 +163,8 @@ class Engine:
             past_key_values=cache,
             generation_config=self._config(p),
             logits_processor=logits_processor,
-            streamer=Streamer(gen, recorder),
-            stopping_criteria=StoppingCriteriaList([Stopped(gen)]),
+            streamer=Streamer(gen, recorder, rows),
+            stopping_criteria=StoppingCriteriaList([Stopped(gen, rows)]),
         )
         if cached is None:
             cached = cache.cached_tokens[0] if cache is not None and cache.cached_tokens else 0

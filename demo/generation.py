@@ -204,18 +204,22 @@ class Generation:
 
 class Streamer(BaseStreamer):
     """Forwards generated ids (and their logprobs) to the request's queue; the first put()
-    is the prompt. `value`: [n] ids, one per choice, per decoding step."""
+    is the prompt. `value`: [rows] ids per decoding step, one per generate() row; with one
+    row for n choices (greedy: the n choices are equal) each row is copied to every choice."""
 
-    def __init__(self, gen: Generation, recorder: LogprobRecorder | None):
-        self.gen, self.recorder, self.seen_prompt = gen, recorder, False
+    def __init__(self, gen: Generation, recorder: LogprobRecorder | None, rows: int):
+        self.gen, self.recorder, self.rows, self.seen_prompt = gen, recorder, rows, False
 
     def put(self, value: torch.Tensor) -> None:
         if self.seen_prompt:
-            rows = value.reshape(self.gen.params.n, -1)
+            rows = value.reshape(self.rows, -1)
             # One token per row and step in sampling and greedy search (the only modes used).
             logprobs = self.recorder.take(rows[:, -1]) if self.recorder is not None else None
+            copies = self.gen.params.n // self.rows
+            ids = [r for r in rows.tolist() for _ in range(copies)]
+            logprobs = [lp for lp in logprobs for _ in range(copies)] if logprobs is not None else None
             self.gen.generated += rows.shape[1]
-            self.gen._events.put(("ids", rows.tolist(), logprobs))
+            self.gen._events.put(("ids", ids, logprobs))
         self.seen_prompt = True
 
     def end(self) -> None:
@@ -223,11 +227,16 @@ class Streamer(BaseStreamer):
 
 
 class Stopped(StoppingCriteria):
-    """Per row: True once the request is cancelled or that choice hit its stop string."""
+    """Per row: True once the request is cancelled or that row's choice hit its stop string
+    (a single row standing for n equal choices stops when they all have)."""
 
-    def __init__(self, gen: Generation):
-        self.gen = gen
+    def __init__(self, gen: Generation, rows: int):
+        self.gen, self.rows = gen, rows
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.BoolTensor:
-        flags = [True] * len(self.gen.stopped) if self.gen.cancelled.is_set() else self.gen.stopped
+        stopped = self.gen.stopped
+        if self.gen.cancelled.is_set():
+            flags = [True] * self.rows
+        else:
+            flags = stopped if self.rows == len(stopped) else [all(stopped)] * self.rows
         return torch.tensor(flags, dtype=torch.bool, device=input_ids.device)
