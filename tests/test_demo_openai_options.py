@@ -320,3 +320,17 @@ def test_openai_client_sends_each_option(engine):
             client.chat.completions.create(
                 model="builtin-tiny", messages=messages, max_tokens=2, response_format={"type": "json_object"}
             )
+
+
+def test_n_choices_stop_at_their_own_stop_string(client, engine):
+    """Each sampled row is cut (and stopped) at its own first stop string; the others go on."""
+    body = {"prompt": doc(), "max_tokens": 24, "n": 4, "temperature": 1.0, "seed": 5}
+    free = post(client, "/v1/completions", **body)
+    stop = next(t for t in ("e", "a", " ", "o") if any(t in c["text"] for c in free["choices"]))
+    cut = post(client, "/v1/completions", stop=[stop], **body)
+    for c, f in zip(cut["choices"], free["choices"]):
+        if stop in f["text"]:
+            assert c["text"] == f["text"][: f["text"].index(stop)] and c["finish_reason"] == "stop"
+        else:
+            assert c["text"] == f["text"] and c["finish_reason"] == f["finish_reason"]
+    assert cut["usage"]["completion_tokens"] < free["usage"]["completion_tokens"]
