@@ -141,6 +141,21 @@ def test_completions_logprobs_shape(client, engine):
     )
     assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(tokens))]
     assert post(client, "/v1/completions", prompt=prompt, max_tokens=2)["choices"][0]["logprobs"] is None
+    body = {
+        "model": "builtin-tiny",
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 3,
+        "stream": True,
+    }
+    events = client.post("/v1/completions", json=body).get_data(as_text=True).split("\n\n")
+    parts = [json.loads(e[6:])["choices"][0]["logprobs"] for e in events if e.startswith("data: {")]
+    streamed = {k: sum((p[k] for p in parts if p), []) for k in lp}
+    # The same tokens and offsets chunk by chunk; logprobs to 1e-4 (this run hits the cache).
+    assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
+    assert streamed["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-4)
+    assert [sorted(t) for t in streamed["top_logprobs"]] == [sorted(t) for t in lp["top_logprobs"]]
 
 
 def test_logit_bias_plus_100_forces_the_token(client, engine):
