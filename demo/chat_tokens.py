@@ -48,27 +48,34 @@ def mark(content: str, tokens: tuple[str, ...]) -> str:
     return _patterns(tokens)[0].sub(lambda m: START + m.group(0) + END, content)
 
 
-def encode_plain(tokenizer, text: str) -> list[int]:
-    """Ids of `text` with no added token matched (special or not).
-
-    Fast tokenizers: the backend's normalizer, pre-tokenizer and model directly, with no
-    shared flag flipped (`split_special_tokens=True` toggles one on the shared backend, a race
-    between request threads). A newline is encoded in front and removed, so a SentencePiece
-    tokenizer does not add the word-start prefix it adds at the start of a string.
-    """
+def _encode_without_added_tokens(tokenizer, text: str) -> list[int]:
+    """Ids of `text` with no added token matched (special or not). Fast tokenizers: the
+    backend's normalizer, pre-tokenizer and model directly, with no shared flag flipped
+    (`split_special_tokens=True` toggles one on the shared backend: a race between threads)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    splits = [p for p, _ in backend.pre_tokenizer.pre_tokenize_str(text)] if backend.pre_tokenizer else [text]
+    return [t.id for p in splits for t in backend.model.tokenize(p)]
+
+
+def encode_piece(tokenizer, piece: str, plain: bool) -> list[int]:
+    """Ids of a piece from the middle of a chat; `plain`: no added tokens matched.
+
+    Encoded behind a newline that is then removed, so a SentencePiece-style tokenizer does not
+    add the word-start prefix it adds at the start of a string (transformers' trick too).
+    """
 
     def encode(s: str) -> list[int]:
-        if backend is None:
-            return tokenizer.encode(s, add_special_tokens=False, split_special_tokens=True)
-        if backend.normalizer is not None:
-            s = backend.normalizer.normalize_str(s)
-        splits = [p for p, _ in backend.pre_tokenizer.pre_tokenize_str(s)] if backend.pre_tokenizer else [s]
-        return [t.id for p in splits for t in backend.model.tokenize(p)]
+        if plain:
+            return _encode_without_added_tokens(tokenizer, s)
+        return tokenizer(s, add_special_tokens=False)["input_ids"]
 
     newline = encode("\n")
-    ids = encode("\n" + text)
-    return ids[len(newline) :] if ids[: len(newline)] == newline else encode(text)
+    ids = encode("\n" + piece)
+    return ids[len(newline) :] if ids[: len(newline)] == newline else encode(piece)
 
 
 def chat_ids(tokenizer, messages: Sequence[dict], template: str | None) -> list[int]:
@@ -92,13 +99,12 @@ def chat_ids(tokenizer, messages: Sequence[dict], template: str | None) -> list[
     for i, piece in enumerate(pieces[1:], start=1):
         if not piece:
             continue
-        if i % 2 == 0:  # text between marked tokens: the template's markers stay special
-            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
-            continue
-        plain = encode_plain(tokenizer, piece)
-        if tokenizer.convert_tokens_to_ids(piece) in plain:
+        # Odd pieces are marked tokens (plain text); even ones lie between them, where the
+        # template's own markers stay special.
+        piece_ids = encode_piece(tokenizer, piece, plain=i % 2 == 1)
+        if i % 2 == 1 and tokenizer.convert_tokens_to_ids(piece) in piece_ids:
             raise ValueError(
                 f"cannot keep {piece!r} out of the prompt: the tokenizer makes it from plain text"
             )
-        ids += plain
+        ids += piece_ids
     return ids
