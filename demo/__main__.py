@@ -1,4 +1,4 @@
-"""python -m demo [--host H] [--port P] [--model builtin|builtin-tiny|PATH] [--no-reuse] ...
+"""python -m demo [--host H] [--port P] [--model builtin|builtin-tiny|PATH|HUB_ID] [--no-reuse] ...
 
 Flags override RADIXKV_* environment variables; `python -m demo --help` lists both.
 """
@@ -6,7 +6,6 @@ Flags override RADIXKV_* environment variables; `python -m demo --help` lists bo
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 from demo.config import from_args, parser
@@ -19,15 +18,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser().error(str(e))
     from demo.api import create_app
-    from demo.model import BUILTIN
+    from demo.model import BUILTIN, ModelNotFound
     from demo.server import serve_forever
 
-    if config.model not in BUILTIN and not os.path.isdir(config.model):
+    try:
+        app = create_app(config)
+    except ModelNotFound as e:
         parser().error(
-            f"--model {config.model}: neither a built-in model ({', '.join(BUILTIN)}) nor a local directory"
+            f"--model {config.model}: not a built-in model ({', '.join(BUILTIN)}), "
+            f"a local directory or a loadable Hub id: {e}"
         )
-
-    app = create_app(config)
     engine = app.extensions["radixkv"]["engine"]
     log = logging.getLogger("demo")
     log.info(

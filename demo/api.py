@@ -6,7 +6,8 @@
 
 Routes: GET / (chat page), GET /health, GET /v1/models, POST /v1/chat/completions,
 POST /v1/completions, POST /v1/cache/flush (admin token), GET /metrics (Prometheus).
-Every error is JSON: {"error": {"message", "type", "param", "code"}}.
+Every error is JSON: {"error": {"message", "type", "param", "code"}}. Request fields are
+checked in demo.schema and demo.options; response shapes are built in demo.responses.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import uuid
 from flask import Flask, Response, jsonify, render_template, request
 from werkzeug.exceptions import HTTPException
 
-from demo import schema
+from demo import options, responses, schema
 from demo.auth import Auth
 from demo.config import Config
 from demo.engine import Busy, Disconnected, Engine, Generation, Params
+from demo.generation import Result
 from demo.metrics import Metrics
 from demo.model import BUILTIN
 from demo.schema import ApiError
@@ -42,7 +44,8 @@ def build_engine(config: Config) -> Engine:
     from demo import model as model_lib
 
     device = config.resolve_device()
-    model, tokenizer = model_lib.load(config.model, device, config.resolve_dtype(device))
+    options = model_lib.LoadOptions(config.revision, config.trust_remote_code, config.device_map)
+    model, tokenizer = model_lib.load(config.model, device, config.resolve_dtype(device), options)
     return Engine(
         model,
         tokenizer,
@@ -52,15 +55,6 @@ def build_engine(config: Config) -> Engine:
         cache_tokens=config.cache_tokens,
         max_queue=config.max_queue,
     )
-
-
-def _usage(r) -> dict:
-    return {
-        "prompt_tokens": r.prompt_tokens,
-        "completion_tokens": r.completion_tokens,
-        "total_tokens": r.prompt_tokens + r.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
-    }
 
 
 def _sse(obj) -> str:
@@ -77,7 +71,10 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES + 1
     app.extensions["radixkv"] = {"engine": engine, "metrics": metrics, "config": config}
     model_id = config.model_id
+    served_names = {model_id, config.model}  # the reported id, and the name it was started with
     vocab_size = engine.model.get_input_embeddings().num_embeddings
+    # logit_bias indexes the logits: never past the output layer (rarely narrower than the input's)
+    logits_size = min(vocab_size, getattr(engine.model.get_output_embeddings(), "out_features", vocab_size))
 
     @app.errorhandler(ApiError)
     def api_error(e: ApiError):
@@ -103,7 +100,23 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         except (ValueError, RecursionError):
             raise ApiError(400, "the request body is not valid JSON") from None
 
-    def respond(endpoint: str, prompt_ids: list[int], s: schema.Sampling, namespace, started: float):
+    def token_text(token: int) -> str:
+        return engine.tokenizer.decode([token], skip_special_tokens=False)
+
+    def check_model(body) -> None:
+        # vLLM answers an unknown model with a 404 and this error object; None = the one served.
+        name = body.get("model") if isinstance(body, dict) else None
+        if isinstance(name, str) and name not in served_names:
+            raise ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found")
+
+    def respond(
+        endpoint: str,
+        prompt_ids: list[int],
+        s: schema.Sampling,
+        opts: options.Options,
+        namespace,
+        started: float,
+    ):
         max_new = schema.check_length(
             len(prompt_ids),
             s.max_tokens,
@@ -112,10 +125,21 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
             "messages" if endpoint == "chat" else "prompt",
             s.max_param,
         )
+        params = Params(
+            max_new,
+            s.temperature,
+            s.top_p,
+            s.stop,
+            s.seed,
+            n=opts.n,
+            frequency_penalty=opts.frequency_penalty,
+            presence_penalty=opts.presence_penalty,
+            logit_bias=tuple(opts.logit_bias.items()),
+            top_logprobs=opts.top_logprobs,
+            cache_prompt=opts.cache_prompt,
+        )
         try:
-            gen = engine.submit(
-                prompt_ids, Params(max_new, s.temperature, s.top_p, s.stop, s.seed), namespace
-            )
+            gen = engine.submit(prompt_ids, params, options.salted(namespace, opts.cache_salt))
         except Busy as e:
             raise ApiError(503, f"server busy: {e}; retry later", type="server_error", code="busy") from None
         gen.alive = client_alive(request.environ)
@@ -129,55 +153,48 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                 gen.cancel()
             metrics.generation(endpoint, r)
             metrics.request(endpoint, 200, time.perf_counter() - started)
-            if endpoint == "chat":
-                choice = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": r.text},
-                    "finish_reason": r.finish_reason,
-                    "logprobs": None,
-                }
-            else:
-                choice = {"index": 0, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
             return jsonify(
                 {
                     "id": rid,
                     "object": "chat.completion" if endpoint == "chat" else "text_completion",
                     "created": created,
                     "model": model_id,
-                    "choices": [choice],
-                    "usage": _usage(r),
+                    "choices": [responses.choice(endpoint, c, token_text) for c in r.choices],
+                    "usage": responses.usage(r),
                 }
             )
+        shaper = responses.ChunkChoices(endpoint, opts.n, opts.top_logprobs is not None, token_text)
         return Response(
-            _stream(endpoint, gen, s.include_usage, rid, created, started),
+            _stream(endpoint, gen, shaper, s.include_usage, rid, created, started),
             mimetype="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    def _stream(endpoint: str, gen: Generation, include_usage: bool, rid: str, created: int, started: float):
+    def _stream(
+        endpoint: str,
+        gen: Generation,
+        shaper: responses.ChunkChoices,
+        include_usage: bool,
+        rid: str,
+        created: int,
+        started: float,
+    ):
         obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
 
-        def chunk(delta: str | None, finish: str | None = None, role: bool = False) -> dict:
-            if endpoint == "chat":
-                d = (
-                    {"role": "assistant", "content": ""}
-                    if role
-                    else ({"content": delta} if delta is not None else {})
-                )
-                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+        def chunk(choice: dict) -> dict:
             c = {"id": rid, "object": obj, "created": created, "model": model_id, "choices": [choice]}
             return {**c, "usage": None} if include_usage else c
 
         try:
             if endpoint == "chat":
-                yield _sse(chunk(None, role=True))
+                for i in range(gen.params.n):
+                    yield _sse(chunk(shaper.role(i)))
             for delta in gen:
-                yield _sse(chunk(delta))
-            r = gen.result
+                yield _sse(chunk(shaper.delta(delta)))
+            r: Result = gen.result
             metrics.generation(endpoint, r)
-            yield _sse(chunk(None, finish=r.finish_reason))
+            for c in r.choices:
+                yield _sse(chunk(shaper.finish(c)))
             if include_usage:
                 yield _sse(
                     {
@@ -186,7 +203,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                         "created": created,
                         "model": model_id,
                         "choices": [],
-                        "usage": _usage(r),
+                        "usage": responses.usage(r),
                     }
                 )
         except Disconnected:  # the client is gone: nothing to say, nobody to say it to
@@ -234,19 +251,25 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     @app.post("/v1/chat/completions")
     def chat():
         started, namespace = time.perf_counter(), auth.namespace(request.headers)
-        req = schema.chat(body(), engine.context)
+        data = body()
+        check_model(data)
+        req = schema.chat(data, engine.context)
+        opts = options.parse(data, "chat", logits_size)
         try:
             ids = engine.chat_ids(req.messages)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
-        return respond("chat", ids, req.sampling, namespace, started)
+        return respond("chat", ids, req.sampling, opts, namespace, started)
 
     @app.post("/v1/completions")
     def completions():
         started, namespace = time.perf_counter(), auth.namespace(request.headers)
-        req = schema.completion(body(), engine.context, vocab_size)
+        data = body()
+        check_model(data)
+        req = schema.completion(data, engine.context, vocab_size)
+        opts = options.parse(data, "completions", logits_size)
         ids = list(req.prompt) if isinstance(req.prompt, list) else engine.text_ids(req.prompt)
-        return respond("completions", ids, req.sampling, namespace, started)
+        return respond("completions", ids, req.sampling, opts, namespace, started)
 
     @app.post("/v1/cache/flush")
     def flush():

@@ -12,13 +12,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("cpu", "cuda", "mps", "xpu")
+_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's strategies
 
 
 @dataclass(frozen=True)
 class Config:
     host: str = "127.0.0.1"
     port: int = 8000
-    model: str = "builtin"  # a demo.model.BUILTIN name or a local checkpoint directory
+    model: str = "builtin"  # a demo.model.BUILTIN name, a local checkpoint directory or a Hub id
+    revision: str | None = None  # Hub branch, tag or commit of `model`
+    trust_remote_code: bool = False  # run a Hub repository's own modelling code
+    device_map: str | None = None  # from_pretrained's device_map (accelerate), e.g. "auto"
     device: str = "auto"  # auto = cuda if available else cpu
     dtype: str = "auto"  # auto = bfloat16 on cuda, float32 on cpu
     reuse: bool = True  # False: plain generate(), no RadixCache (A/B baseline)
@@ -42,16 +47,28 @@ class Config:
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda", "mps", "xpu"):
+        if self.device != "auto" and self.device.split(":")[0] not in _DEVICES:
             raise ValueError(f"device must be auto, cpu, cuda[:N], mps or xpu, got {self.device!r}")
         if self.default_max_tokens < 1 or self.max_queue < 1:
             raise ValueError("default_max_tokens and max_queue must be >= 1")
         if any(not k for k in self.api_keys):
             raise ValueError("api_keys must be non-empty strings")
+        if self.device_map is not None and self.model in ("builtin", "builtin-tiny"):
+            raise ValueError("device_map applies to checkpoints, not to the built-in models")
+        if self.device_map not in (None, *_DEVICE_MAPS) and self.device_map.split(":")[0] not in _DEVICES:
+            raise ValueError(
+                f"device_map must be one of {', '.join(_DEVICE_MAPS)} or a device, got {self.device_map!r}"
+            )
 
     @property
     def model_id(self) -> str:
-        return self.served_name or os.path.basename(os.path.normpath(self.model)) or self.model
+        """The id the API reports: a local directory's name, else the name as given (a Hub id
+        keeps its owner, "Qwen/Qwen2.5-0.5B-Instruct", as vLLM reports it)."""
+        if self.served_name:
+            return self.served_name
+        if os.path.isdir(self.model):
+            return os.path.basename(os.path.normpath(self.model)) or self.model
+        return self.model
 
     def resolve_device(self) -> str:
         import torch
@@ -86,6 +103,9 @@ _ENV = {
     "host": ("RADIXKV_HOST", str),
     "port": ("RADIXKV_PORT", int),
     "model": ("RADIXKV_MODEL", str),
+    "revision": ("RADIXKV_REVISION", str),
+    "trust_remote_code": ("RADIXKV_TRUST_REMOTE_CODE", _bool),
+    "device_map": ("RADIXKV_DEVICE_MAP", str),
     "device": ("RADIXKV_DEVICE", str),
     "dtype": ("RADIXKV_DTYPE", str),
     "reuse": ("RADIXKV_REUSE", _bool),
@@ -104,7 +124,23 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", help="bind address (default 127.0.0.1; env RADIXKV_HOST)")
     p.add_argument("--port", type=int, help="port (default 8000; env RADIXKV_PORT)")
-    p.add_argument("--model", help="builtin, builtin-tiny or a local HF checkpoint dir (env RADIXKV_MODEL)")
+    p.add_argument(
+        "--model",
+        help="builtin, builtin-tiny, a local HF checkpoint dir or a Hub id such as "
+        "Qwen/Qwen2.5-0.5B-Instruct (env RADIXKV_MODEL)",
+    )
+    p.add_argument("--revision", help="Hub branch, tag or commit of --model (env RADIXKV_REVISION)")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        default=None,
+        help="run the model repository's own Python code (off by default; env RADIXKV_TRUST_REMOTE_CODE)",
+    )
+    p.add_argument(
+        "--device-map",
+        help="spread the model over devices with accelerate: auto, balanced, sequential "
+        "(env RADIXKV_DEVICE_MAP); --device is then unused",
+    )
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N (env RADIXKV_DEVICE)")
     p.add_argument("--dtype", choices=_DTYPES, help="default auto: bfloat16 on cuda, float32 on cpu")
     p.add_argument(

@@ -1,10 +1,15 @@
 """Generation: prompts to token ids, one worker thread running generate(), streamed text out.
 
 Concurrency model: HTTP handling is concurrent (threaded server), generation is not. Every
-request becomes a `Generation` in one FIFO queue served by a single worker thread, so one
-generate() runs at a time (the honest choice on a CPU, and what keeps `seed` exact: the
-global RNG is seeded right before that request's generate). The request's own thread
-reads token ids from the worker through a queue and turns them into text.
+request becomes a `Generation` (demo.generation) in one FIFO queue served by a single worker
+thread, so one generate() runs at a time (the honest choice on a CPU, and what keeps `seed`
+exact: the global RNG is seeded right before that request's generate). The request's own
+thread reads token ids from the worker through a queue and turns them into text.
+
+A request's n sampled choices are n rows of one generate() call (num_return_sequences).
+With the prefix cache on, the prompt is first committed by a one-token greedy pass, so the
+n rows read its KV from the store instead of computing the prompt n times. n greedy choices
+are equal: one row is generated and copied.
 """
 
 from __future__ import annotations
@@ -14,15 +19,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
 
 import torch
-from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 
+from demo import chat_tokens, processors
+from demo.generation import Disconnected, Generation, Params, Result, Stopped, Streamer
 from demo.model import CHAT_TEMPLATE
-from demo.textstream import TextStream
+
+__all__ = ["Busy", "Disconnected", "Engine", "Generation", "Params", "Result"]
 
 log = logging.getLogger(__name__)
 
@@ -31,156 +37,9 @@ class Busy(RuntimeError):
     """The generation queue is full."""
 
 
-class Disconnected(RuntimeError):
-    """The client went away: the generation was cancelled and its result is nobody's."""
-
-
 # Below this temperature, sampling is greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow to
 # inf and the softmax to NaN, which made generate() raise on a valid request.
 GREEDY_BELOW = 1e-5
-# How often (seconds) a waiting request asks its `alive` callback whether the client is there.
-ALIVE_EVERY = 0.25
-
-
-@dataclass(frozen=True)
-class Params:
-    max_new_tokens: int
-    temperature: float = 1.0  # below GREEDY_BELOW: greedy
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-
-
-@dataclass(frozen=True)
-class Result:
-    text: str
-    finish_reason: str  # "stop" (eos, stop string, cancelled) or "length"
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int  # prompt tokens served from the prefix cache
-    queue_s: float  # submit -> worker starts this request
-    ttft_s: float  # submit -> first generated token
-    total_s: float
-
-
-class Generation:
-    """One request. Iterate for text deltas; `result` is set once iteration has ended.
-
-    Dropping out of the iteration early (client gone) must be followed by `cancel()`, which
-    stops generate() at its next step and so frees the worker.
-    """
-
-    def __init__(self, prompt_ids: list[int], params: Params, namespace: Hashable, decode, eos: set[int]):
-        self.prompt_ids, self.params, self.namespace = prompt_ids, params, namespace
-        self.submitted = time.perf_counter()
-        self.started: float | None = None
-        self.cancelled = threading.Event()
-        self.result: Result | None = None
-        self._events: queue.Queue = queue.Queue()  # ("ids", list) | ("done", cached) | ("error", exc)
-        self._text = TextStream(decode, params.stop)
-        self._eos = eos
-        # Set by the HTTP layer: returns False once the client has hung up. Without it a
-        # non-streaming request (which writes nothing until the end) would keep the single
-        # worker generating for nobody, as would a stream still queued or holding text back.
-        self.alive = None
-        self.generated = 0  # tokens the worker produced, read or not (the worker writes it)
-        self.finished = threading.Event()  # the worker is done with this request
-        self._checked = time.monotonic()  # last `alive` poll
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def _next_event(self) -> tuple:
-        # Polls `alive` by the clock, not only on idle waits: tokens may arrive faster than
-        # the poll interval for the whole reply.
-        while True:
-            try:
-                event = self._events.get(timeout=ALIVE_EVERY) if self.alive else self._events.get()
-            except queue.Empty:
-                event = None
-            now = time.monotonic()
-            if self.alive is not None and now - self._checked >= ALIVE_EVERY:
-                self._checked = now
-                if not self.alive():
-                    self.cancel()  # the worker skips it if queued, stops it if running
-                    raise Disconnected("the client closed the connection")
-            if event is not None:
-                return event
-
-    def __iter__(self) -> Iterator[str]:
-        ids: list[int] = []
-        ttft = None
-        counted = None  # ids up to the one that completed a stop string
-        self._checked = time.monotonic()
-        while True:
-            kind, value = self._next_event()
-            if kind == "error":
-                raise value
-            if kind == "ids":
-                ttft = time.perf_counter() - self.submitted if ttft is None else ttft
-                ids.extend(value)
-                delta = self._text.push(value)
-                if self._text.stopped and counted is None:
-                    # The worker runs ahead until it sees the cancel: the tokens it made
-                    # after the stop are not part of the reply (nor of usage), else
-                    # completion_tokens would depend on thread scheduling.
-                    counted = len(ids)
-                    self.cancel()  # stop string seen: no need to generate further
-            else:  # "done"
-                delta = self._text.finish()
-            if delta:
-                yield delta
-            if kind == "done":
-                break
-        now = time.perf_counter()
-        ids = ids if counted is None else ids[:counted]
-        if self._text.stopped or (ids and ids[-1] in self._eos) or len(ids) < self.params.max_new_tokens:
-            reason = "stop"
-        else:
-            reason = "length"
-        self.result = Result(
-            text=self._text.text,
-            finish_reason=reason,
-            prompt_tokens=len(self.prompt_ids),
-            completion_tokens=len(ids),
-            cached_tokens=value,
-            queue_s=(self.started or now) - self.submitted,
-            ttft_s=now - self.submitted if ttft is None else ttft,
-            total_s=now - self.submitted,
-        )
-
-    def collect(self) -> Result:
-        """Run to the end (non-streaming)."""
-        for _ in self:
-            pass
-        return self.result
-
-
-class _Streamer(BaseStreamer):
-    """Forwards generated ids to the request's queue; the first put() is the prompt."""
-
-    def __init__(self, gen: Generation):
-        self.gen, self.seen_prompt = gen, False
-
-    def put(self, value: torch.Tensor) -> None:
-        if self.seen_prompt:
-            ids = value.reshape(-1).tolist()
-            self.gen.generated += len(ids)
-            self.gen._events.put(("ids", ids))
-        self.seen_prompt = True
-
-    def end(self) -> None:
-        pass
-
-
-class _Cancelled(StoppingCriteria):
-    def __init__(self, event: threading.Event):
-        self.event = event
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.BoolTensor:
-        return torch.full(
-            (input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device
-        )
 
 
 class Engine:
@@ -211,16 +70,10 @@ class Engine:
 
     # -- prompts ---------------------------------------------------------------------------
     def chat_ids(self, messages: Sequence[dict]) -> list[int]:
-        """Token ids of a chat prompt ending with the assistant's turn. Raises ValueError."""
-        tok = self.tokenizer
-        template = None if getattr(tok, "chat_template", None) else CHAT_TEMPLATE
-        try:
-            text = tok.apply_chat_template(
-                list(messages), chat_template=template, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as e:  # jinja TemplateError: the model's template refused the messages
-            raise ValueError(f"the chat template rejected the messages: {e}") from None
-        return tok(text, add_special_tokens=False)["input_ids"]
+        """Token ids of a chat prompt ending with the assistant's turn; control tokens inside
+        message contents are plain text (demo.chat_tokens). Raises ValueError."""
+        template = None if getattr(self.tokenizer, "chat_template", None) else CHAT_TEMPLATE
+        return chat_tokens.chat_ids(self.tokenizer, list(messages), template)
 
     def text_ids(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt)["input_ids"]
@@ -246,34 +99,61 @@ class Engine:
         while True:
             gen = self._jobs.get()
             gen.started = time.perf_counter()
-            cache = None
             try:
-                if not gen.cancelled.is_set():
-                    cache = self._generate(gen)
-                gen._events.put(("done", cache.cached_tokens[0] if cache and cache.cached_tokens else 0))
+                cached = self._generate(gen) if not gen.cancelled.is_set() else 0
+                gen._events.put(("done", cached))
             except Exception as e:  # report to the request; the worker keeps serving
                 log.exception("generate failed")
                 gen._events.put(("error", e))
             finally:
                 gen.finished.set()
 
-    def _generate(self, gen: Generation):
-        p = gen.params
+    def _config(self, p: Params):
         cfg = copy.deepcopy(self.model.generation_config)
         cfg.max_new_tokens, cfg.min_new_tokens, cfg.max_length = p.max_new_tokens, None, None
         cfg.do_sample = p.temperature >= GREEDY_BELOW
         cfg.temperature, cfg.top_p, cfg.top_k = (
             (p.temperature, p.top_p, 0) if cfg.do_sample else (1.0, 1.0, None)
         )
+        cfg.num_return_sequences = p.n if cfg.do_sample else 1
         if cfg.pad_token_id is None:
             cfg.pad_token_id = (
                 self.tokenizer.pad_token_id
                 if self.tokenizer.pad_token_id is not None
                 else min(self._eos, default=0)
             )
+        return cfg
+
+    def _cache(self, gen: Generation):
+        """A RadixCache on the store, or None: reuse off, or the request said cache_prompt=false
+        (then plain generate(): the store is neither read nor written)."""
+        if self.store is None or not gen.params.cache_prompt:
+            return None
+        return self._radix_cache(store=self.store, namespace=gen.namespace)
+
+    def _generate(self, gen: Generation) -> int:
+        """Run generate() for the request; returns the prompt tokens read from the store."""
+        p = gen.params
         ids = torch.tensor([gen.prompt_ids], device=self.model.device)
-        cache = (
-            self._radix_cache(store=self.store, namespace=gen.namespace) if self.store is not None else None
+        cache = self._cache(gen)
+        cached = None
+        rows = p.n if p.temperature >= GREEDY_BELOW else 1
+        if cache is not None and rows > 1:
+            # Commit the prompt once (a greedy one-token pass: no RNG used), so the n rows
+            # below read it from the store instead of each computing it.
+            self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                past_key_values=cache,
+                generation_config=self._config(Params(1, temperature=0.0)),
+            )
+            cached = cache.cached_tokens[0] if cache.cached_tokens else 0
+        logits_processor, recorder = processors.build(
+            len(gen.prompt_ids),
+            p.frequency_penalty,
+            p.presence_penalty,
+            dict(p.logit_bias),
+            p.top_logprobs,
         )
         if p.seed is not None:
             torch.manual_seed(p.seed)
@@ -281,11 +161,14 @@ class Engine:
             ids,
             attention_mask=torch.ones_like(ids),
             past_key_values=cache,
-            generation_config=cfg,
-            streamer=_Streamer(gen),
-            stopping_criteria=StoppingCriteriaList([_Cancelled(gen.cancelled)]),
+            generation_config=self._config(p),
+            logits_processor=logits_processor,
+            streamer=Streamer(gen, recorder, rows),
+            stopping_criteria=StoppingCriteriaList([Stopped(gen, rows)]),
         )
-        return cache
+        if cached is None:
+            cached = cache.cached_tokens[0] if cache is not None and cache.cached_tokens else 0
+        return cached
 
     def _eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id

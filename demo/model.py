@@ -1,4 +1,5 @@
-"""The model and tokenizer the demo serves: a built-in random model, or a local checkpoint.
+"""The model and tokenizer the demo serves: a built-in random model, a local checkpoint
+directory, or a Hugging Face Hub id (downloaded as `from_pretrained` does).
 
 The built-in model needs no download: a Llama-architecture network with seeded random
 weights and a byte-level BPE tokenizer trained at start-up on a text that ships here. Both
@@ -10,6 +11,7 @@ prefix reuse, not language.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -149,24 +151,66 @@ def unreadable_ids(tokenizer) -> list[int]:
     return out
 
 
-def load_local(path: str, device: str, dtype: torch.dtype):
-    """(model, tokenizer) from a local HuggingFace checkpoint directory; never downloads."""
+class ModelNotFound(ValueError):
+    """--model names no built-in model, no local directory and nothing loadable from the Hub."""
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a checkpoint is loaded; the defaults are from_pretrained's own.
+
+    revision: a branch, tag or commit of a Hub repository (ignored for a local directory).
+    trust_remote_code: run the repository's own modelling code; off unless asked for.
+    device_map: passed to from_pretrained (accelerate places the layers, e.g. "auto" over
+        several GPUs and the CPU); the model is then not moved to `device` afterwards.
+    """
+
+    revision: str | None = None
+    trust_remote_code: bool = False
+    device_map: str | None = None
+
+
+def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype, options: LoadOptions = LoadOptions()):
+    """(model, tokenizer) from a local checkpoint directory (never downloads) or a Hub id.
+
+    Raises ModelNotFound when neither is there (no such repository or revision, no network).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    local = os.path.isdir(name_or_path)
+    kwargs: dict = {"trust_remote_code": options.trust_remote_code}
+    if local:
+        kwargs["local_files_only"] = True
+    elif options.revision is not None:
+        kwargs["revision"] = options.revision
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+        model_kwargs = {**kwargs, "dtype": dtype}
+        if options.device_map is not None:
+            model_kwargs["device_map"] = options.device_map
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **model_kwargs)
+    except OSError as e:  # transformers' wording for: no such repo / file / revision, offline
+        where = "the local directory" if local else "the Hugging Face Hub"
+        raise ModelNotFound(f"cannot load {name_or_path!r} from {where}: {e}") from None
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device).eval(), tokenizer
+    if options.device_map is None:
+        model = model.to(device)
+    return model.eval(), tokenizer
 
 
-def load(name_or_path: str, device: str, dtype: torch.dtype):
-    """Dispatch: a BUILTIN name or a local checkpoint path."""
+def load_local(path: str, device: str, dtype: torch.dtype):
+    """(model, tokenizer) from a local HuggingFace checkpoint directory; never downloads."""
+    return load_pretrained(path, device, dtype)
+
+
+def load(name_or_path: str, device: str, dtype: torch.dtype, options: LoadOptions = LoadOptions()):
+    """Dispatch: a BUILTIN name, a local checkpoint path or a Hub id. Raises ModelNotFound."""
     if name_or_path in BUILTIN:
         log.info("building %s model (random weights) on %s/%s", name_or_path, device, dtype)
         return build_builtin(name_or_path, device, dtype)
-    log.info("loading %s on %s/%s", name_or_path, device, dtype)
-    return load_local(name_or_path, device, dtype)
+    log.info("loading %s on %s/%s (%s)", name_or_path, options.device_map or device, dtype, options)
+    return load_pretrained(name_or_path, device, dtype, options)
 
 
 def context_length(model, tokenizer) -> int:

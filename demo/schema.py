@@ -1,7 +1,9 @@
 """OpenAI request validation: a JSON body in, a typed request out, or an ApiError.
 
 Unknown fields are ignored (as vLLM and llama.cpp do); known fields are checked for type
-and range, and the first problem is reported with its parameter name.
+and range, and the first problem is reported with its parameter name. The options beyond
+plain sampling (penalties, logit_bias, logprobs, n, cache control) are parsed in
+demo.options.
 """
 
 from __future__ import annotations
@@ -98,11 +100,14 @@ def _content(v: Any, param: str) -> str:
 
 
 # Options that change what a response contains: ignoring them would answer another question
-# (logprobs: null where the client reads logprobs, no prompt where echo asked for it), so
-# they are refused by name; other unknown fields are ignored.
+# (a tool call where the client waits for one, no prompt where echo asked for it), so they
+# are refused by name; other unknown fields are ignored.
 _UNSUPPORTED = {
-    "logprobs": lambda v: v not in (None, False),
-    "top_logprobs": lambda v: v not in (None, 0),
+    "tools": lambda v: v not in (None, []),
+    "tool_choice": lambda v: v not in (None, "none"),
+    "functions": lambda v: v not in (None, []),
+    "function_call": lambda v: v not in (None, "none"),
+    "response_format": lambda v: v is not None and v != {"type": "text"},
     "echo": lambda v: v not in (None, False),
     "best_of": lambda v: v not in (None, 1),
     "suffix": lambda v: v not in (None, ""),
@@ -135,9 +140,6 @@ def sampling(body: dict, context: int) -> Sampling:
     seed = _int(body, "seed")
     if seed is not None and not -(2**63) <= seed < 2**64:
         raise _bad("'seed' is out of range", "seed")
-    n = _int(body, "n")
-    if n not in (None, 1):
-        raise _bad("only n=1 is supported", "n")
     stream = body.get("stream", False)
     if stream is None:
         stream = False

@@ -271,12 +271,33 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": "x"}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400),
+    *[
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra}, 400)
+        for extra in (
+            {"n": 0},
+            {"n": 17},
+            {"frequency_penalty": 2.5},
+            {"presence_penalty": "x"},
+            {"logit_bias": {"abc": 1}},
+            {"logit_bias": {"99999": 1}},
+            {"logit_bias": {"5": 101}},
+            {"logit_bias": [1]},
+            {"logprobs": "yes"},
+            {"logprobs": True, "top_logprobs": 21},
+            {"top_logprobs": 2},
+            {"cache_prompt": "no"},
+            {"cache_salt": ""},
+            {"cache_salt": 5},
+        )
+    ],
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404),
     ("/v1/chat/completions", b"x" * (2 << 20), 413),
     ("/v1/completions", {"prompt": ""}, 400),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400),
     ("/v1/completions", {"prompt": [1, 10**9]}, 400),
     ("/v1/completions", {"prompt": None}, 400),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 6}, 400),
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, 400),
     ("/v1/nope", {}, 404),
 ]
 
@@ -379,7 +400,7 @@ def test_serves_a_local_checkpoint_directory(tmp_path):
     c = create_app(Config(model=str(tmp_path), device="cpu", cache_tokens=4096)).test_client()
     assert c.get("/v1/models").get_json()["data"][0]["id"] == tmp_path.name
     prompt = doc()
-    first, second = chat(c, prompt), chat(c, prompt)
+    first, second = chat(c, prompt, model=tmp_path.name), chat(c, prompt, model=str(tmp_path))
     assert second["choices"] == first["choices"] and cached(second) > 0
     off = create_app(Config(model="builtin-tiny", reuse=False)).test_client()
     assert chat(off, prompt)["choices"][0]["message"] == first["choices"][0]["message"]

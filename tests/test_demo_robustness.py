@@ -83,9 +83,10 @@ def test_tiny_temperature_is_greedy_not_a_500(client):
 @pytest.mark.parametrize(
     "path,extra,param",
     [
-        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-        ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
-        ("/v1/completions", {"logprobs": 2}, "logprobs"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"suffix": "tail"}, "suffix"),
@@ -95,7 +96,15 @@ def test_options_that_change_the_answer_are_refused_not_ignored(client, path, ex
     base = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
     err = error(client.post(path, json={**base, "max_tokens": 2, **extra}), 400)
     assert err["param"] == param and err["code"] == "unsupported_parameter"
-    neutral = {"logprobs": False, "top_logprobs": 0, "echo": False, "best_of": 1, "suffix": None}
+    neutral = {
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "functions": None,
+        "echo": False,
+        "best_of": 1,
+        "suffix": None,
+    }
     assert client.post(path, json={**base, "max_tokens": 2, param: neutral[param]}).status_code == 200
 
 
@@ -133,8 +142,8 @@ def test_completion_tokens_stop_at_the_stop_string(engine, monkeypatch):
     assert ref.finished.wait(60)
     out = []
     while not ref._events.empty():
-        kind, value = ref._events.get()
-        out += value if kind == "ids" else []
+        kind, value, *_ = ref._events.get()
+        out += value[0] if kind == "ids" else []
     text = engine.decode(out)
     stop = text[len(text) // 3 : len(text) // 3 + 2]
     expected = next(k for k in range(1, len(out) + 1) if stop in engine.decode(out[:k]))
