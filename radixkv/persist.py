@@ -1,0 +1,396 @@
+"""Save a KVStore's cached prefixes to one safetensors file and restore them, all or nothing.
+
+File layout (one safetensors file; manifest in its header metadata, see radixkv.manifest):
+
+- ``tree.nodes``  int64 ``[N, 4]``: per node ``(parent, namespace, num_blocks, last_access)``;
+  parent is -1 under a namespace root, else the index of an earlier row (parents first).
+- ``tree.tokens`` int64 ``[blocks * block_size]``: the nodes' edges, concatenated in row order.
+- ``kv.{l}.k`` / ``kv.{l}.v``: ``[blocks, block_size, kv_heads, head_dim]`` in the layer's
+  dtype: the K/V of those blocks, same order.
+
+One file rather than a manifest beside a data file: one ``os.replace`` publishes both
+atomically, and the manifest can be read without the data (``read_manifest``, one header).
+
+Saving snapshots the tree and copies the blocks under the store's lock (a memcpy of the
+cached KV, so requests wait that long), then writes outside it under a temporary name in the
+same directory, fsyncs, renames and fsyncs the directory: a crash or a full disk leaves the
+previous file as it was. Restoring reads and checks everything first (manifest checksum,
+format version, identity, layout, every tensor's shape, dtype and sha256, the tree's
+structure); only then, under the lock, copies the blocks into free blocks and inserts the
+paths. A refused file changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Collection, Hashable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from radixkv.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    CacheFileError,
+    CorruptCacheFile,
+    canonical,
+    check_compatible,
+    count_field,
+    decode_namespaces,
+    dtype_name,
+    encode_namespace,
+    expected_tensors,
+    from_metadata,
+    layout_of,
+    tensor_sha256,
+    to_metadata,
+)
+from radixkv.node import TOKEN_BYTES, PackedTokens
+
+logger = logging.getLogger(__name__)
+
+Rename = Callable[[Hashable], Hashable]
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveResult:
+    path: str
+    num_nodes: int
+    num_blocks: int
+    num_tokens: int
+    kv_bytes: int  # K and V bytes of the saved blocks
+    file_bytes: int  # the file's size: kv_bytes plus token ids, node table and header
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreResult:
+    """What a restore did. Tokens are whole blocks; every saved block is in exactly one count."""
+
+    restored_tokens: int  # newly cached
+    duplicate_tokens: int  # saved, but the store held them already (kept as they were)
+    dropped_tokens: int  # did not fit in the free blocks: the least recently used part of the file
+    restored_blocks: int
+    dropped_blocks: int
+    num_nodes: int  # nodes in the file
+
+
+# -- save -----------------------------------------------------------------------------------
+def _namespace_filter(namespaces) -> Callable[[Hashable], bool]:
+    if namespaces is None:
+        return lambda ns: True
+    if callable(namespaces):
+        return namespaces
+    # A str or a tuple would be ambiguous: a namespace itself, or a collection of them?
+    if not isinstance(namespaces, (list, set, frozenset)):
+        raise TypeError(
+            f"namespaces must be None, a list/set of namespaces or a predicate, got {type(namespaces).__name__}"
+        )
+    wanted = set(namespaces)
+    return wanted.__contains__
+
+
+def save_store(
+    store,
+    path: str | os.PathLike,
+    *,
+    namespaces: Collection[Hashable] | Callable[[Hashable], bool] | None = None,
+    identity: object = None,
+    rename: Rename | None = None,
+) -> SaveResult:
+    """Write ``store``'s cached prefixes (those of ``namespaces``: all when None) to ``path``.
+
+    ``identity``: JSON-able; a restore must present an equal one. ``rename``: maps a store
+    namespace to the one written (hf_patch drops its per-process model scope). Raises
+    ValueError, writing nothing, for a namespace that has no file form (see
+    ``encode_namespace``); OSError from the file system, leaving any previous file intact.
+    """
+    identity = canonical(identity)
+    keep = _namespace_filter(namespaces)
+    with store._exclusive() as (tree, pool):
+        rows, ns_list, tokens, kv = _snapshot(tree, pool, keep, rename)
+    nodes = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
+    tensors = {"tree.nodes": nodes, "tree.tokens": tokens}
+    for i, (k, v) in enumerate(kv):
+        tensors[f"kv.{i}.k"], tensors[f"kv.{i}.v"] = k, v
+    num_blocks = int(nodes[:, 2].sum()) if rows else 0
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "identity": identity,
+        "layout": layout_of(pool),
+        "namespaces": ns_list,
+        "counts": {"nodes": len(rows), "blocks": num_blocks, "tokens": num_blocks * pool.block_size},
+        "checksums": {name: tensor_sha256(t) for name, t in tensors.items()},
+    }
+    path = os.fspath(path)
+    atomic_save(tensors, to_metadata(manifest), path)
+    kv_bytes = sum(t.numel() * t.element_size() for name, t in tensors.items() if name.startswith("kv."))
+    result = SaveResult(
+        path, len(rows), num_blocks, num_blocks * pool.block_size, kv_bytes, os.path.getsize(path)
+    )
+    logger.info("saved %d tokens (%d nodes) to %s", result.num_tokens, result.num_nodes, path)
+    return result
+
+
+def _snapshot(tree, pool, keep, rename):
+    """Node rows, encoded namespaces, token ids and CPU copies of the blocks. Call under the lock."""
+    rows: list[tuple[int, int, int, int]] = []
+    index: dict[int, int] = {}  # id(node) -> row
+    ns_index: dict[str, int] = {}  # encoded namespace (as repr of its JSON) -> position in ns_list
+    ns_list: list[object] = []
+    data: list[bytes] = []
+    ids: list[int] = []
+    for node in tree.iter_nodes():  # parents before children
+        parent = node.parent
+        if parent.is_root:
+            if not keep(parent.key):
+                continue
+            encoded = encode_namespace(rename(parent.key) if rename else parent.key)
+            ns = ns_index.setdefault(repr(encoded), len(ns_list))
+            if ns == len(ns_list):
+                ns_list.append(encoded)
+            parent_row = -1
+        elif id(parent) in index:
+            parent_row = index[id(parent)]
+            ns = rows[parent_row][1]
+        else:
+            continue  # under a namespace left out
+        index[id(node)] = len(rows)
+        rows.append((parent_row, ns, len(node.block_ids), node.last_access))
+        data.append(node.data)
+        ids.extend(node.block_ids)
+    tokens = (
+        torch.frombuffer(bytearray(b"".join(data)), dtype=torch.int64)
+        if data
+        else torch.zeros(0, dtype=torch.int64)
+    )
+    kv = []
+    for i in range(len(pool.layers)):
+        pick = torch.tensor(ids, dtype=torch.int64, device=pool.k[i].device)
+        kv.append((pool.k[i].index_select(0, pick).cpu(), pool.v[i].index_select(0, pick).cpu()))
+    return rows, ns_list, tokens, kv
+
+
+def _write_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str) -> None:
+    save_file(tensors, path, metadata=metadata)
+
+
+def atomic_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str) -> None:
+    """Write a safetensors file so ``path`` holds either its old content or the whole new one.
+
+    Temporary file in the same directory (a rename across file systems is not atomic),
+    fsync, ``os.replace``, fsync of the directory (so the rename itself survives a power
+    loss). The file is created owner-only (0600): it holds users' token ids.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        _write_tensors(tensors, metadata, tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- read and check -------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CacheFile:
+    """A checked cache file in memory (CPU tensors); ``restore_store`` inserts it."""
+
+    manifest: dict
+    namespaces: list[Hashable]
+    nodes: list[list[int]]  # rows of tree.nodes
+    tokens: bytes  # tree.tokens, packed like the tree's edges
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The manifest alone (one header read, no data); CorruptCacheFile if it is not intact."""
+    if os.path.getsize(path) == 0:
+        raise CorruptCacheFile(f"cache file {os.fspath(path)} is empty")
+    try:
+        with safe_open(os.fspath(path), framework="pt") as f:
+            return from_metadata(f.metadata())
+    except SafetensorError as e:
+        raise CorruptCacheFile(
+            f"cache file {os.fspath(path)} is not a readable safetensors file: {e}"
+        ) from None
+
+
+def read_cache_file(path: str | os.PathLike, pool, identity: object = None) -> CacheFile:
+    """Read and check all of ``path`` against ``pool``'s layout and ``identity``. Changes nothing.
+
+    Raises CorruptCacheFile (empty, truncated, altered, not a cache file), CacheFileMismatch
+    (another format version, identity or layout), FileNotFoundError.
+    """
+    path = os.fspath(path)
+    if os.path.getsize(path) == 0:
+        raise CorruptCacheFile(f"cache file {path} is empty")
+    try:
+        with safe_open(path, framework="pt") as f:
+            manifest = from_metadata(f.metadata())
+            check_compatible(manifest, pool, identity)
+            counts = manifest.get("counts")
+            n, nb = count_field(counts, "nodes"), count_field(counts, "blocks")
+            if count_field(counts, "tokens") != nb * pool.block_size:
+                raise CorruptCacheFile("cache file manifest: counts.tokens is not blocks * block_size")
+            expected = expected_tensors(manifest["layout"], {"nodes": n, "blocks": nb})
+            if set(f.keys()) != set(expected):
+                raise CorruptCacheFile(
+                    f"cache file holds tensors {sorted(f.keys())}, expected {sorted(expected)}"
+                )
+            checksums = manifest.get("checksums")
+            if not isinstance(checksums, dict):
+                raise CorruptCacheFile("cache file manifest has no checksums")
+            tensors = {}
+            for name, (shape, dtype) in expected.items():
+                t = f.get_tensor(name)
+                if tuple(t.shape) != shape or dtype_name(t.dtype) != dtype:
+                    raise CorruptCacheFile(
+                        f"cache file tensor {name} is {dtype_name(t.dtype)} {tuple(t.shape)}, expected {dtype} {shape}"
+                    )
+                if tensor_sha256(t) != checksums.get(name):
+                    raise CorruptCacheFile(
+                        f"cache file tensor {name} does not match its checksum (the file was altered)"
+                    )
+                tensors[name] = t
+    except SafetensorError as e:
+        raise CorruptCacheFile(f"cache file {path} is not a readable safetensors file: {e}") from None
+    namespaces = decode_namespaces(manifest.get("namespaces"))
+    nodes = tensors["tree.nodes"].tolist()
+    _check_structure(nodes, len(namespaces), nb)
+    layers = range(len(pool.layers))
+    return CacheFile(
+        manifest,
+        list(namespaces),
+        nodes,
+        tensors["tree.tokens"].numpy().tobytes(),
+        [tensors[f"kv.{i}.k"] for i in layers],
+        [tensors[f"kv.{i}.v"] for i in layers],
+    )
+
+
+def _check_structure(nodes: list[list[int]], num_namespaces: int, num_blocks: int) -> None:
+    """Raise CorruptCacheFile unless the node table describes a forest the tree can take."""
+    total = 0
+    for i, (parent, ns, blocks, last) in enumerate(nodes):
+        if not 0 <= ns < num_namespaces or blocks < 1:
+            raise CorruptCacheFile(
+                f"cache file node {i}: namespace {ns} or block count {blocks} out of range"
+            )
+        if parent != -1:
+            if not 0 <= parent < i:
+                raise CorruptCacheFile(f"cache file node {i}: parent {parent} is not an earlier node")
+            if nodes[parent][1] != ns or nodes[parent][3] < last:
+                raise CorruptCacheFile(f"cache file node {i}: namespace or recency differs from its parent's")
+        total += blocks
+    if total != num_blocks:
+        raise CorruptCacheFile(f"cache file nodes hold {total} blocks, the manifest says {num_blocks}")
+
+
+# -- restore --------------------------------------------------------------------------------
+def restore_store(
+    store, path: str | os.PathLike, *, identity: object = None, rename: Rename | None = None
+) -> RestoreResult:
+    """Merge the prefixes saved in ``path`` into ``store``; see ``KVStore.restore``."""
+    data = read_cache_file(path, store.pool, identity)
+    try:
+        namespaces = [rename(ns) if rename else ns for ns in data.namespaces]
+        for ns in namespaces:
+            hash(ns)
+    except Exception as e:
+        raise CacheFileError(f"restore: cannot map the file's namespaces: {e}") from e
+    bs = store.block_size
+    width = bs * TOKEN_BYTES
+    nodes = data.nodes
+    # Each node's first block in the file, and its full path from the root, packed.
+    start, paths, at = [], [], 0
+    for parent, _ns, blocks, _last in nodes:
+        start.append(at)
+        edge = data.tokens[at * width : (at + blocks) * width]
+        paths.append(edge if parent == -1 else paths[parent] + edge)
+        at += blocks
+    # Most recently used first; at equal recency a parent (earlier row) before its children.
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][3], i))
+    with store._exclusive() as (tree, pool):
+        chosen: set[int] = set()
+        used = 0
+        for i in order:
+            parent, _ns, blocks, _last = nodes[i]
+            if (parent == -1 or parent in chosen) and used + blocks <= pool.num_free:
+                chosen.add(i)
+                used += blocks
+        selected = sorted(chosen)  # file order: when everything fits, the file's tensors copy as they are
+        ids = pool.allocate(used)
+        try:
+            own: dict[int, list[int]] = {}
+            rows: list[int] = []
+            for i in selected:
+                own[i] = ids[len(rows) : len(rows) + nodes[i][2]]
+                rows.extend(range(start[i], start[i] + nodes[i][2]))
+            if rows:
+                _copy_in(pool, data, rows, ids)
+        except BaseException:
+            pool.free(ids)
+            raise
+        # Insert oldest first, so the tree's clock keeps the saved recency order; at equal
+        # recency children before parents (a parent's path is then already cached: no split).
+        full: dict[int, list[int]] = {}
+        taken: set[int] = set()
+        for i in selected:
+            parent = nodes[i][0]
+            full[i] = (full[parent] if parent != -1 else []) + own[i]
+        for i in sorted(selected, key=lambda i: (nodes[i][3], -i)):
+            path_ids = full[i]
+            already = tree.insert(PackedTokens(paths[i]), path_ids, namespaces[nodes[i][1]])
+            taken.update(path_ids[already // bs :])
+        duplicates = [b for b in ids if b not in taken]
+        pool.free(duplicates)
+    total = sum(row[2] for row in nodes)
+    result = RestoreResult(
+        restored_tokens=len(taken) * bs,
+        duplicate_tokens=len(duplicates) * bs,
+        dropped_tokens=(total - used) * bs,
+        restored_blocks=len(taken),
+        dropped_blocks=total - used,
+        num_nodes=len(nodes),
+    )
+    if result.dropped_blocks:
+        logger.warning(
+            "restore from %s: %d blocks did not fit in the free pool and were dropped", path, total - used
+        )
+    return result
+
+
+def _copy_in(pool, data: CacheFile, rows: list[int], ids: list[int]) -> None:
+    """Copy file blocks ``rows`` into pool blocks ``ids`` (same order), every layer."""
+    everything = rows == list(range(data.k[0].shape[0]))
+    pick = None if everything else torch.tensor(rows, dtype=torch.int64)
+    n = len(rows) * pool.block_size
+
+    def as_source(t: torch.Tensor, device) -> torch.Tensor:
+        t = t if pick is None else t.index_select(0, pick)
+        # [blocks, bs, H, D] -> [1, H, blocks * bs, D], a view: what scatter takes.
+        return t.to(device).reshape(1, n, t.shape[2], t.shape[3]).permute(0, 2, 1, 3)
+
+    ks = [as_source(k, s.device) for k, s in zip(data.k, pool.layers)]
+    vs = [as_source(v, s.device) for v, s in zip(data.v, pool.layers)]
+    pool.scatter(torch.tensor([ids], dtype=torch.int64), ks, vs)
