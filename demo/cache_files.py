@@ -110,6 +110,9 @@ class CacheFiles:
                     "cache file %s refused (%s) and not moved (%s); starting cold", path, e, move_error
                 )
             return None
+        except Exception:  # a bug of ours must not block a restart either; the file stays for a look
+            log.exception("restoring %s failed; starting cold (the file is left in place)", path)
+            return None
         log.info(
             "restored %d cached tokens from %s in %.2fs (%d already cached, %d dropped for room)",
             result["restored_tokens"],
