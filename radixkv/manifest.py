@@ -161,9 +161,9 @@ def to_metadata(manifest: Mapping) -> dict[str, str]:
 
 def from_metadata(metadata: Mapping[str, str] | None) -> dict:
     """The manifest of a file's safetensors metadata; CorruptCacheFile unless it is intact."""
-    metadata = metadata or {}
+    metadata = metadata if isinstance(metadata, Mapping) else {}
     text, digest = metadata.get(MANIFEST_KEY), metadata.get(MANIFEST_HASH_KEY)
-    if text is None or digest is None:
+    if not isinstance(text, str) or not isinstance(digest, str):
         raise CorruptCacheFile("a safetensors file without a radixkv manifest: not a radixkv cache file")
     if hashlib.sha256(text.encode()).hexdigest() != digest:
         raise CorruptCacheFile("cache file manifest does not match its checksum (the file was altered)")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import tempfile
@@ -42,7 +43,6 @@ from radixkv.manifest import (
     check_compatible,
     count_field,
     decode_namespaces,
-    dtype_name,
     encode_namespace,
     expected_tensors,
     from_metadata,
@@ -235,45 +235,64 @@ def read_manifest(path: str | os.PathLike) -> dict:
         ) from None
 
 
+_ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
+_MAX_HEADER = 100 << 20  # safetensors' own limit
+
+
 def read_cache_file(path: str | os.PathLike, pool, identity: object = None) -> CacheFile:
     """Read and check all of ``path`` against ``pool``'s layout and ``identity``. Changes nothing.
+
+    The tensors are read (not memory-mapped) into private memory and hashed there: the bytes
+    checked are the bytes inserted, even if someone rewrites the file in place meanwhile (a
+    mapped file cut short under a reader would also kill the process with SIGBUS).
 
     Raises CorruptCacheFile (empty, truncated, altered, not a cache file), CacheFileMismatch
     (another format version, identity or layout), FileNotFoundError.
     """
     path = os.fspath(path)
-    if os.path.getsize(path) == 0:
-        raise CorruptCacheFile(f"cache file {path} is empty")
-    try:
-        with safe_open(path, framework="pt") as f:
-            manifest = from_metadata(f.metadata())
-            check_compatible(manifest, pool, identity)
-            counts = manifest.get("counts")
-            n, nb = count_field(counts, "nodes"), count_field(counts, "blocks")
-            if count_field(counts, "tokens") != nb * pool.block_size:
-                raise CorruptCacheFile("cache file manifest: counts.tokens is not blocks * block_size")
-            expected = expected_tensors(manifest["layout"], {"nodes": n, "blocks": nb})
-            if set(f.keys()) != set(expected):
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise CorruptCacheFile(f"cache file {path} is empty")
+        header = _read_header(f, size, path)
+        manifest = from_metadata(header.pop("__metadata__", None))
+        check_compatible(manifest, pool, identity)
+        counts = manifest.get("counts")
+        n, nb = count_field(counts, "nodes"), count_field(counts, "blocks")
+        if count_field(counts, "tokens") != nb * pool.block_size:
+            raise CorruptCacheFile("cache file manifest: counts.tokens is not blocks * block_size")
+        expected = expected_tensors(manifest["layout"], {"nodes": n, "blocks": nb})
+        if set(header) != set(expected):
+            raise CorruptCacheFile(f"cache file holds tensors {sorted(header)}, expected {sorted(expected)}")
+        checksums = manifest.get("checksums")
+        if not isinstance(checksums, dict):
+            raise CorruptCacheFile("cache file manifest has no checksums")
+        data_start = f.tell()
+        tensors = {}
+        for name, (shape, dtype) in expected.items():
+            entry = header[name]
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            buf = t.view(-1).view(torch.uint8).numpy()
+            begin, end = _offsets(entry)
+            if (
+                entry.get("dtype") != _ST_DTYPES.get(dtype)
+                or entry.get("shape") != list(shape)
+                or end - begin != buf.nbytes
+            ):
                 raise CorruptCacheFile(
-                    f"cache file holds tensors {sorted(f.keys())}, expected {sorted(expected)}"
+                    f"cache file tensor {name} is {entry.get('dtype')} {entry.get('shape')} "
+                    f"({end - begin} bytes), expected {dtype} {list(shape)}"
                 )
-            checksums = manifest.get("checksums")
-            if not isinstance(checksums, dict):
-                raise CorruptCacheFile("cache file manifest has no checksums")
-            tensors = {}
-            for name, (shape, dtype) in expected.items():
-                t = f.get_tensor(name)
-                if tuple(t.shape) != shape or dtype_name(t.dtype) != dtype:
-                    raise CorruptCacheFile(
-                        f"cache file tensor {name} is {dtype_name(t.dtype)} {tuple(t.shape)}, expected {dtype} {shape}"
-                    )
-                if tensor_sha256(t) != checksums.get(name):
-                    raise CorruptCacheFile(
-                        f"cache file tensor {name} does not match its checksum (the file was altered)"
-                    )
-                tensors[name] = t
-    except SafetensorError as e:
-        raise CorruptCacheFile(f"cache file {path} is not a readable safetensors file: {e}") from None
+            f.seek(data_start + begin)
+            if f.readinto(buf) != buf.nbytes:
+                raise CorruptCacheFile(
+                    f"cache file {path} ended inside tensor {name} (truncated while read?)"
+                )
+            if tensor_sha256(t) != checksums.get(name):
+                raise CorruptCacheFile(
+                    f"cache file tensor {name} does not match its checksum (the file was altered)"
+                )
+            tensors[name] = t
     namespaces = decode_namespaces(manifest.get("namespaces"))
     nodes = tensors["tree.nodes"].tolist()
     _check_structure(nodes, len(namespaces), nb)
@@ -286,6 +305,41 @@ def read_cache_file(path: str | os.PathLike, pool, identity: object = None) -> C
         [tensors[f"kv.{i}.k"] for i in layers],
         [tensors[f"kv.{i}.v"] for i in layers],
     )
+
+
+def _read_header(f, size: int, path: str) -> dict:
+    """The safetensors header (8-byte little-endian length, JSON), checked against the file size."""
+    prefix = f.read(8)
+    length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+    if not 0 < length <= min(_MAX_HEADER, size - 8):
+        raise CorruptCacheFile(
+            f"cache file {path} is truncated or not a safetensors file (bad header length)"
+        )
+    try:
+        header = json.loads(f.read(length))
+    except (ValueError, UnicodeDecodeError):
+        header = None
+    if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
+        raise CorruptCacheFile(f"cache file {path} is not a safetensors file (unreadable header)")
+    ends = [_offsets(v)[1] for k, v in header.items() if k != "__metadata__"]
+    if 8 + length + max(ends, default=0) != size:
+        raise CorruptCacheFile(
+            f"cache file {path} is truncated or extended: {size} bytes, its safetensors header "
+            f"describes {8 + length + max(ends, default=0)}"
+        )
+    return header
+
+
+def _offsets(entry: dict) -> tuple[int, int]:
+    offsets = entry.get("data_offsets")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(x) is int for x in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CorruptCacheFile(f"cache file: invalid safetensors data offsets {offsets!r}")
+    return offsets[0], offsets[1]
 
 
 def _check_structure(nodes: list[list[int]], num_namespaces: int, num_blocks: int) -> None:

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import radixkv.persist as persist
 from radixkv import BlockPool, CacheFileError, CacheFileMismatch, CorruptCacheFile, KVStore, LayerSpec
@@ -110,6 +110,10 @@ def test_round_trip_restores_every_prefix_with_its_kv(full_store, tmp_path):
     assert kv_bytes < result.file_bytes < kv_bytes + 8192  # KV plus a small header and token ids
     assert oct(os.stat(path).st_mode & 0o777) == "0o600"
     assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]  # no temporary file left
+    # Any safetensors reader opens it: names, shapes and dtypes as documented in radixkv.persist.
+    plain = load_file(path)
+    assert plain["kv.1.k"].dtype == torch.bfloat16 and plain["kv.1.k"].shape[1:] == (BS, 1, 4)
+    assert plain["tree.tokens"].numel() == result.num_tokens
     fresh = make_store()
     restored = fresh.restore(path, identity=IDENTITY)
     assert restored.restored_blocks == result.num_blocks and restored.dropped_tokens == 0
@@ -226,6 +230,7 @@ FAULTS = {
         "safetensors",
     ),
     "four bytes": (lambda p: _truncate(p, 4), CorruptCacheFile, "safetensors"),
+    "bytes appended": (lambda p: open(p, "ab").write(b"\0" * 8), CorruptCacheFile, "extended"),
     "last KV byte flipped": (lambda p: _flip(p, os.path.getsize(p) - 1), CorruptCacheFile, "checksum"),
     "first data byte flipped": (lambda p: _flip(p, 8 + _header_len(p)), CorruptCacheFile, "checksum"),
     "middle byte flipped": (
