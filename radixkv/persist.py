@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -237,6 +238,7 @@ def read_manifest(path: str | os.PathLike) -> dict:
 
 _ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
 _MAX_HEADER = 100 << 20  # safetensors' own limit
+_CHUNK = 4 << 20
 
 
 def read_cache_file(path: str | os.PathLike, pool, identity: object = None) -> CacheFile:
@@ -284,11 +286,7 @@ def read_cache_file(path: str | os.PathLike, pool, identity: object = None) -> C
                     f"({end - begin} bytes), expected {dtype} {list(shape)}"
                 )
             f.seek(data_start + begin)
-            if f.readinto(buf) != buf.nbytes:
-                raise CorruptCacheFile(
-                    f"cache file {path} ended inside tensor {name} (truncated while read?)"
-                )
-            if tensor_sha256(t) != checksums.get(name):
+            if _read_hashing(f, buf) != checksums.get(name):
                 raise CorruptCacheFile(
                     f"cache file tensor {name} does not match its checksum (the file was altered)"
                 )
@@ -305,6 +303,18 @@ def read_cache_file(path: str | os.PathLike, pool, identity: object = None) -> C
         [tensors[f"kv.{i}.k"] for i in layers],
         [tensors[f"kv.{i}.v"] for i in layers],
     )
+
+
+def _read_hashing(f, buf) -> str:
+    """Fill ``buf`` from ``f``, hashing each chunk while it is still in the CPU cache; its sha256."""
+    digest, view, done = hashlib.sha256(), memoryview(buf).cast("B"), 0
+    while done < len(view):
+        got = f.readinto(view[done : done + _CHUNK])
+        if not got:
+            raise CorruptCacheFile(f"cache file {f.name} ended inside a tensor (truncated while read?)")
+        digest.update(view[done : done + got])
+        done += got
+    return digest.hexdigest()
 
 
 def _read_header(f, size: int, path: str) -> dict:

@@ -387,3 +387,20 @@ def test_identity_must_be_json(full_store, tmp_path):
 
 def test_errors_are_value_errors():
     assert issubclass(CacheFileError, ValueError) and issubclass(CorruptCacheFile, CacheFileError)
+
+
+def test_a_file_cut_short_while_it_is_read_is_refused(full_store, saved, monkeypatch):
+    """Someone copies another file over the cache file in place during a restore."""
+    read_header = persist._read_header
+
+    def then_truncate(f, size, path):
+        header = read_header(f, size, path)
+        _truncate(path, size // 2)
+        return header
+
+    monkeypatch.setattr(persist, "_read_header", then_truncate)
+    store = make_store()
+    with pytest.raises(CorruptCacheFile, match="ended inside a tensor"):
+        store.restore(saved, identity=IDENTITY)
+    assert store.stats()["cached_blocks"] == 0 and store.stats()["free_blocks"] == 64
+    store.check_invariants()
