@@ -153,7 +153,7 @@ def test_periodic_saves(tmp_path):
     files = c.application.extensions["radixkv"]["cache_files"]
     files.stop()
     assert path.exists()
-    from radixkv.persist import read_manifest
+    from radixkv.cache_file import read_manifest
 
     assert read_manifest(path)["counts"]["tokens"] > 0
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import radixkv.cache_file as cache_file
 import radixkv.persist as persist
 from radixkv import BlockPool, CacheFileError, CacheFileMismatch, CorruptCacheFile, KVStore, LayerSpec
 from radixkv.manifest import MANIFEST_KEY
@@ -353,7 +354,7 @@ def test_a_crash_mid_save_leaves_the_previous_file(full_store, saved, monkeypatc
             f.write(before[: len(before) // 2])
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(persist, "_write_tensors", half_write)
+    monkeypatch.setattr(cache_file, "_write_tensors", half_write)
     put(full_store, list(range(500, 520)))
     with pytest.raises(OSError, match="No space"):
         full_store.save(saved, identity=IDENTITY)
@@ -371,7 +372,7 @@ def test_a_failed_fsync_leaves_the_previous_file(full_store, saved, monkeypatch)
     def fail(fd):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(persist.os, "fsync", fail)
+    monkeypatch.setattr(cache_file.os, "fsync", fail)
     with pytest.raises(OSError, match="Input/output"):
         full_store.save(saved)
     monkeypatch.undo()
@@ -391,14 +392,14 @@ def test_errors_are_value_errors():
 
 def test_a_file_cut_short_while_it_is_read_is_refused(full_store, saved, monkeypatch):
     """Someone copies another file over the cache file in place during a restore."""
-    read_header = persist._read_header
+    read_header = cache_file._read_header
 
     def then_truncate(f, size, path):
         header = read_header(f, size, path)
         _truncate(path, size // 2)
         return header
 
-    monkeypatch.setattr(persist, "_read_header", then_truncate)
+    monkeypatch.setattr(cache_file, "_read_header", then_truncate)
     store = make_store()
     with pytest.raises(CorruptCacheFile, match="ended inside a tensor"):
         store.restore(saved, identity=IDENTITY)
