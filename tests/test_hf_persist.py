@@ -144,3 +144,23 @@ def test_identity_is_stable_and_json():
     a, b = build("llama-sdpa"), build("llama-sdpa")
     assert hf_patch.model_identity(a) == hf_patch.model_identity(b)
     assert set(hf_patch.model_identity(a)) == {"model_class", "config_sha256", "weights_sha256"}
+
+
+def test_a_bit_flipped_file_leaves_a_warm_store_serving_as_before(saved, tmp_path):
+    model = build("llama-sdpa")
+    store = store_for(model, BS)
+    prompt = tokens(40, seed=1106)
+    assert_same_as_stock(model, ids(prompt), store)
+    flipped = tmp_path / "flipped.safetensors"
+    data = bytearray(open(saved, "rb").read())
+    data[-5] ^= 0x01  # one bit of the last layer's V
+    flipped.write_bytes(bytes(data))
+    before = tree_state(store)
+    with pytest.raises(CorruptCacheFile, match="checksum"):
+        hf_patch.restore_cache(model, flipped, store)
+    assert tree_state(store) == before
+    store.check_invariants()
+    cache, _ = assert_same_as_stock(model, ids(prompt + Q2), store)
+    assert cache.cached_tokens == [block_floor(len(prompt), BS)]
+    cache, _ = assert_same_as_stock(model, ids(DOC + Q2), store)
+    assert cache.cached_tokens == [0]  # nothing of the refused file got in
