@@ -1,9 +1,11 @@
 """One cache file on disk: the atomic write, and a read that checks every byte before use.
 
 The file is a plain safetensors file (see radixkv.persist for its tensors, radixkv.manifest
-for its manifest). Written by ``safetensors.torch.save_file`` under a temporary name;
-read here without memory-mapping (``read_cache_file``): each tensor is read into private
-memory and hashed chunk by chunk as it arrives, so the bytes checked are the bytes used.
+for its manifest): any safetensors reader opens it. Both directions stream the KV through
+sha256 in 4 MiB chunks, so checksums cost no extra pass over memory: the writer hashes each
+chunk as it writes it (the header, written first, is rewritten with the checksums at the
+end); the reader reads each tensor into private memory (no memory map) and hashes it as it
+arrives, so the bytes checked are the bytes used.
 """
 
 from __future__ import annotations
@@ -18,24 +20,68 @@ from collections.abc import Hashable
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from radixkv.manifest import (
     CorruptCacheFile,
     check_compatible,
     count_field,
     decode_namespaces,
+    dtype_name,
     expected_tensors,
     from_metadata,
+    to_metadata,
 )
 
+_ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
+_MAX_HEADER = 100 << 20  # safetensors' own limit
+_CHUNK = 4 << 20
 
-def _write_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str) -> None:
-    save_file(tensors, path, metadata=metadata)
+
+def _header(tensors: dict[str, torch.Tensor], manifest: dict) -> bytes:
+    """The safetensors header (JSON, space-padded to 8 bytes) for ``tensors`` in order."""
+    entries: dict[str, object] = {"__metadata__": to_metadata(manifest)}
+    at = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        entries[name] = {
+            "dtype": _ST_DTYPES[dtype_name(t.dtype)],
+            "shape": list(t.shape),
+            "data_offsets": [at, at + size],
+        }
+        at += size
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    return text + b" " * (-len(text) % 8)
 
 
-def atomic_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str) -> None:
-    """Write a safetensors file so ``path`` holds either its old content or the whole new one.
+def _write_tensors(tensors: dict[str, torch.Tensor], manifest: dict, path: str) -> None:
+    """Write ``tensors`` as safetensors, filling ``manifest["checksums"]`` on the way.
+
+    One pass over the KV: each chunk is hashed and written while it is in the CPU cache
+    (``safetensors.torch.save_file`` would need the checksums, hence a hashing pass, first).
+    The header is written with placeholder checksums of the same length, then rewritten.
+    """
+    manifest["checksums"] = {name: "0" * 64 for name in tensors}
+    header = _header(tensors, manifest)
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little"))
+        f.write(header)
+        for name, t in tensors.items():
+            view = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()).cast("B")
+            digest = hashlib.sha256()
+            for at in range(0, len(view), _CHUNK):
+                chunk = view[at : at + _CHUNK]
+                digest.update(chunk)
+                f.write(chunk)
+            manifest["checksums"][name] = digest.hexdigest()
+        final = _header(tensors, manifest)
+        if len(final) != len(header):  # cannot happen: hex digests have one length
+            raise RuntimeError("cache file header changed length")
+        f.seek(8)
+        f.write(final)
+
+
+def atomic_save(tensors: dict[str, torch.Tensor], manifest: dict, path: str) -> None:
+    """Write a cache file so ``path`` holds either its old content or the whole new one.
 
     Temporary file in the same directory (a rename across file systems is not atomic),
     fsync, ``os.replace``, fsync of the directory (so the rename itself survives a power
@@ -45,7 +91,7 @@ def atomic_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     os.close(fd)
     try:
-        _write_tensors(tensors, metadata, tmp)
+        _write_tensors(tensors, manifest, tmp)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -87,11 +133,6 @@ def read_manifest(path: str | os.PathLike) -> dict:
         raise CorruptCacheFile(
             f"cache file {os.fspath(path)} is not a readable safetensors file: {e}"
         ) from None
-
-
-_ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
-_MAX_HEADER = 100 << 20  # safetensors' own limit
-_CHUNK = 4 << 20
 
 
 def read_cache_file(path: str | os.PathLike, pool, identity: object = None) -> CacheFile:

@@ -38,8 +38,6 @@ from radixkv.manifest import (
     canonical,
     encode_namespace,
     layout_of,
-    tensor_sha256,
-    to_metadata,
 )
 from radixkv.node import TOKEN_BYTES, PackedTokens
 
@@ -116,10 +114,10 @@ def save_store(
         "layout": layout_of(pool),
         "namespaces": ns_list,
         "counts": {"nodes": len(rows), "blocks": num_blocks, "tokens": num_blocks * pool.block_size},
-        "checksums": {name: tensor_sha256(t) for name, t in tensors.items()},
+        # "checksums": filled in by the writer as it streams each tensor
     }
     path = os.fspath(path)
-    atomic_save(tensors, to_metadata(manifest), path)
+    atomic_save(tensors, manifest, path)
     kv_bytes = sum(t.numel() * t.element_size() for name, t in tensors.items() if name.startswith("kv."))
     result = SaveResult(
         path, len(rows), num_blocks, num_blocks * pool.block_size, kv_bytes, os.path.getsize(path)
