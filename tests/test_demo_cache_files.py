@@ -169,3 +169,19 @@ def test_secret_file_with_loose_permissions_is_tightened(tmp_path):
     p.write_text("not hex")
     with pytest.raises(ValueError, match="hex secret"):
         load_or_create_secret(str(p))
+
+
+def test_cache_flags_and_environment():
+    from demo.config import from_args
+
+    env = {"RADIXKV_CACHE_FILE": "/tmp/kv.safetensors", "RADIXKV_CACHE_SAVE_EVERY": "30"}
+    config = from_args(["--cache-dir", "/tmp/caches"], env)
+    assert (config.cache_file, config.cache_dir, config.cache_save_every) == (
+        "/tmp/kv.safetensors",
+        "/tmp/caches",
+        30.0,
+    )
+    assert from_args(["--cache-file", "/a", "--tenant-secret-file", "/s"], {}).tenant_secret_file == "/s"
+    for argv in (["--cache-save-every", "10"], ["--cache-file", "/a", "--cache-save-every", "0"]):
+        with pytest.raises(ValueError, match="cache_save_every"):
+            from_args(argv, {})
