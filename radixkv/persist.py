@@ -24,6 +24,7 @@ paths. A refused file changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Callable, Collection, Hashable
@@ -130,7 +131,7 @@ def _snapshot(tree, pool, keep, rename):
     """Node rows, encoded namespaces, token ids and CPU copies of the blocks. Call under the lock."""
     rows: list[tuple[int, int, int, int]] = []
     index: dict[int, int] = {}  # id(node) -> row
-    ns_index: dict[str, int] = {}  # encoded namespace (as repr of its JSON) -> position in ns_list
+    ns_index: dict[str, int] = {}  # encoded namespace (its JSON text) -> position in ns_list
     ns_list: list[object] = []
     data: list[bytes] = []
     ids: list[int] = []
@@ -140,7 +141,7 @@ def _snapshot(tree, pool, keep, rename):
             if not keep(parent.key):
                 continue
             encoded = encode_namespace(rename(parent.key) if rename else parent.key)
-            ns = ns_index.setdefault(repr(encoded), len(ns_list))
+            ns = ns_index.setdefault(json.dumps(encoded, sort_keys=True), len(ns_list))
             if ns == len(ns_list):
                 ns_list.append(encoded)
             parent_row = -1
@@ -216,12 +217,16 @@ def restore_store(
         for i in selected:
             parent = nodes[i][0]
             full[i] = (full[parent] if parent != -1 else []) + own[i]
-        for i in sorted(selected, key=lambda i: (nodes[i][3], -i)):
-            path_ids = full[i]
-            already = tree.insert(PackedTokens(paths[i]), path_ids, namespaces[nodes[i][1]])
-            taken.update(path_ids[already // bs :])
-        duplicates = [b for b in ids if b not in taken]
-        pool.free(duplicates)
+        try:
+            for i in sorted(selected, key=lambda i: (nodes[i][3], -i)):
+                path_ids = full[i]
+                already = tree.insert(PackedTokens(paths[i]), path_ids, namespaces[nodes[i][1]])
+                taken.update(path_ids[already // bs :])
+        finally:
+            # Every block is the tree's or free again, even if an insert was interrupted (the
+            # paths inserted by then are whole and correct: their blocks were all copied).
+            duplicates = [b for b in ids if b not in taken]
+            pool.free(duplicates)
     total = sum(row[2] for row in nodes)
     result = RestoreResult(
         restored_tokens=len(taken) * bs,

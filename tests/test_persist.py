@@ -405,3 +405,23 @@ def test_a_file_cut_short_while_it_is_read_is_refused(full_store, saved, monkeyp
         store.restore(saved, identity=IDENTITY)
     assert store.stats()["cached_blocks"] == 0 and store.stats()["free_blocks"] == 64
     store.check_invariants()
+
+
+def test_an_interrupted_insert_leaks_no_block(saved, monkeypatch):
+    store = make_store()
+    calls = []
+    insert = store.tree.insert
+
+    def interrupted(tokens, block_ids, namespace=None):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(namespace)
+        return insert(tokens, block_ids, namespace)
+
+    monkeypatch.setattr(store.tree, "insert", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.restore(saved, identity=IDENTITY)
+    monkeypatch.undo()
+    store.check_invariants()  # the two paths inserted own their blocks; the rest are free again
+    stats = store.stats()
+    assert stats["cached_blocks"] > 0 and stats["free_blocks"] + stats["cached_blocks"] == stats["num_blocks"]
