@@ -14,9 +14,10 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import tempfile
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -37,12 +38,52 @@ _MAX_HEADER = 100 << 20  # safetensors' own limit
 _CHUNK = 4 << 20
 
 
-def _header(tensors: dict[str, torch.Tensor], manifest: dict) -> bytes:
+class Gathered:
+    """Blocks ``ids`` of a pool tensor ``[num_blocks, bs, H, D]``, read at write time.
+
+    ``chunks()`` copies ~4 MiB of blocks at a time into one small CPU buffer (kept in the CPU
+    cache for the hash and the write that follow), so a save never holds a second copy of the
+    cache. The caller keeps the blocks from being evicted or rewritten meanwhile (pins).
+    """
+
+    def __init__(self, storage: torch.Tensor, ids: list[int]) -> None:
+        self.storage, self.ids = storage, ids
+        self.shape = (len(ids), *storage.shape[1:])
+        self.dtype = storage.dtype
+
+    def chunks(self) -> Iterator[memoryview]:
+        per_block = max(1, nbytes(self) // max(1, len(self.ids)))
+        n = max(1, _CHUNK // per_block)
+        buf = torch.empty((min(n, len(self.ids)), *self.shape[1:]), dtype=self.dtype)
+        ids = torch.tensor(self.ids, dtype=torch.int64, device=self.storage.device)
+        for start in range(0, len(self.ids), n):
+            part, out = ids[start : start + n], buf[: len(ids[start : start + n])]
+            if self.storage.device.type == "cpu":
+                torch.index_select(self.storage, 0, part, out=out)
+            else:
+                out.copy_(self.storage.index_select(0, part))
+            yield memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def nbytes(t: torch.Tensor | Gathered) -> int:
+    return math.prod(t.shape) * torch.empty((), dtype=t.dtype).element_size()
+
+
+def _chunks(t: torch.Tensor | Gathered) -> Iterator[memoryview]:
+    if isinstance(t, Gathered):
+        yield from t.chunks()
+        return
+    view = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()).cast("B")
+    for at in range(0, len(view), _CHUNK):
+        yield view[at : at + _CHUNK]
+
+
+def _header(tensors: dict[str, torch.Tensor | Gathered], manifest: dict) -> bytes:
     """The safetensors header (JSON, space-padded to 8 bytes) for ``tensors`` in order."""
     entries: dict[str, object] = {"__metadata__": to_metadata(manifest)}
     at = 0
     for name, t in tensors.items():
-        size = t.numel() * t.element_size()
+        size = nbytes(t)
         entries[name] = {
             "dtype": _ST_DTYPES[dtype_name(t.dtype)],
             "shape": list(t.shape),
@@ -53,7 +94,7 @@ def _header(tensors: dict[str, torch.Tensor], manifest: dict) -> bytes:
     return text + b" " * (-len(text) % 8)
 
 
-def _write_tensors(tensors: dict[str, torch.Tensor], manifest: dict, path: str) -> None:
+def _write_tensors(tensors: dict[str, torch.Tensor | Gathered], manifest: dict, path: str) -> None:
     """Write ``tensors`` as safetensors, filling ``manifest["checksums"]`` on the way.
 
     One pass over the KV: each chunk is hashed and written while it is in the CPU cache
@@ -66,10 +107,8 @@ def _write_tensors(tensors: dict[str, torch.Tensor], manifest: dict, path: str) 
         f.write(len(header).to_bytes(8, "little"))
         f.write(header)
         for name, t in tensors.items():
-            view = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()).cast("B")
             digest = hashlib.sha256()
-            for at in range(0, len(view), _CHUNK):
-                chunk = view[at : at + _CHUNK]
+            for chunk in _chunks(t):
                 digest.update(chunk)
                 f.write(chunk)
             manifest["checksums"][name] = digest.hexdigest()
@@ -80,7 +119,7 @@ def _write_tensors(tensors: dict[str, torch.Tensor], manifest: dict, path: str) 
         f.write(final)
 
 
-def atomic_save(tensors: dict[str, torch.Tensor], manifest: dict, path: str) -> None:
+def atomic_save(tensors: dict[str, torch.Tensor | Gathered], manifest: dict, path: str) -> None:
     """Write a cache file so ``path`` holds either its old content or the whole new one.
 
     Temporary file in the same directory (a rename across file systems is not atomic),

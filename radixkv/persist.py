@@ -12,10 +12,11 @@ One file rather than a manifest beside a data file: one ``os.replace`` publishes
 atomically, and the manifest can be read without the data
 (``radixkv.cache_file.read_manifest``, one header). The file I/O is in radixkv/cache_file.py.
 
-Saving snapshots the tree and copies the blocks under the store's lock (a memcpy of the
-cached KV, so requests wait that long), then writes outside it under a temporary name in the
-same directory, fsyncs, renames and fsyncs the directory: a crash or a full disk leaves the
-previous file as it was. Restoring reads and checks everything first (manifest checksum,
+Saving snapshots the tree and pins its leaves under the store's lock (no copy: requests
+wait microseconds), then, outside it, streams the pinned blocks ~4 MiB at a time through
+sha256 into a temporary file in the same directory, fsyncs, renames and fsyncs the
+directory (a crash or a full disk leaves the previous file as it was), and unpins. While a
+save runs, commits that need the pinned blocks' room cache less (they degrade, as always). Restoring reads and checks everything first (manifest checksum,
 format version, identity, layout, every tensor's shape, dtype and sha256, the tree's
 structure); only then, under the lock, copies the blocks into free blocks and inserts the
 paths. A refused file changes nothing.
@@ -31,7 +32,7 @@ from collections.abc import Callable, Collection, Hashable
 
 import torch
 
-from radixkv.cache_file import CacheFile, atomic_save, read_cache_file
+from radixkv.cache_file import CacheFile, Gathered, atomic_save, nbytes, read_cache_file
 from radixkv.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -101,25 +102,33 @@ def save_store(
     """
     identity = canonical(identity)
     keep = _namespace_filter(namespaces)
-    with store._exclusive() as (tree, pool):
-        rows, ns_list, tokens, kv = _snapshot(tree, pool, keep, rename)
-    nodes = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
-    tensors = {"tree.nodes": nodes, "tree.tokens": tokens}
-    for i, (k, v) in enumerate(kv):
-        tensors[f"kv.{i}.k"], tensors[f"kv.{i}.v"] = k, v
-    num_blocks = int(nodes[:, 2].sum()) if rows else 0
-    manifest = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "identity": identity,
-        "layout": layout_of(pool),
-        "namespaces": ns_list,
-        "counts": {"nodes": len(rows), "blocks": num_blocks, "tokens": num_blocks * pool.block_size},
-        # "checksums": filled in by the writer as it streams each tensor
-    }
     path = os.fspath(path)
-    atomic_save(tensors, manifest, path)
-    kv_bytes = sum(t.numel() * t.element_size() for name, t in tensors.items() if name.startswith("kv."))
+    with store._exclusive() as (tree, pool, _):
+        rows, ns_list, tokens, ids, leaves = _snapshot(tree, pool, keep, rename)
+        for leaf in leaves:  # the saved blocks can be neither evicted nor reused until written
+            tree.pin(leaf)
+    try:
+        nodes = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
+        tensors: dict[str, torch.Tensor | Gathered] = {"tree.nodes": nodes, "tree.tokens": tokens}
+        for i in range(len(pool.layers)):
+            tensors[f"kv.{i}.k"] = Gathered(pool.k[i], ids)
+            tensors[f"kv.{i}.v"] = Gathered(pool.v[i], ids)
+        num_blocks = len(ids)
+        manifest = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "identity": identity,
+            "layout": layout_of(pool),
+            "namespaces": ns_list,
+            "counts": {"nodes": len(rows), "blocks": num_blocks, "tokens": num_blocks * pool.block_size},
+            # "checksums": filled in by the writer as it streams each tensor
+        }
+        atomic_save(tensors, manifest, path)
+    finally:
+        with store._exclusive() as (_, _, unpin):
+            for leaf in leaves:
+                unpin(tree, leaf)  # also right if the store was flushed meanwhile
+    kv_bytes = sum(nbytes(t) for name, t in tensors.items() if name.startswith("kv."))
     result = SaveResult(
         path, len(rows), num_blocks, num_blocks * pool.block_size, kv_bytes, os.path.getsize(path)
     )
@@ -128,13 +137,14 @@ def save_store(
 
 
 def _snapshot(tree, pool, keep, rename):
-    """Node rows, encoded namespaces, token ids and CPU copies of the blocks. Call under the lock."""
+    """Node rows, encoded namespaces, token ids, block ids and the leaves to pin. Under the lock."""
     rows: list[tuple[int, int, int, int]] = []
     index: dict[int, int] = {}  # id(node) -> row
     ns_index: dict[str, int] = {}  # encoded namespace (its JSON text) -> position in ns_list
     ns_list: list[object] = []
     data: list[bytes] = []
     ids: list[int] = []
+    leaves = []  # pinning them pins every saved node (a pin holds the path to the root)
     for node in tree.iter_nodes():  # parents before children
         parent = node.parent
         if parent.is_root:
@@ -154,16 +164,14 @@ def _snapshot(tree, pool, keep, rename):
         rows.append((parent_row, ns, len(node.block_ids), node.last_access))
         data.append(node.data)
         ids.extend(node.block_ids)
+        if not node.children:
+            leaves.append(node)
     tokens = (
         torch.frombuffer(bytearray(b"".join(data)), dtype=torch.int64)
         if data
         else torch.zeros(0, dtype=torch.int64)
     )
-    kv = []
-    for i in range(len(pool.layers)):
-        pick = torch.tensor(ids, dtype=torch.int64, device=pool.k[i].device)
-        kv.append((pool.k[i].index_select(0, pick).cpu(), pool.v[i].index_select(0, pick).cpu()))
-    return rows, ns_list, tokens, kv
+    return rows, ns_list, tokens, ids, leaves
 
 
 def restore_store(
@@ -189,7 +197,7 @@ def restore_store(
         at += blocks
     # Most recently used first; at equal recency a parent (earlier row) before its children.
     order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][3], i))
-    with store._exclusive() as (tree, pool):
+    with store._exclusive() as (tree, pool, _):
         chosen: set[int] = set()
         used = 0
         for i in order:

@@ -322,7 +322,8 @@ class KVStore:
         return persist.restore_store(self, path, identity=identity, rename=rename)
 
     @contextlib.contextmanager
-    def _exclusive(self) -> Iterator[tuple[RadixTree, BlockPool]]:
-        """radixkv.persist's hook: the lock held, the live tree and the pool to read or fill."""
+    def _exclusive(self) -> Iterator[tuple[RadixTree, BlockPool, Callable[[RadixTree, object], None]]]:
+        """radixkv.persist's hook: the lock held; the live tree, the pool, and the unpin for
+        nodes pinned under it (it frees the blocks of a tree flushed since)."""
         with self._lock:
-            yield self.tree, self.pool
+            yield self.tree, self.pool, self._unpin_locked

@@ -425,3 +425,34 @@ def test_an_interrupted_insert_leaks_no_block(saved, monkeypatch):
     store.check_invariants()  # the two paths inserted own their blocks; the rest are free again
     stats = store.stats()
     assert stats["cached_blocks"] > 0 and stats["free_blocks"] + stats["cached_blocks"] == stats["num_blocks"]
+
+
+@pytest.mark.parametrize("meanwhile", ["flush", "pressure"])
+def test_the_store_changing_during_a_save_neither_corrupts_the_file_nor_leaks(
+    full_store, tmp_path, monkeypatch, meanwhile
+):
+    """The blocks are written after the lock is released: pins must keep them as they were."""
+    write = cache_file._write_tensors
+    before = {b for n in full_store.tree.iter_nodes() for b in n.block_ids}
+
+    def busy_write(tensors, manifest, path):
+        if meanwhile == "flush":
+            full_store.flush()
+        for i in range(40):  # new prefixes want every free block and then some
+            put(full_store, [5000 + 100 * i + j for j in range(12)])
+        assert before <= full_store.pool.used_blocks()  # nothing saved was evicted or reused
+        write(tensors, manifest, path)
+
+    monkeypatch.setattr(cache_file, "_write_tensors", busy_write)
+    path = tmp_path / "busy.safetensors"
+    full_store.save(path, identity=IDENTITY)
+    monkeypatch.undo()
+    full_store.check_invariants()
+    stats = full_store.stats()
+    assert stats["pinned_blocks"] == 0 and stats["retired_blocks"] == 0
+    assert stats["free_blocks"] + stats["cached_blocks"] == stats["num_blocks"]
+    fresh = make_store()
+    fresh.restore(path, identity=IDENTITY)
+    for ns, seqs in SEQS.items():
+        for seq in seqs:
+            assert cached_prefix(fresh, seq + [1], ns) == len(seq) // BS * BS
