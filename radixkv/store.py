@@ -300,7 +300,8 @@ class KVStore:
 
         Atomic: ``path`` keeps its previous content unless the whole new file was written.
         ``identity`` (JSON-able) must be presented equal to ``restore``; ``rename`` maps a
-        namespace to the one written. Holds the lock while copying the cached blocks.
+        namespace to the one written. Pins the saved prefixes while it writes (the lock only
+        for the snapshot of the tree), so commits meanwhile may cache less.
         Raises ValueError for a namespace other than None/str/bytes/int/tuples of them.
         """
         return persist.save_store(self, path, namespaces=namespaces, identity=identity, rename=rename)
