@@ -2,6 +2,8 @@
 
 The second question about the document must be served from the restored cache (cached_tokens
 = the whole blocks the two prompts share) and answered exactly as a cold server answers it.
+With API keys: the same key hits after the restart (the tenant secret persisted), another
+key does not.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = "A staff list:\n" + "\n".join(f"| Greta {i} | {20 + i} | Porto | nurse |" for i in range(24)) + "\n"
 Q1, Q2 = "How old is Greta 4?", "Where does Greta 17 live?"
 ARGS = ["--model", "builtin-tiny", "--block-size", str(BLOCK), "--cache-tokens", "16384", "--port", "0"]
+ARGS += ["--api-keys", "key-a,key-b"]  # the tenant secret must survive the restart too
 
 
 def start(cache_file: str, log_path: str) -> tuple[subprocess.Popen, str]:
@@ -49,9 +52,10 @@ def start(cache_file: str, log_path: str) -> tuple[subprocess.Popen, str]:
     raise AssertionError("server did not start:\n" + open(log_path).read()[-3000:])
 
 
-def ask(url: str, content: str) -> dict:
+def ask(url: str, content: str, key: str = "key-a") -> dict:
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0}
-    r = requests.post(url + "/v1/chat/completions", json=body, timeout=120)
+    headers = {"Authorization": f"Bearer {key}"}
+    r = requests.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -73,12 +77,15 @@ def test_a_restarted_server_answers_from_the_saved_cache_like_a_cold_one(tmp_pat
     finally:
         assert stop(proc) == 0, open(log).read()[-3000:]
     assert os.path.getsize(cache_file) > 0, open(log).read()[-3000:]
+    assert oct(os.stat(cache_file + ".secret").st_mode & 0o777) == "0o600"
 
     proc, url = start(cache_file, log)
     try:
+        other_tenant = ask(url, DOC + Q2, key="key-b")
         warm = ask(url, DOC + Q2)
     finally:
         stop(proc)
+    assert other_tenant["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert "restored" in open(log).read()
 
     cold_engine = build_engine(Config(model="builtin-tiny", block_size=BLOCK, cache_tokens=16384))
