@@ -38,7 +38,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 class CacheFiles:
-    """Saves and restores ``engine``'s store for one server (a no-op store-less engine refuses)."""
+    """Saves and restores ``engine``'s store for one server (with reuse off there is none: 409)."""
 
     def __init__(self, engine, config) -> None:
         self.engine = engine
