@@ -6,6 +6,7 @@ Flags override RADIXKV_* environment variables; `python -m demo --help` lists bo
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from demo.config import from_args, parser
@@ -44,11 +45,21 @@ def main(argv: list[str] | None = None) -> int:
         log.info(
             "the built-in model has random weights: its replies are noise (it shows the cache, not language)"
         )
+    # SIGTERM (docker stop, systemd) ends the server like Ctrl-C, so the cache file is saved.
+    signal.signal(signal.SIGTERM, _interrupt)
     # A fixed line on stdout that scripts (benchmarks/bench_http.py) wait for.
-    serve_forever(
-        app, config.host, config.port, lambda url: print(f"radixkv demo: serving on {url}", flush=True)
-    )
+    try:
+        serve_forever(
+            app, config.host, config.port, lambda url: print(f"radixkv demo: serving on {url}", flush=True)
+        )
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the save kills
+        app.extensions["radixkv"]["cache_files"].save_at_exit()
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ import uuid
 from flask import Flask, Response, jsonify, render_template, request
 from werkzeug.exceptions import HTTPException
 
-from demo import options, responses, schema
-from demo.auth import Auth
+from demo import cache_files, options, responses, schema
+from demo.auth import Auth, tenant_secret
 from demo.config import Config
 from demo.engine import Busy, Disconnected, Engine, Generation, Params
 from demo.generation import Result
@@ -63,7 +63,7 @@ def _sse(obj) -> str:
 
 def create_app(config: Config, engine: Engine | None = None) -> Flask:
     engine = engine or build_engine(config)
-    auth = Auth(config.api_keys, config.admin_token, config.tenant_secret)
+    auth = Auth(config.api_keys, config.admin_token, tenant_secret(config))
     metrics = Metrics()
     app = Flask(__name__, static_folder="static", template_folder="templates")
     # One byte over the limit: werkzeug refuses a too-long Content-Length itself, but silently
@@ -276,6 +276,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         auth.check_admin(request.headers)
         engine.flush()
         return jsonify({"flushed": True, "reuse": engine.store is not None})
+
+    cache_files.install(app, engine, config, auth)  # /v1/cache/save|restore|files, --cache-file
 
     @app.get("/metrics")
     def prometheus():

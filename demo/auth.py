@@ -5,15 +5,24 @@ cache namespace HMAC-SHA256(server secret, key): derived on the server from the 
 so no client field can pick another tenant's namespace, and one tenant can neither hit
 another's prefixes nor read them back through `cached_tokens` or time to first token.
 Without keys everyone shares one namespace (None).
+
+The secret is drawn at each start unless it persists in a file (``tenant_secret``): a
+restored cache file's tenant prefixes then stay reachable by the same keys, and only by them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import os
+import stat
 from collections.abc import Hashable, Iterable, Mapping
 
 from demo.schema import ApiError
+
+log = logging.getLogger(__name__)
+SECRET_BYTES = 32
 
 
 def _bearer(headers: Mapping[str, str]) -> str | None:
@@ -59,3 +68,52 @@ class Auth:
         given = headers.get("X-Admin-Token") or _bearer(headers) or ""
         if not hmac.compare_digest(given.encode(), self._admin.encode()):
             raise ApiError(401, "missing or incorrect admin token", code="invalid_admin_token")
+
+
+def secret_file(config) -> str | None:
+    """Where ``config``'s tenant secret persists: its own setting, else beside the cache file."""
+    if config.tenant_secret_file:
+        return config.tenant_secret_file
+    return config.cache_file + ".secret" if config.cache_file else None
+
+
+def tenant_secret(config) -> bytes:
+    """The HMAC secret: with API keys, from ``secret_file(config)`` (created if missing); else
+    ``config.tenant_secret`` (random per start unless set)."""
+    path = secret_file(config) if config.api_keys else None  # no tenants: nothing to keep
+    return load_or_create_secret(path) if path else config.tenant_secret
+
+
+def load_or_create_secret(path: str) -> bytes:
+    """The secret in ``path`` (hex), or a new random one written there with mode 0600.
+
+    Created with O_EXCL, so two servers starting at once agree on one secret. A file that
+    others may read is tightened to 0600 with a warning (the secret maps keys to tenants).
+    Raises ValueError for a file that holds no valid secret: a new one would orphan every
+    tenant's saved prefixes silently.
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        if mode & 0o077:
+            log.warning("tenant secret %s had mode %o; restricting it to the owner (0600)", path, mode)
+            os.chmod(path, 0o600)
+        with open(path, encoding="ascii", errors="replace") as f:
+            text = f.read().strip()
+        try:
+            secret = bytes.fromhex(text)
+        except ValueError:
+            secret = b""
+        if len(secret) < 16:
+            raise ValueError(
+                f"tenant secret file {path} does not hold a hex secret of at least 16 bytes"
+            ) from None
+        return secret
+    secret = os.urandom(SECRET_BYTES)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(secret.hex() + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    log.info("created tenant secret %s (mode 0600)", path)
+    return secret

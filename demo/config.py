@@ -35,6 +35,11 @@ class Config:
     max_queue: int = 32  # requests waiting for the generation worker before 503
     served_name: str | None = None  # model id in responses; default: basename of `model`
     tenant_secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
+    cache_file: str | None = None  # restored at start, saved at shutdown (and every cache_save_every s)
+    cache_dir: str | None = None  # where POST /v1/cache/save|restore {"name"} files live
+    cache_save_every: float | None = None  # seconds between periodic saves to cache_file
+    # Where the tenant HMAC secret persists (owner-only); default with a cache_file: beside it.
+    tenant_secret_file: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -59,6 +64,8 @@ class Config:
             raise ValueError(
                 f"device_map must be one of {', '.join(_DEVICE_MAPS)} or a device, got {self.device_map!r}"
             )
+        if self.cache_save_every is not None and (self.cache_save_every <= 0 or not self.cache_file):
+            raise ValueError("cache_save_every must be > 0 seconds and needs a cache_file")
 
     @property
     def model_id(self) -> str:
@@ -115,6 +122,10 @@ _ENV = {
     "admin_token": ("RADIXKV_ADMIN_TOKEN", str),
     "default_max_tokens": ("RADIXKV_MAX_TOKENS", int),
     "max_queue": ("RADIXKV_MAX_QUEUE", int),
+    "cache_file": ("RADIXKV_CACHE_FILE", str),
+    "cache_dir": ("RADIXKV_CACHE_DIR", str),
+    "cache_save_every": ("RADIXKV_CACHE_SAVE_EVERY", float),
+    "tenant_secret_file": ("RADIXKV_TENANT_SECRET_FILE", str),
 }
 
 
@@ -166,6 +177,23 @@ def parser() -> argparse.ArgumentParser:
         "--max-queue", type=int, help="waiting requests before 503 (default 32; env RADIXKV_MAX_QUEUE)"
     )
     p.add_argument("--served-name", help="model id reported by the API")
+    p.add_argument(
+        "--cache-file",
+        help="restore the KV cache from this file at start, save it at shutdown (env RADIXKV_CACHE_FILE)",
+    )
+    p.add_argument(
+        "--cache-dir", help="directory of named cache files for the admin endpoints (env RADIXKV_CACHE_DIR)"
+    )
+    p.add_argument(
+        "--cache-save-every",
+        type=float,
+        help="also save the cache file every SECONDS (env RADIXKV_CACHE_SAVE_EVERY)",
+    )
+    p.add_argument(
+        "--tenant-secret-file",
+        help="owner-only file holding the tenant HMAC secret, created if missing; default with "
+        "--cache-file: CACHE_FILE.secret, else a new secret per start (env RADIXKV_TENANT_SECRET_FILE)",
+    )
     return p
 
 

@@ -131,12 +131,15 @@ def build_store(
     block_size: int | None = None,
     budget_tokens: int | None = None,
     budget_bytes: int | None = None,
+    restore: str | os.PathLike | None = None,
 ) -> KVStore:
     """A new KVStore shaped for ``model``.
 
     Budget: ``budget_tokens`` or ``budget_bytes`` (at most one), else the environment's
     ``RADIXKV_CACHE_TOKENS`` / ``RADIXKV_CACHE_BYTES``, else 1 GiB. Block size: argument,
     else ``RADIXKV_BLOCK_SIZE``, else 16. The pool is preallocated with ``torch.empty``.
+    ``restore``: a file written by ``hf_patch.save_cache`` for this model, loaded into the new
+    store (raises radixkv.CacheFileError, building nothing, when it is damaged or another model's).
     """
     if budget_tokens is not None and budget_bytes is not None:
         raise ValueError("give at most one of budget_tokens= and budget_bytes=")
@@ -155,6 +158,10 @@ def build_store(
         pool.nbytes / 2**20,
         len(specs),
     )
+    if restore is not None:
+        from hf_patch.persistence import restore_cache  # it imports this module
+
+        restore_cache(model, restore, store)
     return store
 
 

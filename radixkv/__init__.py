@@ -4,13 +4,18 @@ Layers: ``RadixTree`` (pure Python) and ``BlockPool`` (torch storage) are combin
 ``KVStore`` behind one lock. See docs/design.md.
 """
 
+from radixkv.manifest import CacheFileError, CacheFileMismatch, CorruptCacheFile
 from radixkv.node import PackedTokens, pack_tokens
+from radixkv.persist import RestoreResult, SaveResult
 from radixkv.pool import BlockPool, LayerSpec, OutOfBlocks
 from radixkv.store import KVStore, Lease
 from radixkv.tree import MatchResult, RadixTree
 
 __all__ = [
     "BlockPool",
+    "CacheFileError",
+    "CacheFileMismatch",
+    "CorruptCacheFile",
     "KVStore",
     "LayerSpec",
     "Lease",
@@ -18,5 +23,7 @@ __all__ = [
     "OutOfBlocks",
     "PackedTokens",
     "RadixTree",
+    "RestoreResult",
+    "SaveResult",
     "pack_tokens",
 ]

@@ -14,12 +14,14 @@ pool, ``commit`` caches what fits of the prefix (possibly nothing) and returns.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 
 import torch
 
+from radixkv import persist
 from radixkv.node import Tokens, head_of, num_tokens_of, pack_tokens
 from radixkv.pool import BlockPool
 from radixkv.stats import StoreCounters
@@ -284,3 +286,45 @@ class KVStore:
                 raise AssertionError("a block is owned twice")
             if set(owned) != self.pool.used_blocks():
                 raise AssertionError("pool references differ from owners")
+
+    # -- persistence (the work is in radixkv/persist.py) --------------------------------------
+    def save(
+        self,
+        path,
+        namespaces: Collection[Hashable] | Callable[[Hashable], bool] | None = None,
+        *,
+        identity: object = None,
+        rename: Callable[[Hashable], Hashable] | None = None,
+    ) -> persist.SaveResult:
+        """Write the cached prefixes of ``namespaces`` (a list/set or a predicate; None: all) to ``path``.
+
+        Atomic: ``path`` keeps its previous content unless the whole new file was written.
+        ``identity`` (JSON-able) must be presented equal to ``restore``; ``rename`` maps a
+        namespace to the one written. Pins the saved prefixes while it writes (the lock only
+        for the snapshot of the tree), so commits meanwhile may cache less.
+        Raises ValueError for a namespace other than None/str/bytes/int/tuples of them.
+        """
+        return persist.save_store(self, path, namespaces=namespaces, identity=identity, rename=rename)
+
+    def restore(
+        self,
+        path,
+        *,
+        identity: object = None,
+        rename: Callable[[Hashable], Hashable] | None = None,
+    ) -> persist.RestoreResult:
+        """Merge the prefixes saved in ``path`` into this store: cached ones stay, new ones go in.
+
+        Checks all of the file first (checksums, format version, ``identity``, layout,
+        structure) and raises ``radixkv.CacheFileError`` naming the fault, changing nothing.
+        Restored blocks only take free blocks (nothing cached is evicted for them); what does
+        not fit is dropped, least recently used first, and counted in the result.
+        """
+        return persist.restore_store(self, path, identity=identity, rename=rename)
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[tuple[RadixTree, BlockPool, Callable[[RadixTree, object], None]]]:
+        """radixkv.persist's hook: the lock held; the live tree, the pool, and the unpin for
+        nodes pinned under it (it frees the blocks of a tree flushed since)."""
+        with self._lock:
+            yield self.tree, self.pool, self._unpin_locked

@@ -1,0 +1,130 @@
+"""Save a model's cached prefixes to disk and restore them, for the same model only.
+
+    hf_patch.save_cache(model, "kv.safetensors")                 # the default store's prefixes
+    store = hf_patch.build_store(model, restore="kv.safetensors") # after a restart
+
+radixkv writes the file (``KVStore.save`` / ``restore``, see radixkv/persist.py) and knows
+no models: it stores an opaque ``identity`` and refuses a restore that presents another.
+This module builds that identity from what the KV depends on:
+
+- ``model_class``: the module and name of the model's class;
+- ``config_sha256``: a hash of the model config (without fields that do not change the KV:
+  paths, versions, output flags; the dtype is checked by the store's layout);
+- ``weights_sha256``: per parameter (sorted by name), its name, dtype, shape and a sample of
+  up to ``WEIGHT_SAMPLE`` elements at fixed, evenly spaced positions. A fine-tune or another
+  checkpoint changes every element of the tensors it touches, so a few thousand per tensor
+  tell them apart; an edit of single elements between the sampled ones is not seen. Cost:
+  one small gather per parameter, no pass over the weights.
+
+Namespaces: hf_patch keys the store by ``(model scope, namespace)``, where the scope is a
+per-process number (hf_patch.weights). The file holds the user's namespaces only; a restore
+puts them under the restoring model's scope, so they hit in a new process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Collection, Hashable
+
+import torch
+
+from hf_patch.model_spec import check_store_fits, default_store
+from hf_patch.weights import flush_if_weights_changed, model_scope
+from radixkv import KVStore, RestoreResult, SaveResult
+
+WEIGHT_SAMPLE = 4096
+# Config fields that do not change what the model computes for a token.
+_CONFIG_IGNORED = {
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "use_cache",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+}
+
+
+def config_sha256(model) -> str:
+    config = model.config.to_dict()
+    kept = {k: v for k, v in config.items() if not k.startswith("_") and k not in _CONFIG_IGNORED}
+    text = json.dumps(kept, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@torch.no_grad()
+def weights_sha256(model, sample: int = WEIGHT_SAMPLE) -> str:
+    """Hash of every parameter's name, dtype, shape and ``sample`` evenly spaced elements."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        if param.device.type == "meta":
+            raise ValueError(
+                f"parameter {name} is on the meta device (offloaded); its weights cannot be fingerprinted"
+            )
+        flat = param.detach().reshape(-1)
+        n = flat.numel()
+        if n > sample:
+            # Integer positions, computed on the CPU: the same on every device and run.
+            positions = torch.arange(sample, dtype=torch.int64) * (n - 1) // (sample - 1)
+            flat = flat[positions.to(flat.device)]
+        values = flat.cpu().contiguous().view(torch.uint8)
+        digest.update(f"{name}|{param.dtype}|{tuple(param.shape)}|".encode())
+        digest.update(values.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def model_identity(model) -> dict[str, str]:
+    """What a saved cache of ``model`` must match to be restored into it (JSON-able)."""
+    cls = type(model)
+    return {
+        "model_class": f"{cls.__module__}.{cls.__qualname__}",
+        "config_sha256": config_sha256(model),
+        "weights_sha256": weights_sha256(model),
+    }
+
+
+def _store(model, store: KVStore | None) -> KVStore:
+    if store is None:
+        return default_store(model)
+    check_store_fits(store, model)
+    return store
+
+
+def save_cache(
+    model,
+    path: str | os.PathLike,
+    store: KVStore | None = None,
+    namespaces: Collection[Hashable] | None = None,
+) -> SaveResult:
+    """Write ``model``'s prefixes in ``store`` (default: its default store) to ``path``, atomically.
+
+    ``namespaces``: a list/set of RadixCache namespaces to save; None saves all of this
+    model's. Another model's prefixes in a shared store are never written. KV cached under
+    weights that have changed since is flushed first, never saved under the new identity.
+    """
+    store = _store(model, store)
+    flush_if_weights_changed(store, model)
+    scope = model_scope(model)
+    wanted = None if namespaces is None else set(namespaces)
+
+    def mine(ns: Hashable) -> bool:
+        return type(ns) is tuple and len(ns) == 2 and ns[0] == scope and (wanted is None or ns[1] in wanted)
+
+    return store.save(path, mine, identity=model_identity(model), rename=lambda ns: ns[1])
+
+
+def restore_cache(model, path: str | os.PathLike, store: KVStore | None = None) -> RestoreResult:
+    """Merge the prefixes saved in ``path`` into ``store`` (default: ``model``'s default store).
+
+    Raises radixkv.CacheFileMismatch when the file was saved for another model class, config,
+    weights or KV layout, radixkv.CorruptCacheFile when it is damaged; the store is then
+    unchanged. See ``KVStore.restore`` for merging and a pool too small.
+    """
+    store = _store(model, store)
+    # Record the current weights first: KV cached under older ones goes now, and the first
+    # generate() after the restore does not take the restored KV for stale.
+    flush_if_weights_changed(store, model)
+    scope = model_scope(model)
+    return store.restore(path, identity=model_identity(model), rename=lambda ns: (scope, ns))

@@ -1,0 +1,199 @@
+"""The manifest of a saved cache file: what its KV depends on, and the checks a restore makes.
+
+A cache file (``radixkv.persist``) is one safetensors file whose header metadata holds two
+strings: ``radixkv.manifest`` (this JSON document) and ``radixkv.manifest_sha256`` (its
+hash, so a flipped bit in a namespace or a count is caught, not silently obeyed). The
+manifest holds:
+
+- ``format`` / ``version``: ``FORMAT`` and ``FORMAT_VERSION``; anything else is refused.
+- ``identity``: an opaque JSON object from the caller (hf_patch puts the model class, a
+  config hash and a weights fingerprint there); a restore requires it to be equal.
+- ``layout``: block size and every layer's KV heads, head dims and dtype (not the device:
+  a file saved on one GPU restores on another, or on the CPU).
+- ``namespaces``: the namespaces of the saved nodes, JSON-encoded by ``encode_namespace``.
+- ``counts``: nodes, blocks, tokens; ``checksums``: sha256 of every tensor's bytes.
+
+Namespaces are limited to None, str, bytes, int and tuples of these: each has one JSON
+spelling, so a namespace restores equal (and hashing equal) to the one saved.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Hashable, Mapping, Sequence
+
+import torch
+
+FORMAT = "radixkv-cache"
+FORMAT_VERSION = 1
+MANIFEST_KEY = "radixkv.manifest"
+MANIFEST_HASH_KEY = "radixkv.manifest_sha256"
+
+
+class CacheFileError(ValueError):
+    """A cache file was refused; the store was not changed."""
+
+
+class CorruptCacheFile(CacheFileError):
+    """The file is empty, truncated, altered or not a radixkv cache file."""
+
+
+class CacheFileMismatch(CacheFileError):
+    """The file is intact but was saved for another model, layout or format version."""
+
+
+# -- namespaces -----------------------------------------------------------------------------
+def encode_namespace(ns: Hashable) -> object:
+    """``ns`` as JSON: null, {"str": s}, {"bytes": base64}, {"int": n}, {"tuple": [...]}.
+
+    Raises ValueError for any other type (a bool too: True == 1 would restore as 1).
+    """
+    if ns is None:
+        return None
+    if type(ns) is str:
+        return {"str": ns}
+    if type(ns) is bytes:
+        return {"bytes": base64.b64encode(ns).decode("ascii")}
+    if type(ns) is int:
+        return {"int": ns}
+    if type(ns) is tuple:
+        return {"tuple": [encode_namespace(x) for x in ns]}
+    raise ValueError(
+        f"namespace {ns!r} ({type(ns).__name__}) cannot be saved: only None, str, bytes, int and "
+        "tuples of these have one unambiguous file form"
+    )
+
+
+def decode_namespace(obj: object) -> Hashable:
+    """Inverse of ``encode_namespace``; raises CorruptCacheFile on anything it never writes."""
+    if obj is None:
+        return None
+    if isinstance(obj, dict) and len(obj) == 1:
+        ((kind, value),) = obj.items()
+        if kind == "str" and type(value) is str:
+            return value
+        if kind == "int" and type(value) is int:
+            return value
+        if kind == "bytes" and type(value) is str:
+            try:
+                return base64.b64decode(value.encode("ascii"), validate=True)
+            except ValueError:
+                pass
+        if kind == "tuple" and type(value) is list:
+            return tuple(decode_namespace(x) for x in value)
+    raise CorruptCacheFile(f"cache file: invalid namespace entry {obj!r}")
+
+
+# -- layout and identity --------------------------------------------------------------------
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def layout_of(pool) -> dict:
+    """The pool's block size and per-layer KV shapes, as JSON (devices left out)."""
+    return {
+        "block_size": pool.block_size,
+        "layers": [
+            {
+                "num_kv_heads": s.num_kv_heads,
+                "k_head_dim": s.k_head_dim,
+                "v_head_dim": s.v_head_dim,
+                "dtype": dtype_name(s.dtype),
+            }
+            for s in pool.layers
+        ],
+    }
+
+
+def canonical(obj: object) -> object:
+    """``obj`` as it reads back from JSON (tuples become lists), for equality with a file's copy."""
+    try:
+        return json.loads(json.dumps(obj, sort_keys=True))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"identity must be JSON-serialisable: {e}") from None
+
+
+def _differences(what: str, have: object, want: object) -> list[str]:
+    """Human-readable paths where ``have`` (the file) and ``want`` (this store) differ."""
+    if isinstance(have, dict) and isinstance(want, dict):
+        out = []
+        for key in sorted(set(have) | set(want)):
+            if key not in have:
+                out.append(f"{what}.{key}: missing in the file, this store has {want[key]!r}")
+            elif key not in want:
+                out.append(f"{what}.{key}: the file has {have[key]!r}, this store has none")
+            else:
+                out += _differences(f"{what}.{key}", have[key], want[key])
+        return out
+    if isinstance(have, list) and isinstance(want, list) and len(have) == len(want):
+        return [d for i, (a, b) in enumerate(zip(have, want)) for d in _differences(f"{what}[{i}]", a, b)]
+    if have != want:
+        return [f"{what}: the file has {have!r}, this store needs {want!r}"]
+    return []
+
+
+def check_compatible(manifest: Mapping, pool, identity: object) -> None:
+    """Raise CacheFileMismatch naming every difference of format, identity or layout."""
+    if manifest.get("format") != FORMAT:
+        raise CorruptCacheFile(f"not a radixkv cache file (format {manifest.get('format')!r})")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise CacheFileMismatch(
+            f"cache file format version {manifest.get('version')!r}; this radixkv reads version {FORMAT_VERSION}"
+        )
+    problems = _differences("identity", manifest.get("identity"), canonical(identity))
+    problems += _differences("layout", manifest.get("layout"), layout_of(pool))
+    if problems:
+        raise CacheFileMismatch("cache file was saved for another model or store: " + "; ".join(problems))
+
+
+# -- the manifest text ------------------------------------------------------------------------
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of a CPU tensor's bytes in memory order (contiguous copy if needed)."""
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def to_metadata(manifest: Mapping) -> dict[str, str]:
+    text = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
+    return {MANIFEST_KEY: text, MANIFEST_HASH_KEY: hashlib.sha256(text.encode()).hexdigest()}
+
+
+def from_metadata(metadata: Mapping[str, str] | None) -> dict:
+    """The manifest of a file's safetensors metadata; CorruptCacheFile unless it is intact."""
+    metadata = metadata if isinstance(metadata, Mapping) else {}
+    text, digest = metadata.get(MANIFEST_KEY), metadata.get(MANIFEST_HASH_KEY)
+    if not isinstance(text, str) or not isinstance(digest, str):
+        raise CorruptCacheFile("a safetensors file without a radixkv manifest: not a radixkv cache file")
+    if hashlib.sha256(text.encode()).hexdigest() != digest:
+        raise CorruptCacheFile("cache file manifest does not match its checksum (the file was altered)")
+    try:
+        manifest = json.loads(text)
+    except ValueError:
+        raise CorruptCacheFile("cache file manifest is not valid JSON") from None
+    if not isinstance(manifest, dict):
+        raise CorruptCacheFile("cache file manifest is not a JSON object")
+    return manifest
+
+
+def expected_tensors(layout: Mapping, counts: Mapping) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype name) of every tensor a file with this layout and these counts holds."""
+    bs, nb = layout["block_size"], counts["blocks"]
+    out = {"tree.nodes": ((counts["nodes"], 4), "int64"), "tree.tokens": ((nb * bs,), "int64")}
+    for i, layer in enumerate(layout["layers"]):
+        out[f"kv.{i}.k"] = ((nb, bs, layer["num_kv_heads"], layer["k_head_dim"]), layer["dtype"])
+        out[f"kv.{i}.v"] = ((nb, bs, layer["num_kv_heads"], layer["v_head_dim"]), layer["dtype"])
+    return out
+
+
+def count_field(counts: Mapping, name: str) -> int:
+    value = counts.get(name) if isinstance(counts, Mapping) else None
+    if type(value) is not int or value < 0:
+        raise CorruptCacheFile(f"cache file manifest: counts.{name} is {value!r}, not an int >= 0")
+    return value
+
+
+def decode_namespaces(entries: object) -> Sequence[Hashable]:
+    if not isinstance(entries, list):
+        raise CorruptCacheFile("cache file manifest: namespaces is not a list")
+    return [decode_namespace(e) for e in entries]

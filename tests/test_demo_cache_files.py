@@ -1,0 +1,187 @@
+"""The demo's cache file: restore at start, admin save/restore/files, tenants across restarts.
+
+A "restart" here is a new engine (new model object, new store) and a new app on the same
+configuration; tests/test_demo_restart.py does the same with real processes and SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from demo.api import build_engine, create_app
+from demo.config import Config
+
+BLOCK = 16
+ADMIN = {"X-Admin-Token": "adm"}
+TABLE = "Here is a table:\n" + "\n".join(f"| Bruno {i} | {30 + i} | Lagos | pilot |" for i in range(30))
+
+
+def doc() -> str:
+    return f"[{uuid.uuid4().hex}]\n{TABLE}\n"
+
+
+def engine():
+    return build_engine(Config(model="builtin-tiny", block_size=BLOCK, cache_tokens=1 << 14))
+
+
+def app(eng, **kw):
+    kw.setdefault("admin_token", "adm")
+    return create_app(Config(model="builtin-tiny", block_size=BLOCK, **kw), eng).test_client()
+
+
+def chat(client, content, key=None, expect=200):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+    r = client.post("/v1/chat/completions", json=body, headers=headers)
+    assert r.status_code == expect, r.get_json()
+    return r.get_json()
+
+
+def cached(resp) -> int:
+    return resp["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_admin_save_list_restore(tmp_path):
+    eng = engine()
+    c = app(eng, cache_dir=str(tmp_path))
+    text = doc()
+    first = chat(c, text + "Who is Bruno 3?")
+    for r in (
+        app(eng, admin_token=None).post("/v1/cache/save", json={"name": "a"}),
+        c.post("/v1/cache/save", json={"name": "a"}, headers={"X-Admin-Token": "wrong"}),
+    ):
+        assert r.status_code in (401, 403)
+    assert not list(tmp_path.iterdir())
+    saved = c.post("/v1/cache/save", json={"name": "a"}, headers=ADMIN).get_json()
+    assert saved["saved"] and saved["num_tokens"] > 0 and saved["path"] == str(tmp_path / "a.safetensors")
+    listing = c.get("/v1/cache/files", headers=ADMIN).get_json()["data"]
+    assert [(f["name"], f["bytes"]) for f in listing] == [("a.safetensors", saved["file_bytes"])]
+    assert listing[0]["manifest"]["counts"]["tokens"] == saved["num_tokens"]
+    assert "model_class" in listing[0]["manifest"]["identity"]
+    eng.flush()
+    restored = c.post("/v1/cache/restore", json={"name": "a.safetensors"}, headers=ADMIN).get_json()
+    assert restored["restored_tokens"] == saved["num_tokens"] and restored["dropped_tokens"] == 0
+    second = chat(c, text + "Who is Bruno 7?")
+    assert cached(second) >= first["usage"]["prompt_tokens"] // BLOCK * BLOCK - 2 * BLOCK
+    eng.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["../a", "a/b", "..", "a..b", ".hidden", "", "x" * 101, 5, "a\\b", "/etc/x"])
+def test_bad_names_are_a_400(tmp_path, name):
+    c = app(engine(), cache_dir=str(tmp_path))
+    for path in ("/v1/cache/save", "/v1/cache/restore"):
+        r = c.post(path, json={"name": name}, headers=ADMIN)
+        assert r.status_code == 400 and r.get_json()["error"]["param"] == "name", r.get_json()
+    assert not list(tmp_path.iterdir())
+
+
+def test_restore_errors_name_the_problem_and_change_nothing(tmp_path):
+    eng = engine()
+    c = app(eng, cache_dir=str(tmp_path))
+    assert c.post("/v1/cache/save", headers=ADMIN).status_code == 400  # no name and no --cache-file
+    r = c.post("/v1/cache/restore", json={"name": "missing"}, headers=ADMIN)
+    assert r.status_code == 404 and r.get_json()["error"]["code"] == "cache_file_not_found"
+    text = doc()
+    chat(c, text)
+    c.post("/v1/cache/save", json={"name": "good"}, headers=ADMIN)
+    data = (tmp_path / "good.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) - 100])
+    before = eng.stats()
+    r = c.post("/v1/cache/restore", json={"name": "cut"}, headers=ADMIN)
+    assert r.status_code == 422 and r.get_json()["error"]["code"] == "cache_file_corrupt"
+    other = app(
+        build_engine(Config(model="builtin-tiny", block_size=8, cache_tokens=1 << 14)),
+        cache_dir=str(tmp_path),
+    )
+    r = other.post("/v1/cache/restore", json={"name": "good"}, headers=ADMIN)
+    assert r.status_code == 409 and "block_size" in r.get_json()["error"]["message"]
+    assert eng.stats() == before
+    eng.check_invariants()
+    listing = {f["name"]: f for f in c.get("/v1/cache/files", headers=ADMIN).get_json()["data"]}
+    assert "safetensors" in listing["cut.safetensors"]["error"] and "manifest" in listing["good.safetensors"]
+    assert cached(chat(c, text)) > 0  # still serving what it had
+
+
+def test_a_corrupt_cache_file_is_moved_aside_and_the_server_starts_cold(tmp_path):
+    path = tmp_path / "kv.safetensors"
+    path.write_bytes(b"")  # the empty file that crashed llama.cpp's server
+    c = app(engine(), cache_file=str(path))
+    assert not path.exists()
+    assert [p.name[: len("kv.safetensors.rejected-")] for p in tmp_path.iterdir()] == [
+        "kv.safetensors.rejected-"
+    ]
+    text = doc()
+    assert cached(chat(c, text)) == 0
+    assert cached(chat(c, text)) > 0
+
+
+def test_tenants_keep_their_prefixes_across_a_restart_and_only_theirs(tmp_path):
+    path = str(tmp_path / "kv.safetensors")
+    conf = {"cache_file": path, "api_keys": ("key-a", "key-b")}
+    first_engine = engine()
+    c = app(first_engine, **conf)
+    text = doc()
+    answer = chat(c, text + "Who is Bruno 1?", key="key-a")
+    c.application.extensions["radixkv"]["cache_files"].save_at_exit()
+    assert oct(os.stat(path + ".secret").st_mode & 0o777) == "0o600"
+    restarted = app(engine(), **conf)  # restores the file at start
+    hit = chat(restarted, text + "Who is Bruno 2?", key="key-a")
+    assert cached(hit) >= answer["usage"]["prompt_tokens"] // BLOCK * BLOCK - 2 * BLOCK
+    assert cached(chat(restarted, text + "Who is Bruno 2?", key="key-b")) == 0
+    # Other keys on the same file and secret never reach key-a's prefixes.
+    others = app(engine(), cache_file=path, api_keys=("key-c",))
+    assert cached(chat(others, text + "Who is Bruno 2?", key="key-c")) == 0
+    chat(others, text, key="key-a", expect=401)
+    # Without the secret file, the same key maps to another namespace: no hits.
+    os.rename(path + ".secret", path + ".secret.old")
+    fresh_secret = app(engine(), **conf)
+    assert cached(chat(fresh_secret, text + "Who is Bruno 2?", key="key-a")) == 0
+
+
+def test_periodic_saves(tmp_path):
+    import time
+
+    path = tmp_path / "kv.safetensors"
+    c = app(engine(), cache_file=str(path), cache_save_every=0.2)
+    chat(c, doc())
+    deadline = time.monotonic() + 20
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    files = c.application.extensions["radixkv"]["cache_files"]
+    files.stop()
+    assert path.exists()
+    from radixkv.cache_file import read_manifest
+
+    assert read_manifest(path)["counts"]["tokens"] > 0
+
+
+def test_secret_file_with_loose_permissions_is_tightened(tmp_path):
+    from demo.auth import load_or_create_secret
+
+    p = tmp_path / "s"
+    first = load_or_create_secret(str(p))
+    os.chmod(p, 0o644)
+    assert load_or_create_secret(str(p)) == first
+    assert oct(os.stat(p).st_mode & 0o777) == "0o600"
+    p.write_text("not hex")
+    with pytest.raises(ValueError, match="hex secret"):
+        load_or_create_secret(str(p))
+
+
+def test_cache_flags_and_environment():
+    from demo.config import from_args
+
+    env = {"RADIXKV_CACHE_FILE": "/tmp/kv.safetensors", "RADIXKV_CACHE_SAVE_EVERY": "30"}
+    config = from_args(["--cache-dir", "/tmp/caches"], env)
+    assert (config.cache_file, config.cache_dir, config.cache_save_every) == (
+        "/tmp/kv.safetensors",
+        "/tmp/caches",
+        30.0,
+    )
+    assert from_args(["--cache-file", "/a", "--tenant-secret-file", "/s"], {}).tenant_secret_file == "/s"
+    for argv in (["--cache-save-every", "10"], ["--cache-file", "/a", "--cache-save-every", "0"]):
+        with pytest.raises(ValueError, match="cache_save_every"):
+            from_args(argv, {})
