@@ -9,7 +9,16 @@ Importing installs the generate() integration once; for any other cache it chang
 from hf_patch.cache import RadixCache
 from hf_patch.model_spec import UnsupportedModelError, build_store, default_store
 from hf_patch.patch import install
+from hf_patch.task_prompts import pin_prompts, unpin_prompts
 
 install()
 
-__all__ = ["RadixCache", "UnsupportedModelError", "build_store", "default_store", "install"]
+__all__ = [
+    "RadixCache",
+    "UnsupportedModelError",
+    "build_store",
+    "default_store",
+    "install",
+    "pin_prompts",
+    "unpin_prompts",
+]

@@ -8,7 +8,7 @@ weights; the owner pins again). The model side (computing the KV) is ``hf_patch.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,7 +54,7 @@ class TaskPins:
             )
         packed = pack_tokens(head_of(tokens, need * bs))
         with store._lock:
-            others = self._task_device_blocks_locked(exclude=task_id)
+            others = self._task_device_blocks_locked(exclude=(task_id,))
             match = store.tree.match(packed, namespace)
             shared = len(
                 others.intersection(match.block_ids[: len(match.block_ids) - store._host_blocks(match)])
@@ -109,7 +109,7 @@ class TaskPins:
 
     def device_blocks_locked(self) -> int:
         """Distinct device blocks the task prompts pin; call under the store's lock."""
-        return len(self._task_device_blocks_locked(exclude=object()))
+        return len(self._task_device_blocks_locked(exclude=()))
 
     def host_blocks_locked(self) -> int:
         """Distinct host blocks the task prompts pin; call under the store's lock."""
@@ -121,9 +121,14 @@ class TaskPins:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def _task_device_blocks_locked(self, exclude: Hashable) -> set[int]:
+    def device_blocks(self, exclude: Collection[Hashable] = ()) -> int:
+        """Distinct device blocks pinned by the task prompts not in ``exclude``."""
+        with self._store._lock:
+            return len(self._task_device_blocks_locked(exclude))
+
+    def _task_device_blocks_locked(self, exclude: Collection[Hashable]) -> set[int]:
         ids: set[int] = set()
         for task_id, lease in self._leases.items():
-            if task_id != exclude:
+            if task_id not in exclude:
                 ids.update(lease.block_ids[: len(lease.block_ids) - lease.num_host_blocks])
         return ids
