@@ -27,7 +27,12 @@ def main(argv: list[str] | None = None) -> int:
             f"--model {config.model}: neither a built-in model ({', '.join(BUILTIN)}) nor a local directory"
         )
 
-    app = create_app(config)
+    from demo.task_prompts import TaskPromptError
+
+    try:
+        app = create_app(config)
+    except TaskPromptError as e:  # a malformed --task-prompts file / RADIXKV_TASK_PROMPTS, or too big
+        parser().error(str(e))
     engine = app.extensions["radixkv"]["engine"]
     log = logging.getLogger("demo")
     log.info(

@@ -27,6 +27,8 @@ from demo.metrics import Metrics
 from demo.model import BUILTIN
 from demo.schema import ApiError
 from demo.server import client_alive
+from demo.task_prompts import TaskPrompts
+from demo.task_prompts import load as load_task_prompts
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
@@ -71,6 +73,9 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     engine = engine or build_engine(config)
     auth = Auth(config.api_keys, config.admin_token, config.tenant_secret)
     metrics = Metrics()
+    tasks = TaskPrompts(load_task_prompts(config.task_prompts, config.task_prompts_json))
+    if tasks and engine.store is not None:
+        tasks.pin(engine, auth.namespaces())
     app = Flask(__name__, static_folder="static", template_folder="templates")
     # One byte over the limit: werkzeug refuses a too-long Content-Length itself, but silently
     # truncates a chunked body at the limit; reading one byte more lets body() tell (413).
@@ -234,9 +239,12 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     @app.post("/v1/chat/completions")
     def chat():
         started, namespace = time.perf_counter(), auth.namespace(request.headers)
-        req = schema.chat(body(), engine.context)
+        data = body()
+        req = schema.chat(data, engine.context)
+        task_prompt = tasks.lookup(data)
+        messages = tasks.chat(task_prompt, req.messages) if task_prompt else req.messages
         try:
-            ids = engine.chat_ids(req.messages)
+            ids = engine.chat_ids(messages)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         return respond("chat", ids, req.sampling, namespace, started)
@@ -244,8 +252,15 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     @app.post("/v1/completions")
     def completions():
         started, namespace = time.perf_counter(), auth.namespace(request.headers)
-        req = schema.completion(body(), engine.context, vocab_size)
-        ids = list(req.prompt) if isinstance(req.prompt, list) else engine.text_ids(req.prompt)
+        data = body()
+        req = schema.completion(data, engine.context, vocab_size)
+        task_prompt = tasks.lookup(data)
+        if task_prompt and isinstance(req.prompt, str):
+            ids = engine.text_ids(task_prompt + req.prompt)
+        elif task_prompt:
+            ids = engine.text_ids(task_prompt) + list(req.prompt)
+        else:
+            ids = list(req.prompt) if isinstance(req.prompt, list) else engine.text_ids(req.prompt)
         return respond("completions", ids, req.sampling, namespace, started)
 
     @app.post("/v1/cache/flush")

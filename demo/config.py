@@ -30,6 +30,8 @@ class Config:
     max_queue: int = 32  # requests waiting for the generation worker before 503
     served_name: str | None = None  # model id in responses; default: basename of `model`
     tenant_secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
+    task_prompts: str | None = None  # a JSON file of [{"task_id", "prompt"}] (demo.task_prompts)
+    task_prompts_json: str | None = field(default=None, repr=False)  # the same JSON, from the env
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -95,6 +97,7 @@ _ENV = {
     "admin_token": ("RADIXKV_ADMIN_TOKEN", str),
     "default_max_tokens": ("RADIXKV_MAX_TOKENS", int),
     "max_queue": ("RADIXKV_MAX_QUEUE", int),
+    "task_prompts_json": ("RADIXKV_TASK_PROMPTS", str),
 }
 
 
@@ -130,6 +133,12 @@ def parser() -> argparse.ArgumentParser:
         "--max-queue", type=int, help="waiting requests before 503 (default 32; env RADIXKV_MAX_QUEUE)"
     )
     p.add_argument("--served-name", help="model id reported by the API")
+    p.add_argument(
+        "--task-prompts",
+        metavar="FILE",
+        help='JSON list of {"task_id", "prompt"}: pinned prompts a request selects with "task_id" '
+        "(env RADIXKV_TASK_PROMPTS: the JSON itself)",
+    )
     return p
 
 
