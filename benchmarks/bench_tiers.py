@@ -157,7 +157,9 @@ def part_task(model, args) -> None:
         cache = RadixCache(store=store)
         t = ttft(timed(model, ids(task + document(rng, 16)), past_key_values=cache))
         rows[name] = (t, cache.cached_tokens[0], store.stats())
-    print(f"\n3. task prompt of 1,008 tokens after {args.flood} unrelated 1,008-token prompts, pool {budget} tokens")
+    print(
+        f"\n3. task prompt of 1,008 tokens after {args.flood} unrelated 1,008-token prompts, pool {budget} tokens"
+    )
     for name, (t, cached, stats) in rows.items():
         print(
             f"   {name:<11} cached {cached:5d} of 1,024 prompt tokens, TTFT {t * 1e3:7.1f} ms, "
@@ -167,7 +169,9 @@ def part_task(model, args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--parts", default="cyclic,cost,task")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cost-runs", type=int, default=7)
@@ -175,7 +179,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model = build_model()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model: Llama 512x8, 8 heads/4 KV, fp32")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, model: Llama 512x8, 8 heads/4 KV, fp32"
+    )
     parts = {"cyclic": part_cyclic, "cost": part_cost, "task": part_task}
     for name in args.parts.split(","):
         parts[name](model, args)
