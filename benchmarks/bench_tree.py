@@ -223,6 +223,7 @@ def _demote(tree: RadixTree, num_blocks: int, host_free: list[int], t: Timings) 
         del host_free[len(host_free) - n :]
         freed += tree.demote(node, host_ids)
         t.demoted_blocks += n
+        t.evicted_nodes += 1  # a demoted node leaves the device (the tree keeps it)
     return freed
 
 
@@ -278,7 +279,7 @@ def report(name: str, cfg: Config, tree: RadixTree, t: Timings, ideal: float) ->
         print(
             f"host tier: working set {cfg.working_set_blocks} blocks, device pool {cfg.working_set_blocks // 8}, "
             f"host the other 7/8; "
-            f"{t.demoted_blocks} blocks demoted, {t.host_hit_tokens / max(t.hit_tokens, 1):.1%} of hit tokens "
+            f"{t.demoted_blocks} blocks demoted (counted as evicted above), {t.host_hit_tokens / max(t.hit_tokens, 1):.1%} of hit tokens "
             f"end on the host; evict = demote + host drops (copies not included)"
         )
     print(

@@ -1,12 +1,14 @@
 """radixkv: a block-granular radix tree over a paged KV pool, with pins and LRU eviction.
 
 Layers: ``RadixTree`` (pure Python) and ``BlockPool`` (torch storage) are combined by
-``KVStore`` behind one lock. See docs/design.md.
+``KVStore`` behind one lock, optionally with a host-memory tier (``radixkv.tier``) and task
+pins (``radixkv.task_pins``). See docs/design.md.
 """
 
 from radixkv.node import PackedTokens, pack_tokens
 from radixkv.pool import BlockPool, LayerSpec, OutOfBlocks
 from radixkv.store import KVStore, Lease
+from radixkv.tier import Tier, host_pool_for
 from radixkv.tree import MatchResult, RadixTree
 
 __all__ = [
@@ -18,5 +20,7 @@ __all__ = [
     "OutOfBlocks",
     "PackedTokens",
     "RadixTree",
+    "Tier",
+    "host_pool_for",
     "pack_tokens",
 ]

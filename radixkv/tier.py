@@ -133,7 +133,10 @@ def _gather_staged(pool: torch.Tensor, block_ids: torch.Tensor, num_tokens: int,
     batch, nb = block_ids.shape
     picked = pool[block_ids.to(pool.device)]  # [B, nb, bs, H, D] on the pool's device
     picked = picked.reshape(batch, nb * pool.shape[1], pool.shape[2], pool.shape[3])[:, :num_tokens]
-    out.copy_(picked.transpose(1, 2), non_blocking=pool.is_pinned())
+    # ``picked`` is a pageable temporary: a synchronous copy, so nothing can overwrite what is
+    # still to be read once the caller's lease is released. (Page-locked memory speeds up the
+    # demotions, device -> host; reads staging through pinned buffers is left to a GPU session.)
+    out.copy_(picked.transpose(1, 2))
 
 
 def scatter_into(
