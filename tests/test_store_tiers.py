@@ -256,6 +256,10 @@ def test_copy_blocks_moves_runs_and_scattered_ids_bit_exactly() -> None:
         assert torch.equal(a[src_ids], b[dst_ids])
     with pytest.raises(ValueError, match="2 source ids for 1"):
         copy_blocks(src, [0, 1], dst, [0])
+    runs_src, runs_dst = [0, 1, 2, 3, 4, 5, 6, 7], [4, 5, 6, 7, 0, 1, 2, 3]  # two runs: slice copies
+    copy_blocks(src, runs_src, dst, runs_dst)
+    for a, b in zip(src.k + src.v, dst.k + dst.v):
+        assert torch.equal(a[runs_src], b[runs_dst])
 
 
 def test_staged_gather_equals_the_fused_gather() -> None:
