@@ -7,6 +7,7 @@ Run by hand (never a timed test)::
     python -m benchmarks.bench_tree --requests 2000
     python -m benchmarks.bench_tree --evict-scaling  # + eviction on synthetic 1k-100k-leaf trees
     python -m benchmarks.bench_tree --check-block-ids  # the tree also validates inserted ids
+    python -m benchmarks.bench_tree --host-tier    # device pool 1/8 of the pool, host tier the rest
 
 Each request matches its prompt, pins the match, evicts until the simulated free list covers
 the new blocks, inserts prompt + reply and unpins: what ``KVStore.commit`` does around a
@@ -25,6 +26,7 @@ from array import array
 from dataclasses import dataclass, field, replace
 
 from radixkv import RadixTree, pack_tokens
+from radixkv.tree import HOST
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,10 @@ class Config:
     vocab: int = 32_000
     seed: int = 0
     check_block_ids: bool = False  # KVStore's setting: its ids come off the pool's free list
+    # Pools sized from the working set (every block the unbounded cache ends up holding): device
+    # 1/8 of it, demoting into a host tier holding the rest (pool_tokens is then ignored).
+    host_tier: bool = False
+    working_set_blocks: int = 0
 
 
 LARGE = {"open_conversations": 2048, "pool_tokens": 2_000_000}
@@ -68,6 +74,8 @@ class Timings:
         default_factory=lambda: dict.fromkeys(("pack", "match", "pin", "evict", "insert", "unpin"), 0)
     )
     evict_calls: int = 0
+    demoted_blocks: int = 0
+    host_hit_tokens: int = 0
     evicted_nodes: int = 0
     evicted_blocks: int = 0
     nodes_at_evict: int = 0  # sum over evict calls of the tree's node count
@@ -116,7 +124,12 @@ def replay(cfg: Config, systems: list[array], requests: list[Request]) -> tuple[
     bs = cfg.block_size
     tree = RadixTree(bs, check_block_ids=cfg.check_block_ids)
     num_blocks = cfg.pool_tokens // bs
+    num_host = 0
+    if cfg.host_tier:  # what KVStore does with a host tier, minus the block copies
+        num_blocks = cfg.working_set_blocks // 8
+        num_host = cfg.working_set_blocks - num_blocks
     free = list(range(num_blocks))
+    host_free = list(range(num_host))
     convs: dict[int, array] = {}  # conversation so far, compact
     t = Timings()
     clock = time.perf_counter_ns
@@ -139,47 +152,84 @@ def replay(cfg: Config, systems: list[array], requests: list[Request]) -> tuple[
         t.ns["match"] += t2 - t1
         t.ns["pin"] += t3 - t2
         t.hit_tokens += m.num_tokens
+        if num_host and m.node.tier == HOST:
+            t.host_hit_tokens += tree.host_blocks_at(m.node) * bs
 
         history += req.reply
         sequence_row = array("q", history)
         have = len(m.block_ids)
         need = len(history) // bs - have
-        if need > len(free):
+        # Below a demoted prefix new blocks go to the host, as KVStore.commit does.
+        tier = m.node.tier
+        pool_free = host_free if tier == HOST else free
+        if need > len(pool_free):
             nodes_before = tree.num_nodes
             t0 = clock()
-            freed = tree.evict(need - len(free))
+            if tier == HOST:
+                freed = tree.evict_host(need - len(host_free))
+            elif num_host:
+                freed = _demote(tree, need - len(free), host_free, t)
+            else:
+                freed = tree.evict(need - len(free))
             t1 = clock()
             t.ns["evict"] += t1 - t0
             t.evict_calls += 1
             t.evicted_nodes += nodes_before - tree.num_nodes
             t.evicted_blocks += len(freed)
             t.nodes_at_evict += nodes_before
-            free += freed
-        new_ids = free[len(free) - need :]
-        del free[len(free) - need :]
+            pool_free += freed
+        if need > len(pool_free):  # host tier only: every candidate pinned, cache what fits
+            need = len(pool_free)
+            sequence_row = sequence_row[: (have + need) * bs]
+        new_ids = pool_free[len(pool_free) - need :]
+        del pool_free[len(pool_free) - need :]
         block_ids = list(m.block_ids) + new_ids
 
         t0 = clock()
         sequence = pack_tokens(sequence_row)
         t1 = clock()
-        cached = tree.insert(sequence, block_ids)
+        cached = tree.insert(sequence, block_ids, None, tier)
         t2 = clock()
         tree.unpin(m.node)
         t3 = clock()
         t.ns["pack"] += t1 - t0
         t.ns["insert"] += t2 - t1
         t.ns["unpin"] += t3 - t2
-        free += new_ids[: cached // bs - have]  # duplicates stay ours
+        pool_free += new_ids[: cached // bs - have]  # duplicates stay ours
 
         if not req.last:
             convs[req.conv] = history
-    if len(free) + tree.num_cached_blocks != num_blocks:
+    if len(free) + len(host_free) + tree.num_cached_blocks != num_blocks + num_host:
         raise RuntimeError("block ids leaked: free + cached != pool size")
     return tree, t
 
 
-def ideal_hit_rate(cfg: Config, systems: list[array], requests: list[Request]) -> float:
-    """Hit rate of an unbounded cache, from chained block hashes (an oracle independent of the tree)."""
+def _demote(tree: RadixTree, num_blocks: int, host_free: list[int], t: Timings) -> list[int]:
+    """Demote LRU device candidates until ``num_blocks`` device blocks are freed; returns them.
+
+    The host drops its own LRU leaves for room. (KVStore also copies the blocks: not timed here.)
+    """
+    freed: list[int] = []
+    while len(freed) < num_blocks:
+        node = tree.demotion_candidate()
+        if node is None:
+            break
+        n = len(node.block_ids)
+        if len(host_free) < n:
+            host_free += tree.evict_host(n - len(host_free))
+        if len(host_free) < n:
+            break
+        host_ids = host_free[len(host_free) - n :]
+        del host_free[len(host_free) - n :]
+        freed += tree.demote(node, host_ids)
+        t.demoted_blocks += n
+        t.evicted_nodes += 1  # a demoted node leaves the device (the tree keeps it)
+    return freed
+
+
+def ideal_hit_rate(cfg: Config, systems: list[array], requests: list[Request]) -> tuple[float, int]:
+    """Hit rate of an unbounded cache, from chained block hashes (an oracle independent of the tree),
+    and the blocks that cache holds at the end (the working set)."""
     bs = cfg.block_size
     cached: set[int] = set()
     chains: dict[int, tuple[list[int], list[int]]] = {}  # conv -> (tokens, chain key per whole block)
@@ -195,7 +245,7 @@ def ideal_hit_rate(cfg: Config, systems: list[array], requests: list[Request]) -
         cached.update(keys)
         if not req.last:
             chains[req.conv] = (tokens, keys)
-    return hit / query
+    return hit / query, len(cached)
 
 
 def _extend_chain(tokens: list[int], keys: list[int], bs: int) -> None:
@@ -210,9 +260,10 @@ def report(name: str, cfg: Config, tree: RadixTree, t: Timings, ideal: float) ->
     us = {op: ns / 1000 for op, ns in t.ns.items()}
     leaves = sum(1 for node in tree.iter_nodes() if not node.children)
     calls = max(t.evict_calls, 1)
+    pool = cfg.working_set_blocks // 8 * cfg.block_size if cfg.host_tier else cfg.pool_tokens
     print(
-        f"== {name}: {n} requests, {cfg.open_conversations} open conversations, pool {cfg.pool_tokens} "
-        f"tokens ({cfg.pool_tokens // cfg.block_size} blocks), block size {cfg.block_size}, "
+        f"== {name}: {n} requests, {cfg.open_conversations} open conversations, device pool {pool} "
+        f"tokens ({pool // cfg.block_size} blocks), block size {cfg.block_size}, "
         f"check_block_ids={cfg.check_block_ids}"
     )
     for op in ("pack", "match", "insert", "pin", "unpin"):
@@ -224,6 +275,13 @@ def report(name: str, cfg: Config, tree: RadixTree, t: Timings, ideal: float) ->
     )
     print(f"total   {sum(us.values()) / n:8.1f} us/request (pack + match + pin + evict + insert + unpin)")
     print(f"hit rate {t.hit_tokens / t.query_tokens:.3f} (ideal, unbounded cache: {ideal:.3f})")
+    if cfg.host_tier:
+        print(
+            f"host tier: working set {cfg.working_set_blocks} blocks, device pool {cfg.working_set_blocks // 8}, "
+            f"host the other 7/8; "
+            f"{t.demoted_blocks} blocks demoted (counted as evicted above), {t.host_hit_tokens / max(t.hit_tokens, 1):.1%} of hit tokens "
+            f"end on the host; evict = demote + host drops (copies not included)"
+        )
     print(
         f"tree: {t.nodes_at_evict / calls:.0f} nodes on average when evicting; at the end {tree.num_nodes} "
         f"nodes, {leaves} leaves, {tree.num_cached_blocks} cached blocks"
@@ -263,11 +321,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--check-block-ids", action="store_true", help="the tree checks inserted ids (direct-use default)"
     )
+    parser.add_argument("--host-tier", action="store_true", help="device pool 1/8, host tier the rest")
     args = parser.parse_args(argv)
-    cfg = Config(requests=args.requests, seed=args.seed, check_block_ids=args.check_block_ids)
+    cfg = Config(
+        requests=args.requests, seed=args.seed, check_block_ids=args.check_block_ids, host_tier=args.host_tier
+    )
     cfg = replace(cfg, **(LARGE if args.large else {}))
     systems, requests = make_workload(cfg)
-    ideal = ideal_hit_rate(cfg, systems, requests)
+    ideal, working_set = ideal_hit_rate(cfg, systems, requests)
+    cfg = replace(cfg, working_set_blocks=working_set)
     tree, timings = replay(cfg, systems, requests)
     report("large" if args.large else "standard", cfg, tree, timings, ideal)
     if args.evict_scaling:

@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     from demo.api import create_app
     from demo.model import BUILTIN, ModelNotFound
     from demo.server import serve_forever
+    from demo.task_prompts import TaskPromptError
 
     try:
         app = create_app(config)
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--model {config.model}: not a built-in model ({', '.join(BUILTIN)}), "
             f"a local directory or a loadable Hub id: {e}"
         )
+    except TaskPromptError as e:  # a malformed --task-prompts file / RADIXKV_TASK_PROMPTS, or too big
+        parser().error(str(e))
     engine = app.extensions["radixkv"]["engine"]
     log = logging.getLogger("demo")
     log.info(

@@ -29,6 +29,8 @@ from demo.metrics import Metrics
 from demo.model import BUILTIN
 from demo.schema import ApiError
 from demo.server import client_alive
+from demo.task_prompts import TaskPrompts
+from demo.task_prompts import load as load_task_prompts
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
@@ -65,6 +67,9 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     engine = engine or build_engine(config)
     auth = Auth(config.api_keys, config.admin_token, tenant_secret(config))
     metrics = Metrics()
+    tasks = TaskPrompts(load_task_prompts(config.task_prompts, config.task_prompts_json))
+    if tasks and engine.store is not None:
+        tasks.pin(engine, auth.namespaces())
     app = Flask(__name__, static_folder="static", template_folder="templates")
     # One byte over the limit: werkzeug refuses a too-long Content-Length itself, but silently
     # truncates a chunked body at the limit; reading one byte more lets body() tell (413).
@@ -255,8 +260,10 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         check_model(data)
         req = schema.chat(data, engine.context)
         opts = options.parse(data, "chat", logits_size)
+        task_prompt = tasks.lookup(data)
+        messages = tasks.chat(task_prompt, req.messages) if task_prompt else req.messages
         try:
-            ids = engine.chat_ids(req.messages)
+            ids = engine.chat_ids(messages)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         return respond("chat", ids, req.sampling, opts, namespace, started)
@@ -268,7 +275,13 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         check_model(data)
         req = schema.completion(data, engine.context, vocab_size)
         opts = options.parse(data, "completions", logits_size)
-        ids = list(req.prompt) if isinstance(req.prompt, list) else engine.text_ids(req.prompt)
+        task_prompt = tasks.lookup(data)
+        if task_prompt and isinstance(req.prompt, str):
+            ids = engine.text_ids(task_prompt + req.prompt)
+        elif task_prompt:
+            ids = engine.text_ids(task_prompt) + list(req.prompt)
+        else:
+            ids = list(req.prompt) if isinstance(req.prompt, list) else engine.text_ids(req.prompt)
         return respond("completions", ids, req.sampling, opts, namespace, started)
 
     @app.post("/v1/cache/flush")

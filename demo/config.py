@@ -40,6 +40,8 @@ class Config:
     cache_save_every: float | None = None  # seconds between periodic saves to cache_file
     # Where the tenant HMAC secret persists (owner-only); default with a cache_file: beside it.
     tenant_secret_file: str | None = None
+    task_prompts: str | None = None  # a JSON file of [{"task_id", "prompt"}] (demo.task_prompts)
+    task_prompts_json: str | None = field(default=None, repr=False)  # the same JSON, from the env
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -126,6 +128,7 @@ _ENV = {
     "cache_dir": ("RADIXKV_CACHE_DIR", str),
     "cache_save_every": ("RADIXKV_CACHE_SAVE_EVERY", float),
     "tenant_secret_file": ("RADIXKV_TENANT_SECRET_FILE", str),
+    "task_prompts_json": ("RADIXKV_TASK_PROMPTS", str),
 }
 
 
@@ -193,6 +196,12 @@ def parser() -> argparse.ArgumentParser:
         "--tenant-secret-file",
         help="owner-only file holding the tenant HMAC secret, created if missing; default with "
         "--cache-file: CACHE_FILE.secret, else a new secret per start (env RADIXKV_TENANT_SECRET_FILE)",
+    )
+    p.add_argument(
+        "--task-prompts",
+        metavar="FILE",
+        help='JSON list of {"task_id", "prompt"}: pinned prompts a request selects with "task_id" '
+        "(env RADIXKV_TASK_PROMPTS: the JSON itself)",
     )
     return p
 

@@ -39,6 +39,20 @@ _STORE = [
     ("block_size", "radixkv_pool_block_size", "gauge", "Tokens per block."),
     ("pool_bytes", "radixkv_pool_bytes", "gauge", "Bytes of KV pool storage."),
 ]
+# Host tier and task prompts (radixkv stats keys present only with a host tier are read as 0).
+_TIERS = [
+    ("demoted_blocks", "radixkv_host_demotions_total", "counter", "Device blocks demoted to the host tier."),
+    ("host_hit_tokens", "radixkv_host_hits_total", "counter", "Prompt tokens served from host-tier blocks."),
+    ("host_num_blocks", "radixkv_host_pool_capacity_blocks", "gauge", "Blocks in the host tier (0: none)."),
+    ("host_pool_bytes", "radixkv_host_pool_bytes", "gauge", "Bytes of host-tier storage."),
+    ("task_prompts", "radixkv_task_prompts", "gauge", "Task prompts pinned (per tenant and form)."),
+]
+_HOST_POOL_STATES = (
+    ("host_free_blocks", "free"),
+    ("host_cached_blocks", "cached"),
+    ("host_pinned_blocks", "pinned"),
+    ("host_retired_blocks", "retired"),
+)
 # pinned is a subset of cached; retired = flushed blocks that running requests still read.
 _POOL_STATES = (
     ("free_blocks", "free"),
@@ -63,6 +77,29 @@ def number(v) -> str:
     if v in (float("inf"), float("-inf")):
         return "+Inf" if v > 0 else "-Inf"
     return str(int(v)) if v.is_integer() and abs(v) < 2**53 else repr(v)
+
+
+def _tier_lines(stats: dict) -> list[str]:
+    """Host-tier and task-prompt samples: gauges per tier, demotions, host hits, bytes each way."""
+    out = []
+    for key, name, kind, help_ in _TIERS:
+        out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {number(stats.get(key, 0))}"]
+    out += [
+        "# HELP radixkv_host_pool_blocks Host-tier blocks by state.",
+        "# TYPE radixkv_host_pool_blocks gauge",
+    ]
+    out += [f'radixkv_host_pool_blocks{{state="{s}"}} {int(stats.get(k, 0))}' for k, s in _HOST_POOL_STATES]
+    out += [
+        "# HELP radixkv_tier_copy_bytes_total KV bytes copied between the device pool and the host tier.",
+        "# TYPE radixkv_tier_copy_bytes_total counter",
+        f'radixkv_tier_copy_bytes_total{{direction="to_host"}} {int(stats.get("bytes_to_host", 0))}',
+        f'radixkv_tier_copy_bytes_total{{direction="from_host"}} {int(stats.get("bytes_from_host", 0))}',
+        "# HELP radixkv_task_pinned_blocks Blocks pinned by task prompts, by tier.",
+        "# TYPE radixkv_task_pinned_blocks gauge",
+        f'radixkv_task_pinned_blocks{{tier="device"}} {int(stats.get("task_pinned_blocks", 0))}',
+        f'radixkv_task_pinned_blocks{{tier="host"}} {int(stats.get("task_pinned_host_blocks", 0))}',
+    ]
+    return out
 
 
 class Histogram:
@@ -119,6 +156,7 @@ class Metrics:
             out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {number(stats.get(key, 0))}"]
         out += ["# HELP radixkv_pool_blocks KV pool blocks by state.", "# TYPE radixkv_pool_blocks gauge"]
         out += [f'radixkv_pool_blocks{{state="{s}"}} {int(stats.get(k, 0))}' for k, s in _POOL_STATES]
+        out += _tier_lines(stats)
         with self._lock:
             out += [
                 "# HELP radixkv_requests_total Requests by endpoint and HTTP status.",

@@ -10,6 +10,7 @@ from hf_patch.cache import RadixCache
 from hf_patch.model_spec import UnsupportedModelError, build_store, default_store
 from hf_patch.patch import install
 from hf_patch.persistence import model_identity, restore_cache, save_cache
+from hf_patch.task_prompts import pin_prompts, unpin_prompts
 
 install()
 
@@ -22,4 +23,6 @@ __all__ = [
     "model_identity",
     "restore_cache",
     "save_cache",
+    "pin_prompts",
+    "unpin_prompts",
 ]

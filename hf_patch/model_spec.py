@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from radixkv import BlockPool, KVStore, LayerSpec
+from radixkv.tier import host_pool_for
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,9 @@ def build_store(
     budget_tokens: int | None = None,
     budget_bytes: int | None = None,
     restore: str | os.PathLike | None = None,
+    *,
+    host_cache_tokens: int | None = None,
+    host_cache_bytes: int | None = None,
 ) -> KVStore:
     """A new KVStore shaped for ``model``.
 
@@ -140,23 +144,37 @@ def build_store(
     else ``RADIXKV_BLOCK_SIZE``, else 16. The pool is preallocated with ``torch.empty``.
     ``restore``: a file written by ``hf_patch.save_cache`` for this model, loaded into the new
     store (raises radixkv.CacheFileError, building nothing, when it is damaged or another model's).
+
+    Host tier (none by default): ``host_cache_tokens`` or ``host_cache_bytes``, else
+    ``RADIXKV_HOST_CACHE_TOKENS`` / ``RADIXKV_HOST_CACHE_BYTES``: a CPU pool of that size
+    behind the device pool (page-locked when the model is on CUDA); blocks evicted from the
+    device are demoted there instead of dropped.
     """
     if budget_tokens is not None and budget_bytes is not None:
         raise ValueError("give at most one of budget_tokens= and budget_bytes=")
+    if host_cache_tokens is not None and host_cache_bytes is not None:
+        raise ValueError("give at most one of host_cache_tokens= and host_cache_bytes=")
+    if host_cache_tokens is None and host_cache_bytes is None:
+        host_cache_tokens = _env_int("RADIXKV_HOST_CACHE_TOKENS")
+        host_cache_bytes = None if host_cache_tokens else _env_int("RADIXKV_HOST_CACHE_BYTES")
     block_size = block_size or _env_int("RADIXKV_BLOCK_SIZE") or DEFAULT_BLOCK_SIZE
     if budget_tokens is None and budget_bytes is None:
         budget_tokens = _env_int("RADIXKV_CACHE_TOKENS")
         budget_bytes = None if budget_tokens else (_env_int("RADIXKV_CACHE_BYTES") or DEFAULT_BUDGET_BYTES)
     specs = layer_specs(model)
     pool = BlockPool.from_budget(specs, block_size, tokens=budget_tokens, bytes=budget_bytes)
-    store = KVStore(pool)
+    host = None
+    if host_cache_tokens is not None or host_cache_bytes is not None:
+        host = host_pool_for(pool, tokens=host_cache_tokens, bytes=host_cache_bytes)
+    store = KVStore(pool, host)
     logger.info(
-        "radixkv store for %s: %d blocks x %d tokens, %.1f MiB, %d layers",
+        "radixkv store for %s: %d blocks x %d tokens, %.1f MiB, %d layers%s",
         type(model).__name__,
         pool.num_blocks,
         block_size,
         pool.nbytes / 2**20,
         len(specs),
+        f"; host tier {host.num_blocks} blocks, {host.nbytes / 2**20:.1f} MiB" if host is not None else "",
     )
     if restore is not None:
         from hf_patch.persistence import restore_cache  # it imports this module

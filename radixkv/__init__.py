@@ -1,7 +1,8 @@
 """radixkv: a block-granular radix tree over a paged KV pool, with pins and LRU eviction.
 
 Layers: ``RadixTree`` (pure Python) and ``BlockPool`` (torch storage) are combined by
-``KVStore`` behind one lock. See docs/design.md.
+``KVStore`` behind one lock, optionally with a host-memory tier (``radixkv.tier``) and task
+pins (``radixkv.task_pins``). See docs/design.md.
 """
 
 from radixkv.manifest import CacheFileError, CacheFileMismatch, CorruptCacheFile
@@ -9,6 +10,7 @@ from radixkv.node import PackedTokens, pack_tokens
 from radixkv.persist import RestoreResult, SaveResult
 from radixkv.pool import BlockPool, LayerSpec, OutOfBlocks
 from radixkv.store import KVStore, Lease
+from radixkv.tier import Tier, host_pool_for
 from radixkv.tree import MatchResult, RadixTree
 
 __all__ = [
@@ -25,5 +27,7 @@ __all__ = [
     "RadixTree",
     "RestoreResult",
     "SaveResult",
+    "Tier",
+    "host_pool_for",
     "pack_tokens",
 ]

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -39,30 +39,43 @@ _CHUNK = 4 << 20
 
 
 class Gathered:
-    """Blocks ``ids`` of a pool tensor ``[num_blocks, bs, H, D]``, read at write time.
+    """Blocks ``ids`` of per-tier pool tensors ``[num_blocks, bs, H, D]``, read at write time.
 
-    ``chunks()`` copies ~4 MiB of blocks at a time into one small CPU buffer (kept in the CPU
-    cache for the hash and the write that follow), so a save never holds a second copy of the
-    cache. The caller keeps the blocks from being evicted or rewritten meanwhile (pins).
+    ``storages[t]`` is tier t's tensor (device pool, host pool); block i is
+    ``storages[tiers[i]][ids[i]]``. ``chunks()`` copies ~4 MiB of blocks at a time into one
+    small CPU buffer (kept in the CPU cache for the hash and the write that follow), so a save
+    never holds a second copy of the cache. The caller keeps the blocks from being evicted,
+    demoted or rewritten meanwhile (pins).
     """
 
-    def __init__(self, storage: torch.Tensor, ids: list[int]) -> None:
-        self.storage, self.ids = storage, ids
-        self.shape = (len(ids), *storage.shape[1:])
-        self.dtype = storage.dtype
+    def __init__(self, storages: Sequence[torch.Tensor], ids: list[int], tiers: list[int]) -> None:
+        self.storages, self.ids, self.tiers = tuple(storages), ids, tiers
+        self.shape = (len(ids), *storages[0].shape[1:])
+        self.dtype = storages[0].dtype
 
     def chunks(self) -> Iterator[memoryview]:
         per_block = max(1, nbytes(self) // max(1, len(self.ids)))
         n = max(1, _CHUNK // per_block)
         buf = torch.empty((min(n, len(self.ids)), *self.shape[1:]), dtype=self.dtype)
-        ids = torch.tensor(self.ids, dtype=torch.int64, device=self.storage.device)
+        ids = torch.tensor(self.ids, dtype=torch.int64)
+        tiers = torch.tensor(self.tiers, dtype=torch.int64)
         for start in range(0, len(self.ids), n):
-            part, out = ids[start : start + n], buf[: len(ids[start : start + n])]
-            if self.storage.device.type == "cpu":
-                torch.index_select(self.storage, 0, part, out=out)
-            else:
-                out.copy_(self.storage.index_select(0, part))
+            part, where = ids[start : start + n], tiers[start : start + n]
+            out = buf[: len(part)]
+            for tier, storage in enumerate(self.storages):
+                rows = (where == tier).nonzero().flatten()
+                if len(rows) == len(part):  # one tier: straight into the buffer
+                    self._select(storage, part, out)
+                elif len(rows):
+                    out[rows] = storage.index_select(0, part[rows].to(storage.device)).cpu()
             yield memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B")
+
+    @staticmethod
+    def _select(storage: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+        if storage.device.type == "cpu":
+            torch.index_select(storage, 0, ids, out=out)
+        else:
+            out.copy_(storage.index_select(0, ids.to(storage.device)))
 
 
 def nbytes(t: torch.Tensor | Gathered) -> int:

@@ -19,6 +19,11 @@ from dataclasses import dataclass
 
 TOKEN_BYTES = 8
 
+# Where a node's blocks live (``Node.tier``). Along any root-to-leaf path tiers never go back
+# up: device nodes form the top of the tree, host nodes hang below them.
+DEVICE = 0
+HOST = 1
+
 
 def check_block_size(block_size: object) -> None:
     """Raise ValueError unless ``block_size`` is a power-of-two int (not a bool). Tree and pool share it."""
@@ -160,6 +165,10 @@ class Node:
             set, or None when it is not there (pinned, inner, root or detached).
         is_root: True for a namespace root (never evicted, never counted in ``num_nodes``).
         attached: False once the node has been evicted, cleared or dropped.
+        tier: ``DEVICE`` or ``HOST``: the pool ``block_ids`` index. Never lower than the
+            parent's tier.
+        dev_children: children with ``tier == DEVICE``; a device node without any is a
+            demotion candidate (its host children stay where they are).
     """
 
     __slots__ = (
@@ -175,6 +184,8 @@ class Node:
         "evict_entry",
         "is_root",
         "attached",
+        "tier",
+        "dev_children",
     )
 
     def __init__(
@@ -187,6 +198,7 @@ class Node:
         last_access: int,
         pin_count: int = 0,
         is_root: bool = False,
+        tier: int = DEVICE,
     ) -> None:
         self.data = data
         self.block_ids = block_ids
@@ -200,6 +212,8 @@ class Node:
         self.evict_entry: tuple[int, int, Node] | None = None
         self.is_root = is_root
         self.attached = True
+        self.tier = tier
+        self.dev_children = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -215,7 +229,8 @@ class Node:
         kind = "root" if self.is_root else "node"
         return (
             f"<{kind} uid={self.uid} blocks={len(self.block_ids)} children={len(self.children)} "
-            f"pins={self.own_pins}/{self.pin_count} last_access={self.last_access}>"
+            f"pins={self.own_pins}/{self.pin_count} last_access={self.last_access}"
+            f"{' host' if self.tier else ''}>"
         )
 
 
@@ -284,15 +299,25 @@ def split(node: Node, cut: int, width: int, uid: int) -> Node:
     """Split non-root ``node`` after ``cut`` bytes (whole blocks of ``width``); return the new parent.
 
     ``node`` itself stays the deeper part, so references held by pinners stay valid; the new
-    parent (``uid``) takes the first part, ``node``'s old key, last access and pin count (the
-    same pins pass through it) and no pins of its own. ``node``'s eviction entry stays valid
+    parent (``uid``) takes the first part, ``node``'s old key, last access, pin count (the
+    same pins pass through it) and tier, and no pins of its own. ``node``'s eviction entry stays valid
     (its ``last_access`` and ``uid`` are unchanged). O(len(node.data)) bytes copied.
     """
     parent = node.parent
     if parent is None:
         raise ValueError(f"cannot split {node!r}: it is a root or detached")
     nb = cut // width
-    top = Node(node.data[:cut], node.block_ids[:nb], parent, node.key, uid, node.last_access, node.pin_count)
+    top = Node(
+        node.data[:cut],
+        node.block_ids[:nb],
+        parent,
+        node.key,
+        uid,
+        node.last_access,
+        node.pin_count,
+        tier=node.tier,
+    )
+    top.dev_children = 1 if node.tier == DEVICE else 0
     node.data = node.data[cut:]
     node.block_ids = node.block_ids[nb:]
     node.key = node.data[:width]

@@ -42,6 +42,7 @@ from radixkv.manifest import (
     layout_of,
 )
 from radixkv.node import TOKEN_BYTES, PackedTokens
+from radixkv.tree import TierOrderError
 
 logger = logging.getLogger(__name__)
 
@@ -104,15 +105,16 @@ def save_store(
     keep = _namespace_filter(namespaces)
     path = os.fspath(path)
     with store._exclusive() as (tree, pool, _):
-        rows, ns_list, tokens, ids, leaves = _snapshot(tree, pool, keep, rename)
+        rows, ns_list, tokens, ids, tiers, leaves = _snapshot(tree, pool, keep, rename)
+        pools = [tier.pool for tier in store.tiers]  # a node's blocks index its tier's pool
         for leaf in leaves:  # the saved blocks can be neither evicted nor reused until written
             tree.pin(leaf)
     try:
         nodes = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
         tensors: dict[str, torch.Tensor | Gathered] = {"tree.nodes": nodes, "tree.tokens": tokens}
         for i in range(len(pool.layers)):
-            tensors[f"kv.{i}.k"] = Gathered(pool.k[i], ids)
-            tensors[f"kv.{i}.v"] = Gathered(pool.v[i], ids)
+            tensors[f"kv.{i}.k"] = Gathered([p.k[i] for p in pools], ids, tiers)
+            tensors[f"kv.{i}.v"] = Gathered([p.v[i] for p in pools], ids, tiers)
         num_blocks = len(ids)
         manifest = {
             "format": FORMAT,
@@ -137,13 +139,15 @@ def save_store(
 
 
 def _snapshot(tree, pool, keep, rename):
-    """Node rows, encoded namespaces, token ids, block ids and the leaves to pin. Under the lock."""
+    """Node rows, encoded namespaces, token ids, block ids, each block's tier and the leaves to
+    pin. Under the lock."""
     rows: list[tuple[int, int, int, int]] = []
     index: dict[int, int] = {}  # id(node) -> row
     ns_index: dict[str, int] = {}  # encoded namespace (its JSON text) -> position in ns_list
     ns_list: list[object] = []
     data: list[bytes] = []
     ids: list[int] = []
+    tiers: list[int] = []
     leaves = []  # pinning them pins every saved node (a pin holds the path to the root)
     for node in tree.iter_nodes():  # parents before children
         parent = node.parent
@@ -164,6 +168,7 @@ def _snapshot(tree, pool, keep, rename):
         rows.append((parent_row, ns, len(node.block_ids), node.last_access))
         data.append(node.data)
         ids.extend(node.block_ids)
+        tiers.extend([node.tier] * len(node.block_ids))
         if not node.children:
             leaves.append(node)
     tokens = (
@@ -171,7 +176,7 @@ def _snapshot(tree, pool, keep, rename):
         if data
         else torch.zeros(0, dtype=torch.int64)
     )
-    return rows, ns_list, tokens, ids, leaves
+    return rows, ns_list, tokens, ids, tiers, leaves
 
 
 def restore_store(
@@ -225,28 +230,40 @@ def restore_store(
         for i in selected:
             parent = nodes[i][0]
             full[i] = (full[parent] if parent != -1 else []) + own[i]
+        below_host: set[int] = set()
         try:
             for i in sorted(selected, key=lambda i: (nodes[i][3], -i)):
                 path_ids = full[i]
-                already = tree.insert(PackedTokens(paths[i]), path_ids, namespaces[nodes[i][1]])
+                tokens, ns = PackedTokens(paths[i]), namespaces[nodes[i][1]]
+                try:
+                    already = tree.insert(tokens, path_ids, ns)
+                except TierOrderError:
+                    # The store holds part of this path demoted to its host tier, and device
+                    # blocks never hang below host ones: keep the store's copy, drop ours below it.
+                    below_host.update(path_ids[tree.match(tokens, ns).num_tokens // bs :])
+                    continue
                 taken.update(path_ids[already // bs :])
         finally:
             # Every block is the tree's or free again, even if an insert was interrupted (the
             # paths inserted by then are whole and correct: their blocks were all copied).
-            duplicates = [b for b in ids if b not in taken]
-            pool.free(duplicates)
+            unused = [b for b in ids if b not in taken]
+            pool.free(unused)
     total = sum(row[2] for row in nodes)
+    dropped = total - used + len(below_host - taken)
     result = RestoreResult(
         restored_tokens=len(taken) * bs,
-        duplicate_tokens=len(duplicates) * bs,
-        dropped_tokens=(total - used) * bs,
+        duplicate_tokens=(len(unused) - len(below_host - taken)) * bs,
+        dropped_tokens=dropped * bs,
         restored_blocks=len(taken),
-        dropped_blocks=total - used,
+        dropped_blocks=dropped,
         num_nodes=len(nodes),
     )
     if result.dropped_blocks:
         logger.warning(
-            "restore from %s: %d blocks did not fit in the free pool and were dropped", path, total - used
+            "restore from %s: %d blocks did not fit in the free pool (or sat below a prefix held on the "
+            "host tier) and were dropped",
+            path,
+            dropped,
         )
     return result
 

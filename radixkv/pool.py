@@ -63,7 +63,10 @@ class LayerSpec:
 class BlockPool:
     """Fixed-size pool of KV blocks; footprint is exactly ``num_blocks * block_size * bytes_per_token``."""
 
-    def __init__(self, layers: Sequence[LayerSpec], num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, layers: Sequence[LayerSpec], num_blocks: int, block_size: int, *, pin_memory: bool = False
+    ) -> None:
+        """``pin_memory``: page-locked CPU storage (a host tier behind a CUDA pool)."""
         if not layers:
             raise ValueError("BlockPool needs at least one LayerSpec")
         if not _is_count(num_blocks) or num_blocks <= 0:
@@ -74,11 +77,27 @@ class BlockPool:
         self.block_size = block_size
         # torch.empty: pages are committed by the OS only when first written.
         self.k = [
-            torch.empty(num_blocks, block_size, s.num_kv_heads, s.k_head_dim, dtype=s.dtype, device=s.device)
+            torch.empty(
+                num_blocks,
+                block_size,
+                s.num_kv_heads,
+                s.k_head_dim,
+                dtype=s.dtype,
+                device=s.device,
+                pin_memory=pin_memory,
+            )
             for s in self.layers
         ]
         self.v = [
-            torch.empty(num_blocks, block_size, s.num_kv_heads, s.v_head_dim, dtype=s.dtype, device=s.device)
+            torch.empty(
+                num_blocks,
+                block_size,
+                s.num_kv_heads,
+                s.v_head_dim,
+                dtype=s.dtype,
+                device=s.device,
+                pin_memory=pin_memory,
+            )
             for s in self.layers
         ]
         # Layers grouped by device: one fused gather/scatter launch per device.
@@ -98,6 +117,7 @@ class BlockPool:
         *,
         tokens: int | None = None,
         bytes: int | None = None,  # noqa: A002 - mirrors the user-facing word
+        pin_memory: bool = False,
     ) -> BlockPool:
         """Size the pool by a token count or a byte budget (exactly one), rounded down to whole blocks."""
         if (tokens is None) == (bytes is None):
@@ -113,7 +133,7 @@ class BlockPool:
                 f"budget too small for one block: tokens={tokens}, bytes={bytes}, "
                 f"one block of {block_size} tokens takes {per_block} bytes"
             )
-        return cls(layers, num_blocks, block_size)
+        return cls(layers, num_blocks, block_size, pin_memory=pin_memory)
 
     # -- accounting -----------------------------------------------------------------------
     @property

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from radixkv.store import KVStore
 
 
 @dataclasses.dataclass
@@ -16,8 +20,53 @@ class StoreCounters:
     evicted_blocks: int = 0
     uncached_tokens: int = 0  # tokens a commit could not cache: every block pinned / pool too small
     flushes: int = 0
+    # Host tier (all zero without one). No promotions: host hits are read in place.
+    demoted_blocks: int = 0  # device blocks copied to the host instead of being dropped
+    host_hit_tokens: int = 0  # of hit_tokens, those read from host blocks
+    bytes_to_host: int = 0  # demotions + commits written straight to the host tier
+    bytes_from_host: int = 0  # host hits copied into request buffers
 
     def as_dict(self) -> dict[str, int | float]:
         out: dict[str, int | float] = dataclasses.asdict(self)
         out["hit_rate"] = self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
         return out
+
+
+def store_stats(store: KVStore) -> dict[str, int | float]:
+    """``store``'s counters and occupancy as one flat dict; call under the store's lock.
+
+    Unprefixed block counts are the device pool's; ``host_*`` the host pool's (present only
+    with a host tier). While no commit is copying, per tier
+    ``free + cached + retired == num_blocks``. ``task_pinned_*``: distinct blocks pinned by
+    task prompts, also counted in ``pinned_blocks`` / ``host_pinned_blocks``.
+    """
+    tree, pool = store.tree, store.pool
+    out = store.counters.as_dict()
+    retired_host = sum(t.num_host_blocks for t in store._retired)
+    out.update(
+        num_blocks=pool.num_blocks,
+        free_blocks=pool.num_free,
+        cached_blocks=tree.num_cached_blocks - tree.num_host_blocks,
+        pinned_blocks=tree.num_pinned_blocks - tree.num_host_pinned_blocks,
+        # Flushed blocks that live leases still read.
+        retired_blocks=sum(t.num_cached_blocks for t in store._retired) - retired_host,
+        block_size=store.block_size,
+        bytes_per_token=pool.bytes_per_token,
+        pool_bytes=pool.nbytes,
+    )
+    host = store.host_pool
+    if host is not None:
+        out.update(
+            host_num_blocks=host.num_blocks,
+            host_free_blocks=host.num_free,
+            host_cached_blocks=tree.num_host_blocks,
+            host_pinned_blocks=tree.num_host_pinned_blocks,
+            host_retired_blocks=retired_host,
+            host_pool_bytes=host.nbytes,
+        )
+    out.update(
+        task_prompts=len(store.tasks),
+        task_pinned_blocks=store.tasks.device_blocks_locked(),
+        task_pinned_host_blocks=store.tasks.host_blocks_locked(),
+    )
+    return out

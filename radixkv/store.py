@@ -6,10 +6,19 @@ Lifecycle of one request (see docs/design.md):
 2. ``read(lease, ...)`` copies the pinned blocks into the caller's KV buffers (no lock
    held: pinned blocks are never evicted nor written).
 3. ``commit(tokens, k, v)`` caches the finished sequence's whole blocks.
-4. ``lease.release()`` (or leaving ``with lease:``) unpins, always.
+4. ``lease.release()`` (or leaving ``with lease:``) unpins, always (``radixkv.lease``).
 
 Degrades instead of failing: when every block is pinned, or a sequence is longer than the
 pool, ``commit`` caches what fits of the prefix (possibly nothing) and returns.
+
+Host tier (``KVStore(pool, host_pool=...)``): making room on the device demotes the least
+recently used candidates (their blocks are copied to host blocks, the nodes stay in the tree);
+the host drops its own LRU leaves when full. Host-resident blocks of a match are served in
+place: ``read`` copies them straight into the caller's buffers (docs/design.md says why no
+promotion). A commit extending a host-resident prefix writes its new blocks to the host too,
+so device nodes always form the top of the tree.
+
+Task pins (``store.tasks``, ``radixkv.task_pins``): prefixes pinned by id until unpinned or flushed.
 """
 
 from __future__ import annotations
@@ -22,55 +31,26 @@ from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 import torch
 
 from radixkv import persist
-from radixkv.node import Tokens, head_of, num_tokens_of, pack_tokens
+from radixkv.lease import Lease
+from radixkv.node import DEVICE, HOST, Tokens, head_of, num_tokens_of, pack_tokens
 from radixkv.pool import BlockPool
-from radixkv.stats import StoreCounters
-from radixkv.tree import MatchResult, RadixTree
+from radixkv.stats import StoreCounters, store_stats
+from radixkv.task_pins import TaskPins
+from radixkv.tier import Tier, check_mirror, copy_blocks, read_split_rows, scatter_into
+from radixkv.tree import MatchResult, RadixTree, TierOrderError
 
 logger = logging.getLogger(__name__)
-
-
-class Lease:
-    """A pinned match. Release exactly once (idempotent); use as a context manager."""
-
-    __slots__ = ("_store", "_tree", "_match", "epoch", "namespace")
-
-    def __init__(self, store: KVStore, tree: RadixTree, match: MatchResult, epoch: int, namespace) -> None:
-        self._store = store
-        self._tree: RadixTree | None = tree
-        self._match = match
-        self.epoch = epoch
-        self.namespace = namespace
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens of the prompt whose KV the pinned blocks hold (a multiple of block_size)."""
-        return self._match.num_tokens
-
-    @property
-    def block_ids(self) -> Sequence[int]:
-        return self._match.block_ids
-
-    @property
-    def active(self) -> bool:
-        return self._tree is not None
-
-    def release(self) -> None:
-        if self._tree is not None:  # else released already: no need for the lock
-            self._store._release(self)
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 class KVStore:
     """Thread-safe prefix store: tree + pool + one lock. All public methods may be called concurrently."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, host_pool: BlockPool | None = None) -> None:
+        if host_pool is not None:
+            check_mirror(pool, host_pool)
         self.pool = pool
+        self.host_pool = host_pool
+        self.tiers = (Tier(DEVICE, pool),) + ((Tier(HOST, host_pool),) if host_pool is not None else ())
         self.tree = self._new_tree()
         self.counters = StoreCounters()
         # Incremented by flush(): KV committed under an older epoch (older weights) is dropped.
@@ -78,6 +58,8 @@ class KVStore:
         self._lock = threading.Lock()
         self._retired: list[RadixTree] = []  # flushed trees whose pinned blocks are still being read
         self._private: set[int] = set()  # blocks allocated by a commit in progress, not yet in a tree
+        self._private_host: set[int] = set()  # the same, in the host pool
+        self.tasks = TaskPins(self)  # prompts pinned for good, by task id
 
     @property
     def block_size(self) -> int:
@@ -102,7 +84,7 @@ class KVStore:
             tree.pin(match.node)
             self.counters.requests += 1
             self.counters.query_tokens += num_tokens_of(tokens)
-            return Lease(self, tree, match, self.epoch, namespace)
+            return Lease(self, tree, match, self.epoch, namespace, self._host_blocks(match))
 
     def read(
         self,
@@ -127,10 +109,17 @@ class KVStore:
                 raise RuntimeError("read() from a released lease")
             if lease.num_tokens < num_tokens:
                 raise ValueError(f"lease holds {lease.num_tokens} tokens, {num_tokens} requested")
-        ids = torch.tensor([list(lease.block_ids[:nb]) for lease in leases], dtype=torch.int64)
-        self.pool.gather(ids, num_tokens, k_out, v_out)
+        if any(len(lease.block_ids) - lease.num_host_blocks < nb for lease in leases):
+            rows = [(lease.block_ids, lease.num_host_blocks) for lease in leases]
+            host_tokens = read_split_rows(self.pool, self.host_pool, rows, num_tokens, k_out, v_out)
+        else:
+            host_tokens = 0
+            ids = torch.tensor([list(lease.block_ids[:nb]) for lease in leases], dtype=torch.int64)
+            self.pool.gather(ids, num_tokens, k_out, v_out)
         with self._lock:
             self.counters.hit_tokens += num_tokens * len(leases)
+            self.counters.host_hit_tokens += host_tokens
+            self.counters.bytes_from_host += host_tokens * self.pool.bytes_per_token
 
     # -- insertion ------------------------------------------------------------------------
     def commit(
@@ -176,64 +165,112 @@ class KVStore:
             if need == 0:
                 return 0
             tree.pin(match.node)  # the prefix we extend must outlive the copy
-            if self.pool.num_free < need:
-                self._evict_locked(need - self.pool.num_free)
-            take = min(need, self.pool.num_free)
-            ids = self.pool.allocate(take)
-            self._private.update(ids)
+            # Below a demoted prefix the new blocks go to the host too (tiers never go back up).
+            tier = match.node.tier
+            pool, private = (self.host_pool, self._private_host) if tier else (self.pool, self._private)
+            if pool.num_free < need:
+                self._make_room_locked(tier, need - pool.num_free)
+            take = min(need, pool.num_free)
+            ids = pool.allocate(take)
+            private.update(ids)
             if take < need:
                 self.counters.uncached_tokens += (need - take) * bs
         try:
             if take:
                 start, stop = cached_blocks * bs, (cached_blocks + take) * bs
-                self.pool.scatter(
+                scatter_into(
+                    pool,
                     torch.tensor([ids], dtype=torch.int64),
                     [k[:, :, start:stop] for k in k_src],
                     [v[:, :, start:stop] for v in v_src],
                 )
         except BaseException:
             with self._lock:
-                self._private.difference_update(ids)
-                self.pool.free(ids)
+                private.difference_update(ids)
+                pool.free(ids)
                 self._unpin_locked(tree, match.node)
             raise
         with self._lock:
-            self._private.difference_update(ids)
+            private.difference_update(ids)
             self._unpin_locked(tree, match.node)
             if tree is not self.tree or not take:  # flushed meanwhile: the KV may be stale
-                self.pool.free(ids)
+                pool.free(ids)
                 return 0
+            if tier:
+                self.counters.bytes_to_host += take * bs * pool.bytes_per_token
             new_tokens = tokens.head((cached_blocks + take) * bs)
-            already = tree.insert(new_tokens, list(match.block_ids) + ids, namespace)
+            try:
+                already = tree.insert(new_tokens, list(match.block_ids) + ids, namespace, tier)
+            except TierOrderError:  # another thread cached this path deeper and it was demoted since
+                pool.free(ids)
+                return 0
             duplicates = max(0, already // bs - cached_blocks)  # another thread inserted them first
             if duplicates:
-                self.pool.free(ids[:duplicates])
+                pool.free(ids[:duplicates])
             added = new_tokens.num_tokens - max(already, cached_blocks * bs)
             self.counters.inserted_tokens += added
             return added
 
+    def _host_blocks(self, match: MatchResult) -> int:
+        return self.tree.host_blocks_at(match.node) if self.host_pool is not None else 0
+
     # -- maintenance ----------------------------------------------------------------------
     def flush(self) -> int:
-        """Drop every cached prefix; returns blocks freed now. Pinned blocks go when released."""
+        """Drop every cached prefix and task pin; returns blocks freed now (both tiers).
+
+        Blocks pinned by running requests go when released."""
         with self._lock:
             old, self.tree = self.tree, self._new_tree()
             self.epoch += 1
             self.counters.flushes += 1
-            freed = old.clear()
+            for lease in self.tasks.drop_all():  # KV of older weights: the owner pins them again
+                lease._tree = None
+                old.unpin(lease._match.node)
+            freed, host = old.clear_tiers()
             self.pool.free(freed)
+            if host:
+                self.host_pool.free(host)
             if old.num_cached_blocks:
                 self._retired.append(old)
-            return len(freed)
+            return len(freed) + len(host)
 
     def _new_tree(self) -> RadixTree:
         # Ids come off the pool's free list (refcount 1), so the tree need not re-check that it
         # does not own them already; check_invariants still recounts them.
         return RadixTree(self.pool.block_size, check_block_ids=False)
 
-    def _evict_locked(self, num_blocks: int) -> None:
-        freed = self.tree.evict(num_blocks)
-        self.pool.free(freed)
-        self.counters.evicted_blocks += len(freed)
+    def _make_room_locked(self, tier: int, num_blocks: int) -> None:
+        """Free ``num_blocks`` blocks of ``tier`` (fewer when too much is pinned): the host drops
+        LRU leaves; the device drops them too, or demotes them when there is a host tier."""
+        if tier == HOST:
+            freed = self.tree.evict_host(num_blocks)
+            self.host_pool.free(freed)
+            self.counters.evicted_blocks += len(freed)
+            return
+        if self.host_pool is None:
+            freed = self.tree.evict(num_blocks)
+            self.pool.free(freed)
+            self.counters.evicted_blocks += len(freed)
+            return
+        tree, host, done = self.tree, self.host_pool, 0
+        while done < num_blocks:
+            node = tree.demotion_candidate()
+            if node is None:
+                break
+            n = len(node.block_ids)
+            if host.num_free < n:
+                self._make_room_locked(HOST, n - host.num_free)
+            if host.num_free < n:  # the host is pinned full: drop device leaves instead
+                freed = tree.evict(num_blocks - done)
+                self.pool.free(freed)
+                self.counters.evicted_blocks += len(freed)
+                return
+            host_ids = host.allocate(n)
+            # Under the lock: nobody can pin, read or overwrite the node's blocks meanwhile.
+            self.counters.bytes_to_host += copy_blocks(self.pool, node.block_ids, host, host_ids)
+            self.pool.free(tree.demote(node, host_ids))
+            self.counters.demoted_blocks += n
+            done += n
 
     def _check_layers(self, op: str, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> None:
         n = len(self.pool.layers)
@@ -250,42 +287,37 @@ class KVStore:
     def _unpin_locked(self, tree: RadixTree, node) -> None:
         tree.unpin(node)
         if tree is not self.tree and tree in self._retired:
-            self.pool.free(tree.clear())
+            freed, host = tree.clear_tiers()
+            self.pool.free(freed)
+            if host:
+                self.host_pool.free(host)
             if not tree.num_cached_blocks:
                 self._retired.remove(tree)
 
     def stats(self) -> dict[str, int | float]:
-        """Counters plus pool occupancy, as one flat dict."""
+        """Counters plus occupancy of each tier and of the task pins, as one flat dict."""
         with self._lock:
-            out = self.counters.as_dict()
-            out.update(
-                num_blocks=self.pool.num_blocks,
-                free_blocks=self.pool.num_free,
-                cached_blocks=self.tree.num_cached_blocks,
-                pinned_blocks=self.tree.num_pinned_blocks,
-                # Flushed blocks that live leases still read. While no commit is copying,
-                # free + cached + retired == num_blocks.
-                retired_blocks=sum(t.num_cached_blocks for t in self._retired),
-                block_size=self.block_size,
-                bytes_per_token=self.pool.bytes_per_token,
-                pool_bytes=self.pool.nbytes,
-            )
-            return out
+            return store_stats(self)
 
     def check_invariants(self) -> None:
-        """Full recount: tree and pool consistent, every used block owned by exactly one holder."""
+        """Full recount: tree and pools consistent, every used block of each tier owned exactly once."""
         with self._lock:
-            self.tree.check_invariants()
-            self.pool.check_invariants()
-            owned = [b for node in self.tree.iter_nodes() for b in node.block_ids]
-            for t in self._retired:
-                t.check_invariants()
-                owned.extend(b for node in t.iter_nodes() for b in node.block_ids)
-            owned.extend(self._private)
-            if len(owned) != len(set(owned)):
-                raise AssertionError("a block is owned twice")
-            if set(owned) != self.pool.used_blocks():
-                raise AssertionError("pool references differ from owners")
+            trees = [self.tree, *self._retired]
+            owned: tuple[list[int], list[int]] = (list(self._private), list(self._private_host))
+            for tree in trees:
+                tree.check_invariants()
+                for node in tree.iter_nodes():
+                    owned[node.tier].extend(node.block_ids)
+            for tier in self.tiers:
+                tier.pool.check_invariants()
+                ids = owned[tier.index]
+                if len(ids) != len(set(ids)):
+                    raise AssertionError(f"a {tier.name} block is owned twice")
+                if set(ids) != tier.pool.used_blocks():
+                    raise AssertionError(f"{tier.name} pool references differ from owners")
+            if self.host_pool is None and owned[HOST]:
+                raise AssertionError("host-resident nodes in a store without a host tier")
+            self.tasks.check_locked()
 
     # -- persistence (the work is in radixkv/persist.py) --------------------------------------
     def save(

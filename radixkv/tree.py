@@ -9,6 +9,12 @@ Recency is an integer clock bumped once per ``match``/``insert``, so ordering is
 deterministic. Every node on a matched/inserted path gets the new clock value, which keeps
 ``parent.last_access >= child.last_access`` (checked by ``check_invariants``).
 
+Tiers: each node records whether its blocks live in the device pool or in the host pool
+(``Node.tier``); the tree never touches the pools. Device nodes form the top of every path.
+Two LRU orders: ``evict``/``demote`` take unpinned device nodes without device children
+(``_evictable``), ``evict_host`` unpinned host leaves (``_host_evictable``). A tree that only
+ever holds device nodes behaves exactly as one without tiers.
+
 The tree is not thread-safe; the store wraps it in one lock.
 
 >>> tree = RadixTree(block_size=2)
@@ -31,12 +37,27 @@ from collections.abc import Hashable, Iterator, Sequence
 from sortedcontainers import SortedList
 
 import radixkv.node as _node
-from radixkv.node import TOKEN_BYTES, MatchResult, Node, Tokens, TreeInvariantError, pack, split, walk
+from radixkv.node import (
+    DEVICE,
+    HOST,
+    TOKEN_BYTES,
+    MatchResult,
+    Node,
+    Tokens,
+    TreeInvariantError,
+    pack,
+    split,
+    walk,
+)
 from radixkv.tree_check import check_tree
 
-__all__ = ["MatchResult", "Node", "RadixTree", "TreeInvariantError"]
+__all__ = ["DEVICE", "HOST", "MatchResult", "Node", "RadixTree", "TierOrderError", "TreeInvariantError"]
 
 logger = logging.getLogger(__name__)
+
+
+class TierOrderError(ValueError):
+    """An insert would hang device-resident blocks under a host-resident node."""
 
 
 class RadixTree:
@@ -54,14 +75,19 @@ class RadixTree:
         # Unpinned non-root leaves as (last_access, uid, node); uid is unique so tuples never
         # compare nodes. Pop from the front = least recently used.
         self._evictable: SortedList = SortedList()
+        self._host_evictable: SortedList = SortedList()  # unpinned host leaves, same entries
+        self._lru = (self._evictable, self._host_evictable)  # indexed by Node.tier
         self._clock = 0
         self._next_uid = 0
         self._num_nodes = 0
         self._num_cached_blocks = 0
         self._num_pinned_blocks = 0
+        self._num_host_blocks = 0  # of _num_cached_blocks, those in host nodes
+        self._num_host_pinned_blocks = 0
         # Ids owned, so insert can refuse one held already (two KVs in one slot): ~15% of a
         # bench_tree request (cache misses); KVStore's ids come off the pool's free list: off.
         self._owned: set[int] | None = set() if check_block_ids else None
+        self._owned_host: set[int] | None = set() if check_block_ids else None  # another id space
 
     # ---------------------------------------------------------------- counters
 
@@ -84,6 +110,16 @@ class RadixTree:
     def num_evictable_blocks(self) -> int:
         """Blocks that ``evict`` could free now (every unpinned node, leaves first). O(1)."""
         return self._num_cached_blocks - self._num_pinned_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Of ``num_cached_blocks``, those held by host-resident nodes. O(1)."""
+        return self._num_host_blocks
+
+    @property
+    def num_host_pinned_blocks(self) -> int:
+        """Of ``num_pinned_blocks``, those held by host-resident nodes. O(1)."""
+        return self._num_host_pinned_blocks
 
     @property
     def num_nodes(self) -> int:
@@ -116,9 +152,13 @@ class RadixTree:
             ids += node.block_ids
             pos += matched
         self._touch(node)
+        if node.tier:
+            self._touch_device_end(node)
         return MatchResult(pos // TOKEN_BYTES, tuple(ids), node)
 
-    def insert(self, tokens: Tokens, block_ids: Sequence[int], namespace: Hashable = None) -> int:
+    def insert(
+        self, tokens: Tokens, block_ids: Sequence[int], namespace: Hashable = None, tier: int = DEVICE
+    ) -> int:
         """Cache ``tokens`` (whole blocks only) stored in ``block_ids``; return the tokens already cached.
 
         ``block_ids`` must hold one id per whole block: ``len(tokens) // block_size``. The tree
@@ -128,6 +168,10 @@ class RadixTree:
         it ends inside an edge, that whole edge is refreshed and nothing is split). Side
         effects: may split one node; the path becomes most recently used. Cost as ``match``,
         plus O(new blocks) to check the ids the tree takes.
+
+        ``tier``: the pool the new ids index (``DEVICE`` or ``HOST``). Raises
+        ``TierOrderError`` (a ValueError), adding nothing, when device blocks would hang under
+        a host-resident node (the prefix was demoted since the caller matched it).
 
         Raises ValueError, leaving the tree's contents unchanged (only recency may move), when
         the count is wrong, a token is not an int, or an id the tree would take is not an
@@ -147,13 +191,21 @@ class RadixTree:
         node, pos, edge, matched = walk(self._root(namespace), query, self._width, tick, None)
         cached = pos + matched  # bytes already in the tree (matched is 0 when edge is None)
         new_ids: list[int] = []
+        if cached < end_bytes and (edge or node).tier > tier:
+            self._touch(node)  # walk() stamped ``node``: keep its place in the eviction order
+            if node.tier:
+                self._touch_device_end(node)
+            raise TierOrderError(f"cannot insert device blocks under host-resident {(edge or node)!r}")
         if cached < end_bytes and self._owned is None:  # trusted ids (check_block_ids=False)
             new_ids = list(block_ids[cached // self._width :])
         elif cached < end_bytes:
             try:  # the ids the tree takes
-                new_ids = _node.check_block_ids(block_ids[cached // self._width :], self._owned)
+                owned = self._owned_host if tier else self._owned
+                new_ids = _node.check_block_ids(block_ids[cached // self._width :], owned)
             except ValueError:
                 self._touch(node)  # walk() stamped ``node``: keep its place in the eviction order
+                if node.tier:
+                    self._touch_device_end(node)
                 raise
         if edge is not None:
             if cached == end_bytes:  # already cached, ending inside ``edge``
@@ -166,7 +218,9 @@ class RadixTree:
         if pos == end_bytes:
             self._touch(node)
         else:
-            self._add_leaf(node, query[pos:], new_ids, tick)
+            node = self._add_leaf(node, query[pos:], new_ids, tick, tier)
+        if node.tier:
+            self._touch_device_end(node)
         return pos // TOKEN_BYTES
 
     # ---------------------------------------------------------------- pins
@@ -183,8 +237,10 @@ class RadixTree:
         while n is not None:
             if n.pin_count == 0:
                 self._num_pinned_blocks += len(n.block_ids)
+                if n.tier:
+                    self._num_host_pinned_blocks += len(n.block_ids)
                 if n.evict_entry is not None:
-                    self._evictable.remove(n.evict_entry)
+                    self._lru[n.tier].remove(n.evict_entry)
                     n.evict_entry = None
             n.pin_count += 1
             n = n.parent
@@ -206,11 +262,15 @@ class RadixTree:
             n.pin_count -= 1
             if n.pin_count == 0:
                 self._num_pinned_blocks -= len(n.block_ids)
+                if n.tier:
+                    self._num_host_pinned_blocks -= len(n.block_ids)
                 if not n.children:  # only ``node`` itself can be a leaf on this path
                     if n.is_root:
                         self._drop_root(n)
                     else:
                         self._add_evictable(n)
+                elif not n.dev_children and not n.tier and not n.is_root:
+                    self._add_evictable(n)  # a device node whose children are all on the host
             n = n.parent
 
     @contextlib.contextmanager
@@ -236,6 +296,25 @@ class RadixTree:
             raise ValueError(f"evict needs num_blocks >= 0, got {num_blocks}")
         freed: list[int] = []
         evictable = self._evictable
+        kept: list[Node] = []  # device candidates with host children: only demote() can take them
+        while len(freed) < num_blocks and evictable:
+            node = evictable.pop(0)[2]
+            node.evict_entry = None
+            if node.children:
+                kept.append(node)
+                continue
+            freed += node.block_ids
+            self._remove_leaf(node)
+        for node in kept:
+            self._add_evictable(node)
+        return freed
+
+    def evict_host(self, num_blocks: int) -> list[int]:
+        """As ``evict``, for host-resident leaves: returns freed host block ids. O(log L) per node."""
+        if num_blocks < 0:
+            raise ValueError(f"evict_host needs num_blocks >= 0, got {num_blocks}")
+        freed: list[int] = []
+        evictable = self._host_evictable
         while len(freed) < num_blocks and evictable:
             node = evictable.pop(0)[2]
             node.evict_entry = None
@@ -243,17 +322,69 @@ class RadixTree:
             self._remove_leaf(node)
         return freed
 
+    def demotion_candidate(self) -> Node | None:
+        """The least recently used unpinned device node without device children, or None. O(1)."""
+        return self._evictable[0][2] if self._evictable else None
+
+    def demote(self, node: Node, host_ids: Sequence[int]) -> list[int]:
+        """Mark candidate ``node`` host-resident, its KV now in ``host_ids``; return its device ids.
+
+        The caller has copied the blocks (same order, one host id per block). ``node`` keeps
+        its place in the LRU order (its ``last_access``); its parent may become a candidate.
+        Raises ValueError, changing nothing, when ``node`` is not a demotion candidate or the
+        id count differs. O(log L + len(host_ids)).
+        """
+        if node.evict_entry is None or node.tier != DEVICE:
+            raise ValueError(f"cannot demote {node!r}: not an unpinned device node without device children")
+        if len(host_ids) != len(node.block_ids):
+            raise ValueError(f"demote needs {len(node.block_ids)} host block ids, got {len(host_ids)}")
+        new_ids = list(host_ids)
+        if self._owned_host is not None:
+            new_ids = _node.check_block_ids(new_ids, self._owned_host)
+            self._owned.difference_update(node.block_ids)
+            self._owned_host.update(new_ids)
+        self._evictable.remove(node.evict_entry)
+        node.evict_entry = None
+        old, node.block_ids, node.tier = node.block_ids, new_ids, HOST
+        self._num_host_blocks += len(new_ids)
+        if not node.children:
+            self._add_evictable(node)
+        parent = node.parent
+        parent.dev_children -= 1
+        if not (parent.dev_children or parent.pin_count or parent.is_root or parent.evict_entry):
+            self._add_evictable(parent)
+        return old
+
+    def host_blocks_at(self, node: Node) -> int:
+        """Blocks of host-resident nodes on the path ending at ``node`` (they end it). O(host nodes)."""
+        count = 0
+        while node.tier:
+            count += len(node.block_ids)
+            node = node.parent
+        return count
+
     def clear(self) -> list[int]:
         """Drop every unpinned node (a cache flush) and return their block ids; pinned paths stay.
 
-        Empty unpinned namespace roots are dropped too. O(N log N) for N nodes.
+        Empty unpinned namespace roots are dropped too. O(N log N) for N nodes. Raises
+        ValueError, changing nothing, while host nodes exist (their ids index another pool):
+        use ``clear_tiers``.
         """
+        if self._num_host_blocks:
+            raise ValueError("the tree holds host-resident nodes: use clear_tiers()")
+        return self.clear_tiers()[0]
+
+    def clear_tiers(self) -> tuple[list[int], list[int]]:
+        """``clear`` for a tree with tiers: returns (freed device ids, freed host ids)."""
+        host = self.evict_host(self._num_host_blocks)  # host nodes hang below device ones: first
         freed = self.evict(self._num_cached_blocks)
         for root in list(self._roots.values()):
             if not root.children and root.pin_count == 0:
                 self._drop_root(root)
-        logger.debug("clear freed %d blocks, %d remain pinned", len(freed), self._num_cached_blocks)
-        return freed
+        logger.debug(
+            "clear freed %d+%d blocks, %d remain pinned", len(freed), len(host), self._num_cached_blocks
+        )
+        return freed, host
 
     # ---------------------------------------------------------------- inspection
 
@@ -277,6 +408,10 @@ class RadixTree:
             num_cached_blocks=self._num_cached_blocks,
             num_pinned_blocks=self._num_pinned_blocks,
             owned=self._owned,
+            host_evictable=self._host_evictable,
+            num_host_blocks=self._num_host_blocks,
+            num_host_pinned_blocks=self._num_host_pinned_blocks,
+            owned_host=self._owned_host,
         )
 
     # ---------------------------------------------------------------- internals
@@ -301,17 +436,23 @@ class RadixTree:
         self._num_nodes += 1
         return split(node, cut, self._width, self._uid())
 
-    def _add_leaf(self, parent: Node, data: bytes, block_ids: list[int], tick: int) -> None:
-        if parent.evict_entry is not None:  # no longer a leaf
-            self._evictable.remove(parent.evict_entry)
+    def _add_leaf(self, parent: Node, data: bytes, block_ids: list[int], tick: int, tier: int) -> Node:
+        # A host child ends a host parent's candidacy; a device parent stays a demotion candidate.
+        if parent.evict_entry is not None and (parent.tier or not tier):
+            self._lru[parent.tier].remove(parent.evict_entry)
             parent.evict_entry = None
         key = data[: self._width]
-        leaf = parent.children[key] = Node(data, block_ids, parent, key, self._uid(), tick)
+        leaf = parent.children[key] = Node(data, block_ids, parent, key, self._uid(), tick, tier=tier)
         self._num_nodes += 1
         self._num_cached_blocks += len(block_ids)
+        if tier:
+            self._num_host_blocks += len(block_ids)
+        else:
+            parent.dev_children += 1
         if self._owned is not None:
-            self._owned.update(block_ids)
+            (self._owned_host if tier else self._owned).update(block_ids)
         self._add_evictable(leaf)
+        return leaf
 
     def _remove_leaf(self, node: Node) -> None:
         """Detach an unpinned leaf already taken out of the evictable set; cascade to its parent."""
@@ -322,13 +463,24 @@ class RadixTree:
         node.attached = False
         self._num_nodes -= 1
         self._num_cached_blocks -= len(node.block_ids)
+        if node.tier:
+            self._num_host_blocks -= len(node.block_ids)
+        else:
+            parent.dev_children -= 1
         if self._owned is not None:
-            self._owned.difference_update(node.block_ids)
-        if parent.children or parent.pin_count:
+            (self._owned_host if node.tier else self._owned).difference_update(node.block_ids)
+        if parent.children:
+            # A device parent left without device children becomes a demotion candidate.
+            if not (
+                parent.dev_children or parent.tier or parent.pin_count or parent.is_root or parent.evict_entry
+            ):
+                self._add_evictable(parent)
+            return
+        if parent.pin_count:
             return
         if parent.is_root:
             self._drop_root(parent)
-        else:
+        elif parent.evict_entry is None:
             self._add_evictable(parent)
 
     def _drop_root(self, root: Node) -> None:
@@ -337,10 +489,18 @@ class RadixTree:
 
     def _add_evictable(self, node: Node) -> None:
         entry = node.evict_entry = (node.last_access, node.uid, node)
-        self._evictable.add(entry)
+        self._lru[node.tier].add(entry)
 
     def _touch(self, node: Node) -> None:
         """Move ``node`` to the most-recent end of the eviction order if it is a candidate. O(log L)."""
         if node.evict_entry is not None and node.evict_entry[0] != node.last_access:
-            self._evictable.remove(node.evict_entry)
+            self._lru[node.tier].remove(node.evict_entry)
             self._add_evictable(node)
+
+    def _touch_device_end(self, node: Node) -> None:
+        """Refresh the last device node above host ``node``: walk() stamped it, and it may be a
+        demotion candidate (its device children all demoted). O(host nodes on the path + log L)."""
+        while node.tier:
+            node = node.parent
+        if not node.is_root:
+            self._touch(node)

@@ -10,7 +10,7 @@ from collections.abc import Hashable
 
 from sortedcontainers import SortedList
 
-from radixkv.node import TOKEN_BYTES, Node, TreeInvariantError
+from radixkv.node import DEVICE, HOST, TOKEN_BYTES, Node, TreeInvariantError
 
 
 def _require(condition: bool, message: str) -> None:
@@ -26,6 +26,7 @@ def _check_root(namespace: Hashable, root: Node) -> None:
         not root.tokens and not root.block_ids, f"root of namespace {namespace!r} holds tokens or blocks"
     )
     _require(root.evict_entry is None, f"root of namespace {namespace!r} is in the evictable set")
+    _require(root.tier == DEVICE, f"root of namespace {namespace!r} is not device-resident")
 
 
 def _check_edge(parent: Node, key: Hashable, node: Node, block_size: int, clock: int) -> None:
@@ -43,6 +44,8 @@ def _check_edge(parent: Node, key: Hashable, node: Node, block_size: int, clock:
         f"{node!r} is stored under key {key!r}, its key is {node.key!r}, its first block {first_block!r}",
     )
     _require(0 <= node.last_access <= clock, f"{node!r} last_access outside [0, clock={clock}]")
+    _require(node.tier in (DEVICE, HOST), f"{node!r} has tier {node.tier!r}")
+    _require(node.tier >= parent.tier, f"device-resident {node!r} hangs under host-resident {parent!r}")
     if not parent.is_root:
         _require(
             parent.last_access >= node.last_access,
@@ -61,6 +64,11 @@ def _check_blocks_unique(node: Node, seen_blocks: set[int]) -> None:
         duplicates |= {b for b in own if node.block_ids.count(b) > 1}
     _require(not duplicates, f"block ids {sorted(duplicates)} of {node!r} appear twice in the tree")
     seen_blocks |= own
+
+
+def _check_device_children(node: Node) -> None:
+    count = sum(1 for child in node.children.values() if child.tier == DEVICE)
+    _require(node.dev_children == count, f"{node!r} dev_children {node.dev_children} != recount {count}")
 
 
 def _check_pins(node: Node) -> None:
@@ -82,12 +90,16 @@ def check_tree(
     num_cached_blocks: int,
     num_pinned_blocks: int,
     owned: set[int] | None,
+    host_evictable: SortedList,
+    num_host_blocks: int,
+    num_host_pinned_blocks: int,
+    owned_host: set[int] | None,
 ) -> None:
-    """Recount the tree under ``roots`` and compare with the evictable set and counters. O(N log N)."""
-    seen_blocks: set[int] = set()
+    """Recount the tree under ``roots`` and compare with both LRU orders and the counters. O(N log N)."""
+    seen_blocks: tuple[set[int], set[int]] = (set(), set())  # per tier: ids index different pools
     seen_uids: set[int] = set()
-    candidates: set[int] = set()  # id() of unpinned non-root leaves
-    count_nodes = count_blocks = count_pinned = 0
+    candidates: tuple[set[int], set[int]] = (set(), set())  # id() of nodes each LRU order must hold
+    count_nodes = count_blocks = count_pinned = count_host = count_host_pinned = 0
     for namespace, root in roots.items():
         _check_root(namespace, root)
         stack = [root]
@@ -96,6 +108,7 @@ def check_tree(
             _require(node.uid not in seen_uids, f"uid {node.uid} appears twice")
             seen_uids.add(node.uid)
             _check_pins(node)
+            _check_device_children(node)
             for key, child in node.children.items():
                 _check_edge(node, key, child, block_size, clock)
                 stack.append(child)
@@ -103,18 +116,27 @@ def check_tree(
                 continue
             count_nodes += 1
             count_blocks += len(node.block_ids)
-            _check_blocks_unique(node, seen_blocks)
+            count_host += len(node.block_ids) if node.tier == HOST else 0
+            _check_blocks_unique(node, seen_blocks[node.tier])
             if node.pin_count > 0:
                 count_pinned += len(node.block_ids)
-            if node.pin_count == 0 and not node.children:
-                candidates.add(id(node))
+                count_host_pinned += len(node.block_ids) if node.tier == HOST else 0
+            # Device: no device children (host ones may stay); host: a true leaf.
+            if node.pin_count == 0 and not (node.dev_children if node.tier == DEVICE else node.children):
+                candidates[node.tier].add(id(node))
                 _require(
                     node.evict_entry == (node.last_access, node.uid, node),
                     f"evictable leaf {node!r} has a stale or missing evict entry {node.evict_entry!r}",
                 )
             else:
                 _require(node.evict_entry is None, f"non-evictable {node!r} has an evict entry")
-    _check_evictable(evictable, candidates)
+    _check_evictable(evictable, candidates[DEVICE], "device")
+    _check_evictable(host_evictable, candidates[HOST], "host")
+    _require(count_host == num_host_blocks, f"num_host_blocks {num_host_blocks} != recount {count_host}")
+    _require(
+        count_host_pinned == num_host_pinned_blocks,
+        f"num_host_pinned_blocks {num_host_pinned_blocks} != recount {count_host_pinned}",
+    )
     _require(count_nodes == num_nodes, f"num_nodes {num_nodes} != recount {count_nodes}")
     _require(
         count_blocks == num_cached_blocks, f"num_cached_blocks {num_cached_blocks} != recount {count_blocks}"
@@ -123,22 +145,26 @@ def check_tree(
         count_pinned == num_pinned_blocks, f"num_pinned_blocks {num_pinned_blocks} != recount {count_pinned}"
     )
     if owned is not None:  # None: the tree does not track them (check_block_ids=False)
-        _require(seen_blocks == owned, "the set of owned block ids differs from the ids in the tree")
+        _require(seen_blocks[DEVICE] == owned, "the set of owned block ids differs from the ids in the tree")
+    if owned_host is not None:
+        _require(
+            seen_blocks[HOST] == owned_host, "the owned host block ids differ from the host ids in the tree"
+        )
 
 
-def _check_evictable(evictable: SortedList, candidates: set[int]) -> None:
-    """The evictable set holds exactly the unpinned non-root leaves, each once, in LRU order."""
+def _check_evictable(evictable: SortedList, candidates: set[int], tier: str) -> None:
+    """An LRU order holds exactly its tier's candidates, each once, sorted by last access."""
     try:
         evictable._check()  # sortedcontainers' own structural check
     except AssertionError as exc:
-        raise TreeInvariantError(f"evictable SortedList is corrupt: {exc!r}") from exc
+        raise TreeInvariantError(f"{tier} evictable SortedList is corrupt: {exc!r}") from exc
     for entry in evictable:
         _require(entry[2].evict_entry is entry, f"stale evictable entry {entry[:2]} for {entry[2]!r}")
     members = [id(entry[2]) for entry in evictable]
-    _require(len(members) == len(set(members)), "a node appears twice in the evictable set")
+    _require(len(members) == len(set(members)), f"a node appears twice in the {tier} evictable set")
     extra = len(set(members) - candidates)
     missing = len(candidates - set(members))
     _require(
         not extra and not missing,
-        f"evictable set differs from the unpinned leaves: {extra} extra, {missing} missing",
+        f"{tier} evictable set differs from the unpinned leaves: {extra} extra, {missing} missing",
     )

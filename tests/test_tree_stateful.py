@@ -7,6 +7,10 @@ nodes, and inserts extend cached paths. ``clear`` runs only while pins are held 
 must get right; eviction already empties the tree otherwise). After every step the tree
 recounts itself (``check_invariants``) and must hold exactly the prefixes the brute-force
 model says, with every block id either free or in the tree.
+
+Tiers: ``demote`` moves the LRU device candidate to host ids (numbered from ``HOST_BASE``, so
+the model keeps one id space), ``evict_host`` drops host leaves, and an insert below a
+demoted prefix goes to the host tier (a device insert there is refused).
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radixkv.tree import MatchResult, RadixTree
+from radixkv.tree import HOST, MatchResult, RadixTree, TierOrderError
 from tests.test_tree_stress import ReferenceCache, tree_contents
 
 NUM_BLOCKS = 24
+HOST_BASE, NUM_HOST = 1000, 12  # host ids: another pool, numbered apart for the model
 tokens_st = st.lists(st.integers(0, 1), max_size=14)
 namespace_st = st.sampled_from([None, "tenant"])
 
@@ -30,6 +35,7 @@ class TreeMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.free = list(range(NUM_BLOCKS))
+        self.host_free = list(range(HOST_BASE, HOST_BASE + NUM_HOST))
         self.results: list[tuple[MatchResult, list[int], Hashable]] = []  # earlier matches
         self.pins: list[tuple[MatchResult, list[int], Hashable]] = []  # pins held
         self.inserted: list[tuple[list[int], Hashable]] = []  # recent inserts, for *_known rules
@@ -39,10 +45,11 @@ class TreeMachine(RuleBasedStateMachine):
         self.tree = RadixTree(block_size)
         self.model = ReferenceCache(block_size)
 
-    def _release(self, freed: list[int]) -> None:
+    def _release(self, freed: list[int], host: bool = False) -> None:
         self.model.remove(freed)
-        assert not set(freed) & set(self.free), "double free"
-        self.free += freed
+        free = self.host_free if host else self.free
+        assert not set(freed) & set(free), "double free"
+        free += freed
 
     def _known(self, data: st.DataObject) -> tuple[list[int], Hashable]:
         """A cut of a recently inserted sequence plus a fresh tail, in its namespace."""
@@ -100,11 +107,43 @@ class TreeMachine(RuleBasedStateMachine):
         if need > len(self.free):
             return
         ids, self.free = self.free[len(self.free) - need :], self.free[: len(self.free) - need]
-        cached = self.tree.insert(tokens, ids, namespace)
+        free = self.free
+        try:
+            cached = self.tree.insert(tokens, ids, namespace)
+        except TierOrderError:  # the path it extends was demoted: its new blocks go to the host
+            self.free += ids
+            if need > len(self.host_free):
+                return
+            free = self.host_free
+            ids, self.host_free[:] = (
+                self.host_free[len(self.host_free) - need :],
+                self.host_free[: len(self.host_free) - need],
+            )
+            cached = self.tree.insert(tokens, ids, namespace, tier=HOST)
         assert cached == self.model.insert(tokens, ids, namespace)
         if need:
             self.inserted = [*self.inserted[-7:], (tokens, namespace)]
-        self.free += ids[: cached // self.tree.block_size]  # our duplicates
+        free += ids[: cached // self.tree.block_size]  # our duplicates
+
+    @rule()
+    def demote(self) -> None:
+        node = self.tree.demotion_candidate()
+        if node is None or len(node.block_ids) > len(self.host_free):
+            return
+        n = len(node.block_ids)
+        host_ids, self.host_free[:] = (
+            self.host_free[len(self.host_free) - n :],
+            self.host_free[: len(self.host_free) - n],
+        )
+        old = self.tree.demote(node, host_ids)
+        for device_id, host_id in zip(old, host_ids):  # same prefixes, now in host blocks
+            key = self.model.key_of.pop(device_id)
+            self.model.blocks[key], self.model.key_of[host_id] = host_id, key
+        self.free += old
+
+    @rule(num_blocks=st.integers(0, 8))
+    def evict_host(self, num_blocks: int) -> None:
+        self._release(self.tree.evict_host(num_blocks), host=True)
 
     @precondition(lambda self: self.inserted and self.model.key_of)
     @rule(data=st.data())
@@ -114,23 +153,28 @@ class TreeMachine(RuleBasedStateMachine):
         need = len(tokens) // self.tree.block_size
         if need <= len(self.model.longest(tokens, namespace)):
             return  # nothing new: the ids are not looked at
+        owned = sorted(b for b in self.model.key_of if b < HOST_BASE)  # device ids
+        if not owned:
+            return
         ids = list(range(NUM_BLOCKS, NUM_BLOCKS + need))  # ids the model never hands out
-        ids[-1] = data.draw(st.sampled_from(sorted(self.model.key_of)))
-        with pytest.raises(ValueError, match="already in the tree"):
+        ids[-1] = data.draw(st.sampled_from(owned))
+        with pytest.raises(ValueError, match="already in the tree|under host-resident"):
             self.tree.insert(tokens, ids, namespace)
 
     @rule(num_blocks=st.integers(0, 8))
     def evict(self, num_blocks: int) -> None:
         evictable = self.tree.num_evictable_blocks
         freed = self.tree.evict(num_blocks)
-        assert len(freed) >= min(num_blocks, evictable)
+        if not self.tree.num_host_blocks:  # else host nodes and their parents wait for evict_host
+            assert len(freed) >= min(num_blocks, evictable)
         self._release(freed)
 
     @precondition(lambda self: self.pins)
     @rule()
     def clear(self) -> None:
-        freed = self.tree.clear()
+        freed, host = self.tree.clear_tiers()
         assert self.tree.num_evictable_blocks == 0
+        self._release(host, host=True)  # host nodes hang below device ones: the model drops them first
         self._release(freed)
 
     @invariant()
@@ -138,12 +182,13 @@ class TreeMachine(RuleBasedStateMachine):
         self.tree.check_invariants()
         assert tree_contents(self.tree) == self.model.blocks
         assert self.tree.num_pinned_blocks == len(self.model.pins)
-        assert sorted(self.free + list(self.model.key_of)) == list(range(NUM_BLOCKS))
+        every_id = list(range(NUM_BLOCKS)) + list(range(HOST_BASE, HOST_BASE + NUM_HOST))
+        assert sorted(self.free + self.host_free + list(self.model.key_of)) == every_id
 
     def teardown(self) -> None:
         for result, _, _ in self.pins:
             self.tree.unpin(result.node)
-        self.tree.clear()
+        self.tree.clear_tiers()
         assert self.tree.num_cached_blocks == 0 and self.tree.num_nodes == 0
 
 

@@ -1,0 +1,58 @@
+"""Lease: a pinned match handed out by ``KVStore.acquire`` (and held by task pins)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from radixkv.tree import MatchResult, RadixTree
+
+if TYPE_CHECKING:
+    from radixkv.store import KVStore
+
+
+class Lease:
+    """A pinned match. Release exactly once (idempotent); use as a context manager."""
+
+    __slots__ = ("_store", "_tree", "_match", "epoch", "namespace", "num_host_blocks")
+
+    def __init__(
+        self,
+        store: KVStore,
+        tree: RadixTree,
+        match: MatchResult,
+        epoch: int,
+        namespace,
+        num_host_blocks: int = 0,
+    ) -> None:
+        self._store = store
+        self._tree: RadixTree | None = tree
+        self._match = match
+        self.epoch = epoch
+        self.namespace = namespace
+        # The last ``num_host_blocks`` of ``block_ids`` index the host pool (tiers never go back up
+        # a path); fixed while pinned, since pinned nodes are never demoted.
+        self.num_host_blocks = num_host_blocks
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the prompt whose KV the pinned blocks hold (a multiple of block_size)."""
+        return self._match.num_tokens
+
+    @property
+    def block_ids(self) -> Sequence[int]:
+        return self._match.block_ids
+
+    @property
+    def active(self) -> bool:
+        return self._tree is not None
+
+    def release(self) -> None:
+        if self._tree is not None:  # else released already: no need for the lock
+            self._store._release(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
