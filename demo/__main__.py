@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(str(e))
     from demo.api import create_app
     from demo.model import BUILTIN, ModelNotFound
-    from demo.server import serve_forever
+    from demo.server import Limits, serve_forever
 
     try:
         app = create_app(config)
@@ -46,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     # A fixed line on stdout that scripts (benchmarks/bench_http.py) wait for.
     serve_forever(
-        app, config.host, config.port, lambda url: print(f"radixkv demo: serving on {url}", flush=True)
+        app,
+        config.host,
+        config.port,
+        lambda url: print(f"radixkv demo: serving on {url}", flush=True),
+        Limits.for_engine(config.max_queue, config.max_batch_size),
     )
     return 0
 
