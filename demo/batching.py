@@ -143,7 +143,9 @@ def run_batch(engine, gens: list[Generation]) -> None:
     ("done", cached) or ("error", exc) event; never raises for a generation failure."""
     width = max(len(g.prompt_ids) for g in gens)
     first = gens[0].params
-    config = engine._config(dataclasses.replace(first, max_new_tokens=max(g.params.max_new_tokens for g in gens)))
+    config = engine._config(
+        dataclasses.replace(first, max_new_tokens=max(g.params.max_new_tokens for g in gens))
+    )
     ids = torch.full((len(gens), width), config.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(gens), width), dtype=torch.long)
     for i, g in enumerate(gens):

@@ -88,7 +88,11 @@ class Engine:
             self.store = hf_patch.build_store(model, block_size=block_size, budget_tokens=cache_tokens)
         if max_queue < 1 or max_batch_size < 1 or max_batch_tokens < 1:
             raise ValueError("max_queue, max_batch_size and max_batch_tokens must be >= 1")
-        self.max_queue, self.max_batch_size, self.max_batch_tokens = max_queue, max_batch_size, max_batch_tokens
+        self.max_queue, self.max_batch_size, self.max_batch_tokens = (
+            max_queue,
+            max_batch_size,
+            max_batch_tokens,
+        )
         self._cond = threading.Condition()
         self._waiting: deque[Generation] = deque()
         self._reserved = 0  # slots handed out, not yet submitted
