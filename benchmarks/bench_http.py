@@ -143,7 +143,12 @@ def load_request(url: str, content: str, max_tokens: int, stream: bool) -> dict:
     with requests.post(url + "/v1/chat/completions", json=body, stream=stream, timeout=300) as r:
         if r.status_code != 200:
             _ = r.content  # read the error body so the connection is reusable
-            return {"status": r.status_code, "total": time.perf_counter() - t0, "ttft": None}
+            return {
+                "status": r.status_code,
+                "total": time.perf_counter() - t0,
+                "ttft": None,
+                "retry_after": float(r.headers.get("Retry-After", 0)),
+            }
         if stream:
             for line in r.iter_lines(decode_unicode=True):
                 if (
@@ -180,6 +185,7 @@ def run_load(batch_size: int, args) -> tuple[list[dict], float, float]:
                     )
                 )
                 results.append(load_request(url, content, args.max_tokens, stream=(c + k) % 4 < 2))
+                time.sleep(results[-1].get("retry_after", 0))  # a polite client honours a 503's Retry-After
                 k += 1
 
         t0 = time.perf_counter()
