@@ -22,6 +22,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from waitress import wasyncore
 from waitress.server import create_server
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,9 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
-        self._server.close()
+        self._server.close()  # the listening socket only: open keep-alive connections would
+        wasyncore.close_all(self._server._map, ignore_all=True)  # keep the loop up to idle_timeout
+        self._server.task_dispatcher.shutdown(timeout=5)
         self._thread.join(timeout=10)
 
     def __enter__(self) -> ServerThread:
