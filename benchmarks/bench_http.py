@@ -220,7 +220,7 @@ def load_main(args) -> None:
         "half streaming\n"
     )
     print(
-        f"{'batch':>5} {'done':>5} {'req/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'503':>4}"
+        f"{'batch':>5} {'done':>5} {'req/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'503':>4} {'mean batch':>10}"
     )
     rates = {}
     for batch_size, (results, wall, mean_batch) in rows.items():
