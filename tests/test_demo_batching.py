@@ -213,3 +213,21 @@ def test_metrics_show_batch_size_and_queue_wait_histograms(engine, monkeypatch):
         f'radixkv_batch_size_bucket{{le="2"}} {counts[1]}' in text and counts[2] - counts[1] >= 1
     )  # the 3-row batch
     assert any(line.startswith("radixkv_queue_wait_seconds_sum ") for line in text.splitlines())
+
+
+def test_batched_penalties_and_logprobs_equal_alone(engine, monkeypatch):
+    prompts = [engine.text_ids(f"penalised row {i}: " + "la " * (3 + 4 * i)) for i in range(3)]
+    params = Params(8, temperature=0.0, frequency_penalty=0.7, presence_penalty=0.3, top_logprobs=2)
+    sizes = spy_batches(monkeypatch)
+    held = Held(engine, monkeypatch)
+    gens = [engine.submit(p, params) for p in prompts]
+    held.go()
+    batched = collect_all(gens)
+    assert sizes == [3]
+    for p, r in zip(prompts, batched):
+        alone = engine.submit(p, params).collect()
+        assert r.text == alone.text and r.completion_tokens == alone.completion_tokens == 8
+        got, want = r.choices[0].logprobs, alone.choices[0].logprobs
+        assert [t.token for t in got] == [t.token for t in want]
+        assert [[i for i, _ in t.top] for t in got] == [[i for i, _ in t.top] for t in want]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got, want)) < 1e-4
