@@ -160,16 +160,20 @@ class Engine:
         batch, width = [first], len(first.prompt_ids)
         if key is None or self.max_batch_size == 1:
             return batch
-        for gen in list(self._waiting):
-            if len(batch) >= self.max_batch_size:
-                break
+        rest: deque[Generation] = deque()  # one pass, O(queue): no deque.remove
+        while self._waiting:
+            gen = self._waiting.popleft()
             new_width = max(width, len(gen.prompt_ids))
-            if new_width * (len(batch) + 1) > self.max_batch_tokens:
-                continue
-            if batching.batch_key(gen, GREEDY_BELOW) == key:
-                self._waiting.remove(gen)
+            if (
+                len(batch) < self.max_batch_size
+                and new_width * (len(batch) + 1) <= self.max_batch_tokens
+                and batching.batch_key(gen, GREEDY_BELOW) == key
+            ):
                 batch.append(gen)
                 width = new_width
+            else:
+                rest.append(gen)
+        self._waiting = rest
         return batch
 
     def _serve(self) -> None:
