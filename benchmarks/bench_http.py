@@ -6,6 +6,13 @@ the time to the first generated text on the client. Then several clients at once
 
     python benchmarks/bench_http.py                  # built-in model
     python benchmarks/bench_http.py --model PATH --rows 300 --questions 8 --concurrency 4
+
+Load mode: `--load` starts the server twice, with --max-batch-size 1 (one request at a time)
+and with the default batching, and runs 32 clients for `--seconds` each: a mix of
+shared-prefix (the table + a question) and unrelated short prompts, streaming and not. It
+prints requests/s, p50/p99 latency and TTFT (streaming requests) and the 503 count.
+
+    python benchmarks/bench_http.py --load           # ~2 minutes
 """
 
 from __future__ import annotations
@@ -57,13 +64,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(reuse: bool, model: str | None, threads: int | None) -> tuple[subprocess.Popen, str]:
+def start_server(
+    reuse: bool, model: str | None, threads: int | None, extra: list[str] = ()
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "RADIXKV_REUSE": "1" if reuse else "0", "PYTHONPATH": ROOT}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     cmd = [sys.executable, "-m", "demo", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--model", model] if model else []
+    cmd += list(extra)
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
@@ -120,6 +130,111 @@ def run_mode(reuse: bool, args) -> tuple[list[dict], list[dict], float]:
         proc.wait(timeout=30)
 
 
+def load_request(url: str, content: str, max_tokens: int, stream: bool) -> dict:
+    """One chat request under load: status, latency, TTFT (streaming only)."""
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
+    t0 = time.perf_counter()
+    ttft = None
+    with requests.post(url + "/v1/chat/completions", json=body, stream=stream, timeout=300) as r:
+        if r.status_code != 200:
+            _ = r.content  # read the error body so the connection is reusable
+            return {
+                "status": r.status_code,
+                "total": time.perf_counter() - t0,
+                "ttft": None,
+                "retry_after": float(r.headers.get("Retry-After", 0)),
+            }
+        if stream:
+            for line in r.iter_lines(decode_unicode=True):
+                if (
+                    ttft is None
+                    and line.startswith("data: {")
+                    and '"content":"' in line
+                    and '"content":""' not in line
+                ):
+                    ttft = time.perf_counter() - t0
+        else:
+            r.json()
+    return {"status": 200, "total": time.perf_counter() - t0, "ttft": ttft}
+
+
+def run_load(batch_size: int, args) -> tuple[list[dict], float, float]:
+    """`args.clients` clients, each sending requests back to back for `args.seconds`."""
+    extra = ["--max-batch-size", str(batch_size), "--max-queue", str(args.max_queue)]
+    proc, url = start_server(True, args.model, args.threads, extra)
+    try:
+        doc = table(args.load_rows)
+        load_request(url, doc + "warm-up", 2, False)  # the shared prefix is cached, as in steady state
+        results: list[dict] = []
+        deadline = time.perf_counter() + args.seconds
+
+        def client(c: int) -> None:
+            k = 0
+            while time.perf_counter() < deadline:
+                shared = (c + k) % 2 == 0
+                content = (
+                    doc + f"Client {c}, question {k}: who is from Lima?"
+                    if shared
+                    else (
+                        f"Client {c} asks unrelated question {k}: tell me about {CITIES[(c + k) % len(CITIES)]}."
+                    )
+                )
+                results.append(load_request(url, content, args.max_tokens, stream=(c + k) % 4 < 2))
+                time.sleep(results[-1].get("retry_after", 0))  # a polite client honours a 503's Retry-After
+                k += 1
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.clients) as pool:
+            list(pool.map(client, range(args.clients)))
+        wall = time.perf_counter() - t0
+        metrics = requests.get(url + "/metrics", timeout=30).text
+        sums = {
+            line.split()[0]: float(line.split()[1])
+            for line in metrics.splitlines()
+            if line.startswith(("radixkv_batch_size_sum", "radixkv_batch_size_count"))
+        }
+        mean_batch = sums["radixkv_batch_size_sum"] / max(1, sums["radixkv_batch_size_count"])
+        return results, wall, mean_batch
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def load_main(args) -> None:
+    rows = {}
+    for batch_size in (1, args.max_batch_size):
+        rows[batch_size] = run_load(batch_size, args)
+    print(
+        f"\nload: {args.clients} clients for {args.seconds:.0f} s each, max_tokens {args.max_tokens}, "
+        f"--max-queue {args.max_queue}; half shared-prefix (~{args.load_rows}-row table), half unrelated; "
+        "half streaming\n"
+    )
+    print(
+        f"{'batch':>5} {'done':>5} {'req/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'503':>4} {'mean batch':>10}"
+    )
+    rates = {}
+    for batch_size, (results, wall, mean_batch) in rows.items():
+        ok = [r for r in results if r["status"] == 200]
+        ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
+        rates[batch_size] = len(ok) / wall
+        print(
+            f"{batch_size:>5} {len(ok):>5} {rates[batch_size]:>6.2f} {pct([r['total'] for r in ok], 0.5) * 1e3:>8.0f} "
+            f"{pct([r['total'] for r in ok], 0.99) * 1e3:>8.0f} {pct(ttfts, 0.5) * 1e3:>9.0f} "
+            f"{pct(ttfts, 0.99) * 1e3:>9.0f} {sum(r['status'] == 503 for r in results):>4} {mean_batch:>10.2f}"
+        )
+    print(f"\nrequests/s, batched / one at a time: {rates[args.max_batch_size] / rates[1]:.2f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="passed to python -m demo --model (default: built-in)")
@@ -132,7 +247,16 @@ def main() -> None:
     p.add_argument(
         "--threads", type=int, help="OMP_NUM_THREADS for the server (steadier on a shared machine)"
     )
+    p.add_argument("--load", action="store_true", help="load mode: batched vs one at a time")
+    p.add_argument("--clients", type=int, default=32, help="load mode: concurrent clients")
+    p.add_argument("--seconds", type=float, default=40.0, help="load mode: duration per server")
+    p.add_argument("--load-rows", type=int, default=25, help="load mode: rows of the shared table")
+    p.add_argument("--max-batch-size", type=int, default=8, help="load mode: the batched server's size")
+    p.add_argument("--max-queue", type=int, default=32, help="load mode: the servers' --max-queue")
     args = p.parse_args()
+    if args.load:
+        load_main(args)
+        return
 
     results = {}
     for reuse in (True, False):

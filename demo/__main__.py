@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(str(e))
     from demo.api import create_app
     from demo.model import BUILTIN, ModelNotFound
-    from demo.server import serve_forever
+    from demo.server import Limits, serve_forever
     from demo.task_prompts import TaskPromptError
 
     try:
@@ -53,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     # A fixed line on stdout that scripts (benchmarks/bench_http.py) wait for.
     try:
         serve_forever(
-            app, config.host, config.port, lambda url: print(f"radixkv demo: serving on {url}", flush=True)
+            app,
+            config.host,
+            config.port,
+            lambda url: print(f"radixkv demo: serving on {url}", flush=True),
+            Limits.for_engine(config.max_queue, config.max_batch_size),
         )
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the save kills

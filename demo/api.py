@@ -22,6 +22,7 @@ from werkzeug.exceptions import HTTPException
 
 from demo import cache_files, options, responses, schema
 from demo.auth import Auth, tenant_secret
+from demo.auth_throttle import Throttle
 from demo.config import Config
 from demo.engine import Busy, Disconnected, Engine, Generation, Params
 from demo.generation import Result
@@ -34,6 +35,7 @@ from demo.task_prompts import load as load_task_prompts
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
+BUSY_RETRY_AFTER_S = 1  # a batch step frees queue slots within about a second
 _ROUTES = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
@@ -56,6 +58,8 @@ def build_engine(config: Config) -> Engine:
         block_size=config.block_size,
         cache_tokens=config.cache_tokens,
         max_queue=config.max_queue,
+        max_batch_size=config.max_batch_size,
+        max_batch_tokens=config.max_batch_tokens,
     )
 
 
@@ -66,6 +70,7 @@ def _sse(obj) -> str:
 def create_app(config: Config, engine: Engine | None = None) -> Flask:
     engine = engine or build_engine(config)
     auth = Auth(config.api_keys, config.admin_token, tenant_secret(config))
+    throttle = Throttle()  # failed authentications per client address
     metrics = Metrics()
     tasks = TaskPrompts(load_task_prompts(config.task_prompts, config.task_prompts_json))
     if tasks and engine.store is not None:
@@ -83,7 +88,10 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
 
     @app.errorhandler(ApiError)
     def api_error(e: ApiError):
-        return jsonify(e.body()), e.status
+        resp = jsonify(e.body())
+        if e.retry_after is not None:
+            resp.headers["Retry-After"] = str(e.retry_after)
+        return resp, e.status
 
     @app.errorhandler(HTTPException)
     def http_error(e: HTTPException):
@@ -105,6 +113,40 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         except (ValueError, RecursionError):
             raise ApiError(400, "the request body is not valid JSON") from None
 
+    def authenticated(check):
+        """check(headers) under the failed-attempt throttle of the client's address."""
+        addr = request.remote_addr or "unknown"
+        wait = throttle.retry_after(addr)
+        if wait:
+            raise ApiError(
+                429,
+                "too many failed authentication attempts from this address; retry later",
+                code="too_many_failed_attempts",
+                retry_after=wait,
+            )
+        try:
+            return check(request.headers)
+        except ApiError as e:
+            if e.status == 401:
+                throttle.failed(addr)
+            raise
+
+    def tenant():
+        return authenticated(auth.namespace)
+
+    def reserve():
+        """A queue slot, taken before any tokenising: a full queue refuses at no cost."""
+        try:
+            return engine.reserve()
+        except Busy as e:
+            raise ApiError(
+                503,
+                f"server busy: {e}; retry later",
+                type="server_error",
+                code="busy",
+                retry_after=BUSY_RETRY_AFTER_S,
+            ) from None
+
     def token_text(token: int) -> str:
         return engine.tokenizer.decode([token], skip_special_tokens=False)
 
@@ -121,6 +163,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         opts: options.Options,
         namespace,
         started: float,
+        slot,
     ):
         max_new = schema.check_length(
             len(prompt_ids),
@@ -143,10 +186,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
             top_logprobs=opts.top_logprobs,
             cache_prompt=opts.cache_prompt,
         )
-        try:
-            gen = engine.submit(prompt_ids, params, options.salted(namespace, opts.cache_salt))
-        except Busy as e:
-            raise ApiError(503, f"server busy: {e}; retry later", type="server_error", code="busy") from None
+        gen = engine.submit(prompt_ids, params, options.salted(namespace, opts.cache_salt), slot=slot)
         gen.alive = client_alive(request.environ)
         rid, created = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if not s.stream:
@@ -190,6 +230,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
             c = {"id": rid, "object": obj, "created": created, "model": model_id, "choices": [choice]}
             return {**c, "usage": None} if include_usage else c
 
+        status = 499  # until the stream ends properly: a hang-up (GeneratorExit) leaves it so
         try:
             if endpoint == "chat":
                 for i in range(gen.params.n):
@@ -211,14 +252,16 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                         "usage": responses.usage(r),
                     }
                 )
+            status = 200
         except Disconnected:  # the client is gone: nothing to say, nobody to say it to
             return
         except Exception as e:  # headers are sent: report in-band, then end the stream
             log.exception("generation failed mid-stream")
+            status = 500
             yield _sse(ApiError(500, f"generation failed: {type(e).__name__}", type="server_error").body())
         finally:  # also on client disconnect (GeneratorExit): stop generating for nobody
             gen.cancel()
-            metrics.request(endpoint, 200, time.perf_counter() - started)
+            metrics.request(endpoint, status, time.perf_counter() - started)
         yield "data: [DONE]\n\n"
 
     @app.get("/")
@@ -237,7 +280,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
 
     @app.get("/v1/models")
     def models():
-        auth.namespace(request.headers)
+        tenant()
         return jsonify(
             {
                 "object": "list",
@@ -255,46 +298,57 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
 
     @app.post("/v1/chat/completions")
     def chat():
-        started, namespace = time.perf_counter(), auth.namespace(request.headers)
+        started, namespace = time.perf_counter(), tenant()
         data = body()
         check_model(data)
         req = schema.chat(data, engine.context)
         opts = options.parse(data, "chat", logits_size)
         task_prompt = tasks.lookup(data)
         messages = tasks.chat(task_prompt, req.messages) if task_prompt else req.messages
-        try:
-            ids = engine.chat_ids(messages)
-        except ValueError as e:
-            raise ApiError(400, str(e), "messages") from None
-        return respond("chat", ids, req.sampling, opts, namespace, started)
+        with reserve() as slot:
+            try:
+                ids = engine.chat_ids(messages)
+            except ValueError as e:
+                raise ApiError(400, str(e), "messages") from None
+            return respond("chat", ids, req.sampling, opts, namespace, started, slot)
 
     @app.post("/v1/completions")
     def completions():
-        started, namespace = time.perf_counter(), auth.namespace(request.headers)
+        started, namespace = time.perf_counter(), tenant()
         data = body()
         check_model(data)
         req = schema.completion(data, engine.context, vocab_size)
         opts = options.parse(data, "completions", logits_size)
         task_prompt = tasks.lookup(data)
-        if task_prompt and isinstance(req.prompt, str):
-            ids = engine.text_ids(task_prompt + req.prompt)
-        elif task_prompt:
-            ids = engine.text_ids(task_prompt) + list(req.prompt)
-        else:
-            ids = list(req.prompt) if isinstance(req.prompt, list) else engine.text_ids(req.prompt)
-        return respond("completions", ids, req.sampling, opts, namespace, started)
+        with reserve() as slot:
+            if task_prompt and isinstance(req.prompt, str):
+                ids = engine.text_ids(task_prompt + req.prompt)
+            elif task_prompt:
+                ids = engine.text_ids(task_prompt) + list(req.prompt)
+            else:
+                ids = list(req.prompt) if isinstance(req.prompt, list) else engine.text_ids(req.prompt)
+            return respond("completions", ids, req.sampling, opts, namespace, started, slot)
 
     @app.post("/v1/cache/flush")
     def flush():
-        auth.check_admin(request.headers)
+        authenticated(auth.check_admin)
         engine.flush()
         return jsonify({"flushed": True, "reuse": engine.store is not None})
 
-    cache_files.install(app, engine, config, auth)  # /v1/cache/save|restore|files, --cache-file
+    # /v1/cache/save|restore|files, --cache-file; admin checks under the same throttle as flush
+    cache_files.install(app, engine, config, lambda: authenticated(auth.check_admin))
 
     @app.get("/metrics")
     def prometheus():
-        text = metrics.render(engine.stats(), reuse=engine.store is not None, queued=engine.queued)
+        text = metrics.render(
+            engine.stats(),
+            reuse=engine.store is not None,
+            queued=engine.queued,
+            engine_histograms=(
+                ("radixkv_batch_size", "Requests per generate() call.", engine.batch_sizes),
+                ("radixkv_queue_wait_seconds", "Submit to the start of generation.", engine.queue_waits),
+            ),
+        )
         return Response(text, mimetype="text/plain; version=0.0.4")
 
     @app.after_request

@@ -25,6 +25,17 @@ log = logging.getLogger(__name__)
 SECRET_BYTES = 32
 
 
+def _wire_bytes(value: str) -> bytes:
+    """A header value as the bytes the client sent: WSGI servers decode headers as Latin-1
+    (PEP 3333), so a UTF-8 key arrives as mojibake; encoding back to Latin-1 restores its
+    bytes. A str that cannot be Latin-1 never came off the wire (in-process test clients):
+    its UTF-8 encoding is what a client would have sent."""
+    try:
+        return value.encode("latin-1")
+    except UnicodeEncodeError:
+        return value.encode("utf-8")
+
+
 def _bearer(headers: Mapping[str, str]) -> str | None:
     value = headers.get("Authorization", "")
     scheme, _, token = value.partition(" ")
@@ -42,15 +53,17 @@ class Auth:
     def enabled(self) -> bool:
         return bool(self._tenants)
 
-    def _digest(self, key: str) -> str:
-        return hmac.new(self._secret, key.encode(), hashlib.sha256).hexdigest()
+    def _digest(self, key: str | bytes) -> str:
+        # Configured keys are text (UTF-8); a key from a header comes as its wire bytes.
+        raw = key if isinstance(key, bytes) else key.encode("utf-8")
+        return hmac.new(self._secret, raw, hashlib.sha256).hexdigest()
 
     def namespace(self, headers: Mapping[str, str]) -> Hashable:
         """The caller's cache namespace; ApiError 401 if keys are required and missing/unknown."""
         if not self._tenants:
             return None
         key = _bearer(headers)
-        ns = self._tenants.get(self._digest(key)) if key else None
+        ns = self._tenants.get(self._digest(_wire_bytes(key))) if key else None
         if ns is None:
             msg = "missing API key: send 'Authorization: Bearer <key>'" if not key else "incorrect API key"
             raise ApiError(401, msg, code="invalid_api_key")
@@ -70,7 +83,7 @@ class Auth:
                 code="admin_disabled",
             )
         given = headers.get("X-Admin-Token") or _bearer(headers) or ""
-        if not hmac.compare_digest(given.encode(), self._admin.encode()):
+        if not hmac.compare_digest(_wire_bytes(given), self._admin.encode("utf-8")):
             raise ApiError(401, "missing or incorrect admin token", code="invalid_admin_token")
 
 

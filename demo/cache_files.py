@@ -24,6 +24,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 
 from flask import Blueprint, jsonify, request
 
@@ -195,12 +196,14 @@ def _name_from_body() -> object:
     return body.get("name")
 
 
-def blueprint(files: CacheFiles, auth) -> Blueprint:
+def blueprint(files: CacheFiles, check_admin: Callable[[], None]) -> Blueprint:
+    """``check_admin()`` raises the API's 401/403/429 (the app's admin check, under its
+    failed-authentication throttle, so these endpoints cannot be used to guess the token)."""
     bp = Blueprint("radixkv_cache_files", __name__)
 
     @bp.post("/v1/cache/save")
     def save():
-        auth.check_admin(request.headers)
+        check_admin()
         path = files.path_for(_name_from_body())
         try:
             return jsonify({"saved": True, **files.save(path)})
@@ -211,7 +214,7 @@ def blueprint(files: CacheFiles, auth) -> Blueprint:
 
     @bp.post("/v1/cache/restore")
     def restore():
-        auth.check_admin(request.headers)
+        check_admin()
         path = files.path_for(_name_from_body())
         if not os.path.isfile(path):
             raise ApiError(
@@ -226,16 +229,16 @@ def blueprint(files: CacheFiles, auth) -> Blueprint:
 
     @bp.get("/v1/cache/files")
     def listing():
-        auth.check_admin(request.headers)
+        check_admin()
         return jsonify({"object": "list", "data": files.files()})
 
     return bp
 
 
-def install(app, engine, config, auth) -> CacheFiles:
+def install(app, engine, config, check_admin: Callable[[], None]) -> CacheFiles:
     """Register the endpoints, restore --cache-file, start periodic saves; the caller saves at exit."""
     files = CacheFiles(engine, config)
-    app.register_blueprint(blueprint(files, auth))
+    app.register_blueprint(blueprint(files, check_admin))
     app.extensions["radixkv"]["cache_files"] = files
     files.restore_at_start()
     files.start_periodic()

@@ -33,6 +33,8 @@ class Config:
     admin_token: str | None = None  # required by POST /v1/cache/flush; None = flush refused
     default_max_tokens: int = 256  # when a request gives no max_tokens (clamped to the context)
     max_queue: int = 32  # requests waiting for the generation worker before 503
+    max_batch_size: int = 8  # queued requests generated together in one generate() call
+    max_batch_tokens: int = 16384  # cap on rows x padded prompt length of one batch
     served_name: str | None = None  # model id in responses; default: basename of `model`
     tenant_secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
     cache_file: str | None = None  # restored at start, saved at shutdown (and every cache_save_every s)
@@ -58,6 +60,11 @@ class Config:
             raise ValueError(f"device must be auto, cpu, cuda[:N], mps or xpu, got {self.device!r}")
         if self.default_max_tokens < 1 or self.max_queue < 1:
             raise ValueError("default_max_tokens and max_queue must be >= 1")
+        if self.max_batch_size < 1 or self.max_batch_tokens < 1:
+            raise ValueError(
+                f"max_batch_size and max_batch_tokens must be >= 1, got {self.max_batch_size} "
+                f"and {self.max_batch_tokens}"
+            )
         if any(not k for k in self.api_keys):
             raise ValueError("api_keys must be non-empty strings")
         if self.device_map is not None and self.model in ("builtin", "builtin-tiny"):
@@ -129,6 +136,8 @@ _ENV = {
     "cache_save_every": ("RADIXKV_CACHE_SAVE_EVERY", float),
     "tenant_secret_file": ("RADIXKV_TENANT_SECRET_FILE", str),
     "task_prompts_json": ("RADIXKV_TASK_PROMPTS", str),
+    "max_batch_size": ("RADIXKV_MAX_BATCH_SIZE", int),
+    "max_batch_tokens": ("RADIXKV_MAX_BATCH_TOKENS", int),
 }
 
 
@@ -178,6 +187,16 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-queue", type=int, help="waiting requests before 503 (default 32; env RADIXKV_MAX_QUEUE)"
+    )
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        help="queued requests generated together (default 8; 1 = one at a time; env RADIXKV_MAX_BATCH_SIZE)",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        help="cap on rows x padded prompt tokens of one batch (default 16384; env RADIXKV_MAX_BATCH_TOKENS)",
     )
     p.add_argument("--served-name", help="model id reported by the API")
     p.add_argument(

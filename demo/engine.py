@@ -1,10 +1,16 @@
 """Generation: prompts to token ids, one worker thread running generate(), streamed text out.
 
-Concurrency model: HTTP handling is concurrent (threaded server), generation is not. Every
-request becomes a `Generation` (demo.generation) in one FIFO queue served by a single worker
-thread, so one generate() runs at a time (the honest choice on a CPU, and what keeps `seed`
-exact: the global RNG is seeded right before that request's generate). The request's own
-thread reads token ids from the worker through a queue and turns them into text.
+Concurrency model: HTTP handling is concurrent (threaded server); one worker thread runs one
+generate() at a time. Every request becomes a `Generation` (demo.generation) in a FIFO queue
+of at most `max_queue`; the worker takes the oldest and, if its options allow
+(demo.batching.batch_key), up to `max_batch_size` - 1 more queued requests with the same
+options, within `max_batch_tokens` (rows x padded prompt length), and runs them as rows of
+one left-padded generate() (demo.batching). A request with a seed runs alone (the global RNG
+is seeded right before its generate, so its output is exact). The request's own thread reads
+token ids from the worker through a queue and turns them into text.
+
+A queue place is taken with `reserve()` before the prompt is tokenised, so a full queue
+refuses at no cost; `submit(..., slot)` then fills it.
 
 A request's n sampled choices are n rows of one generate() call (num_return_sequences).
 With the prefix cache on, the prompt is first committed by a one-token greedy pass, so the
@@ -16,16 +22,17 @@ from __future__ import annotations
 
 import copy
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Hashable, Sequence
 
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from demo import chat_tokens, processors
+from demo import batching, chat_tokens, processors
 from demo.generation import Disconnected, Generation, Params, Result, Stopped, Streamer
+from demo.metrics import BATCH_SIZE_BUCKETS, Histogram
 from demo.model import CHAT_TEMPLATE
 
 __all__ = ["Busy", "Disconnected", "Engine", "Generation", "Params", "Result"]
@@ -35,6 +42,20 @@ log = logging.getLogger(__name__)
 
 class Busy(RuntimeError):
     """The generation queue is full."""
+
+
+class Slot:
+    """A reserved place in the generation queue (`Engine.reserve()`); a context manager that
+    gives the place back unless `Engine.submit` used it."""
+
+    def __init__(self, engine: Engine):
+        self._engine, self.used = engine, False
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._engine._give_back(self)
 
 
 # Below this temperature, sampling is greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow to
@@ -55,6 +76,8 @@ class Engine:
         block_size: int = 16,
         cache_tokens: int | None = None,
         max_queue: int = 32,
+        max_batch_size: int = 8,
+        max_batch_tokens: int = 16384,
     ):
         self.model, self.tokenizer, self.context = model, tokenizer, context
         self.store = None
@@ -63,7 +86,19 @@ class Engine:
 
             self._radix_cache = hf_patch.RadixCache
             self.store = hf_patch.build_store(model, block_size=block_size, budget_tokens=cache_tokens)
-        self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
+        if max_queue < 1 or max_batch_size < 1 or max_batch_tokens < 1:
+            raise ValueError("max_queue, max_batch_size and max_batch_tokens must be >= 1")
+        self.max_queue, self.max_batch_size, self.max_batch_tokens = (
+            max_queue,
+            max_batch_size,
+            max_batch_tokens,
+        )
+        self._cond = threading.Condition()
+        self._waiting: deque[Generation] = deque()
+        self._reserved = 0  # slots handed out, not yet submitted
+        # Observed by the worker, rendered by /metrics.
+        self.batch_sizes = Histogram(BATCH_SIZE_BUCKETS)
+        self.queue_waits = Histogram()
         self._eos = self._eos_ids()
         self._worker = threading.Thread(target=self._serve, name="radixkv-generate", daemon=True)
         self._worker.start()
@@ -82,26 +117,90 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # -- generation ------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: Params, namespace: Hashable = None) -> Generation:
-        """Queue a request; raises Busy if the queue is full. Iterate the result for text."""
+    def reserve(self) -> Slot:
+        """A place in the queue for a request about to be submitted; raises Busy if full. O(1)."""
+        with self._cond:
+            if self._reserved + len(self._waiting) >= self.max_queue:
+                raise Busy(f"{self.max_queue} requests are already waiting")
+            self._reserved += 1
+        return Slot(self)
+
+    def _give_back(self, slot: Slot) -> None:
+        with self._cond:
+            if not slot.used:
+                slot.used = True
+                self._reserved -= 1
+
+    def submit(
+        self, prompt_ids: list[int], params: Params, namespace: Hashable = None, slot: Slot | None = None
+    ) -> Generation:
+        """Queue a request in `slot` (default: reserve one now; raises Busy if the queue is
+        full). Iterate the result for text."""
+        slot = slot or self.reserve()
         gen = Generation(prompt_ids, params, namespace, self.decode, self._eos)
-        try:
-            self._jobs.put_nowait(gen)
-        except queue.Full:
-            raise Busy(f"{self._jobs.maxsize} requests are already waiting") from None
+        with self._cond:
+            if slot.used:
+                raise ValueError("this queue slot was already used or given back")
+            slot.used = True
+            self._reserved -= 1
+            self._waiting.append(gen)
+            self._cond.notify()
         return gen
 
     @property
     def queued(self) -> int:
-        return self._jobs.qsize()
+        """Requests submitted and not yet taken by the worker."""
+        return len(self._waiting)
+
+    def _take(self) -> list[Generation]:
+        """The oldest request, plus the queued ones that can share its generate() call
+        (oldest first, within max_batch_size and max_batch_tokens). Call holding _cond."""
+        first = self._waiting.popleft()
+        key = batching.batch_key(first, GREEDY_BELOW)
+        batch, width = [first], len(first.prompt_ids)
+        if key is None or self.max_batch_size == 1:
+            return batch
+        rest: deque[Generation] = deque()  # one pass, O(queue): no deque.remove
+        while self._waiting:
+            gen = self._waiting.popleft()
+            new_width = max(width, len(gen.prompt_ids))
+            if (
+                len(batch) < self.max_batch_size
+                and new_width * (len(batch) + 1) <= self.max_batch_tokens
+                and batching.batch_key(gen, GREEDY_BELOW) == key
+            ):
+                batch.append(gen)
+                width = new_width
+            else:
+                rest.append(gen)
+        self._waiting = rest
+        return batch
 
     def _serve(self) -> None:
         while True:
-            gen = self._jobs.get()
-            gen.started = time.perf_counter()
+            with self._cond:
+                while not self._waiting:
+                    self._cond.wait()
+                taken = self._take()
+            now = time.perf_counter()
+            batch = []
+            for gen in taken:
+                gen.started = now
+                self.queue_waits.observe(now - gen.submitted)
+                if gen.cancelled.is_set():  # its client left while it waited
+                    gen._events.put(("done", 0))
+                    gen.finished.set()
+                else:
+                    batch.append(gen)
+            if not batch:
+                continue
+            self.batch_sizes.observe(len(batch))
+            if len(batch) > 1:
+                batching.run_batch(self, batch)
+                continue
+            gen = batch[0]
             try:
-                cached = self._generate(gen) if not gen.cancelled.is_set() else 0
-                gen._events.put(("done", cached))
+                gen._events.put(("done", self._generate(gen)))
             except Exception as e:  # report to the request; the worker keeps serving
                 log.exception("generate failed")
                 gen._events.put(("error", e))
@@ -156,7 +255,9 @@ class Engine:
             p.top_logprobs,
         )
         if p.seed is not None:
-            torch.manual_seed(p.seed)
+            # int64 seeds (schema.SEED_MIN..SEED_MAX) onto torch's uint64 range one to one;
+            # torch's own mapping of negatives (2**64 - 1 + seed) sends -2**63 onto 2**63 - 1.
+            torch.manual_seed(p.seed % 2**64)
         self.model.generate(
             ids,
             attention_mask=torch.ones_like(ids),

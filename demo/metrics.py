@@ -11,6 +11,7 @@ import threading
 from collections import defaultdict
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 # stats() key -> (metric name, type, help)
 _STORE = [
@@ -102,21 +103,34 @@ def _tier_lines(stats: dict) -> list[str]:
     return out
 
 
+def _le(bound) -> str:
+    return repr(bound) if isinstance(bound, float) else str(bound)
+
+
 class Histogram:
-    def __init__(self) -> None:
-        self.counts = [0] * (len(BUCKETS) + 1)  # last: +Inf
+    """A Prometheus histogram: cumulative `_bucket{le=...}` counts, `_sum`, `_count`.
+    observe() is thread-safe (the engine's worker observes while /metrics renders)."""
+
+    def __init__(self, buckets: tuple[float, ...] = BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # last: +Inf
         self.sum = 0.0
+        self._lock = threading.Lock()
 
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
-        self.sum += seconds
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self.counts[bisect.bisect_left(self.buckets, value)] += 1
+            self.sum += value
 
-    def lines(self, name: str, labels: str) -> list[str]:
-        out, total = [], 0
-        for le, n in zip([*map(repr, BUCKETS), "+Inf"], self.counts):
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        with self._lock:
+            counts, total_sum = list(self.counts), self.sum
+        out, total, sep = [], 0, "," if labels else ""
+        for le, n in zip([*map(_le, self.buckets), "+Inf"], counts):
             total += n
-            out.append(f'{name}_bucket{{{labels},le="{le}"}} {total}')
-        return out + [f"{name}_sum{{{labels}}} {number(self.sum)}", f"{name}_count{{{labels}}} {total}"]
+            out.append(f'{name}_bucket{{{labels}{sep}le="{le}"}} {total}')
+        braces = f"{{{labels}}}" if labels else ""
+        return out + [f"{name}_sum{braces} {number(total_sum)}", f"{name}_count{braces} {total}"]
 
 
 class Metrics:
@@ -143,7 +157,8 @@ class Metrics:
             self._tokens["completion"] += result.completion_tokens
             self._tokens["cached"] += result.cached_tokens
 
-    def render(self, stats: dict, *, reuse: bool, queued: int) -> str:
+    def render(self, stats: dict, *, reuse: bool, queued: int, engine_histograms=()) -> str:
+        """`engine_histograms`: (name, help, Histogram) of the engine (batch size, queue wait)."""
         out = [
             "# HELP radixkv_prefix_reuse_enabled 1 if prefix reuse is on.",
             "# TYPE radixkv_prefix_reuse_enabled gauge",
@@ -178,4 +193,6 @@ class Metrics:
                 out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
                 for endpoint, h in sorted(hists.items()):
                     out += h.lines(name, f'endpoint="{endpoint}"')
+        for name, help_, h in engine_histograms:
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *h.lines(name)]
         return "\n".join(out) + "\n"

@@ -13,6 +13,7 @@ from typing import Any
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 4
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
 
 
 class ApiError(Exception):
@@ -25,9 +26,11 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str = "invalid_request_error",
+        retry_after: int | None = None,  # seconds, sent as Retry-After (503, 429)
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.retry_after = retry_after
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -138,14 +141,16 @@ def sampling(body: dict, context: int) -> Sampling:
     for s in stop or ():
         _utf8(s, "stop")
     seed = _int(body, "seed")
-    if seed is not None and not -(2**63) <= seed < 2**64:
-        raise _bad("'seed' is out of range", "seed")
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        # vLLM's bound (torch's int64); wider seeds aliased each other in torch.manual_seed.
+        raise _bad(f"'seed' must be between {SEED_MIN} and {SEED_MAX} (a 64-bit signed integer)", "seed")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options  # not `or {}`: [] and "" are not objects
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise _bad("'stream_options' must be an object like {'include_usage': true}", "stream_options")
     _refuse_unsupported(body)
@@ -180,9 +185,12 @@ def chat(body: Any, context: int) -> ChatRequest:
         param = f"messages[{i}]"
         if not isinstance(m, dict):
             raise _bad(f"{param} must be an object with 'role' and 'content'", param)
-        if m.get("role") not in ROLES:
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:  # a list/dict is unhashable: no lookup
             raise _bad(
-                f"{param}.role must be one of {', '.join(ROLES)}, got {m.get('role')!r}", f"{param}.role"
+                f"{param}.role must be one of {', '.join(ROLES)}, got "
+                + (repr(role[:40]) if isinstance(role, str) else f"a {type(role).__name__}"),
+                f"{param}.role",
             )
         out.append({"role": ROLES[m["role"]], "content": _content(m.get("content"), f"{param}.content")})
     return ChatRequest(out, sampling(body, context))

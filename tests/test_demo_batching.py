@@ -1,0 +1,233 @@
+"""Batched generation of queued requests (demo.batching): each row's greedy output equals
+what the request gets alone and what stock generate() gives; rows stop on their own
+(max_tokens, stop string, EOS, a client gone) and cached_tokens is exact per request.
+
+The worker is held inside a first generate() (a gate) while the requests under test queue
+up, so they are taken together as one batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from demo import batching
+from demo.api import build_engine, create_app
+from demo.config import Config
+from demo.engine import Engine, Params
+
+TABLE = "\n".join(f"| Chen {i} | {20 + i} | Osaka | nurse |" for i in range(12))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = build_engine(Config(model="builtin-tiny", cache_tokens=1 << 15, max_batch_size=8))
+    cfg = e.model.generation_config
+    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e._eos]  # rows end only where we say
+    return e
+
+
+class Held:
+    """Holds the worker in a blocker request's generate() until released."""
+
+    def __init__(self, engine, monkeypatch):
+        self.entered, self.release = threading.Event(), threading.Event()
+        generate = engine.model.generate
+
+        def held(*args, **kwargs):
+            if not self.release.is_set():
+                self.entered.set()
+                assert self.release.wait(60)
+            return generate(*args, **kwargs)
+
+        monkeypatch.setattr(engine.model, "generate", held)
+        self.blocker = engine.submit(engine.text_ids("blocker"), Params(1, temperature=0.0))
+        assert self.entered.wait(30)
+
+    def go(self):
+        self.release.set()
+        self.blocker.collect()
+
+
+def spy_batches(monkeypatch) -> list[int]:
+    sizes, run = [], batching.run_batch
+    monkeypatch.setattr(
+        batching, "run_batch", lambda engine, gens: sizes.append(len(gens)) or run(engine, gens)
+    )
+    return sizes
+
+
+def collect_all(gens) -> list:
+    out = [None] * len(gens)
+
+    def run(i):
+        out[i] = gens[i].collect()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(gens))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def stock(engine, ids: list[int], max_new: int) -> str:
+    """Stock generate(), no cache, greedy: the oracle."""
+    cfg = engine._config(Params(max_new, temperature=0.0))
+    out = engine.model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), generation_config=cfg
+    )
+    return engine.decode(out[0, len(ids) :].tolist())
+
+
+def greedy_ids(engine, ids: list[int], max_new: int) -> list[int]:
+    cfg = engine._config(Params(max_new, temperature=0.0))
+    return engine.model.generate(torch.tensor([ids]), generation_config=cfg)[0, len(ids) :].tolist()
+
+
+def test_batched_rows_equal_alone_and_stock_with_exact_cached_tokens(engine, monkeypatch):
+    shared = engine.chat_ids([{"role": "user", "content": TABLE + "\nwarm the prefix"}])
+    engine.submit(shared, Params(2, temperature=0.0)).collect()  # the table is now cached
+    prompts = [
+        engine.chat_ids([{"role": "user", "content": TABLE + f"\nQuestion {i}: who is {i}?"}])
+        for i in range(3)
+    ] + [
+        engine.text_ids("an unrelated short prompt"),
+        engine.text_ids("another one, a little longer than that"),
+    ]
+    maxes = [6, 14, 9, 3, 11]
+    sizes = spy_batches(monkeypatch)
+    hits_before = engine.stats()["hit_tokens"]
+    held = Held(engine, monkeypatch)
+    gens = [engine.submit(p, Params(m, temperature=0.0)) for p, m in zip(prompts, maxes)]
+    held.go()
+    batched = collect_all(gens)
+    assert sizes == [5]
+    assert [r.completion_tokens for r in batched] == maxes
+    assert [r.finish_reason for r in batched] == ["length"] * 5
+    # exact per request: what each row read is what the store counted as hits
+    assert sum(r.cached_tokens for r in batched) == engine.stats()["hit_tokens"] - hits_before - 0
+    assert all(r.cached_tokens > 0 for r in batched[:3])
+    for p, m, r in zip(prompts, maxes, batched):
+        assert r.text == stock(engine, p, m)
+        alone = engine.submit(p, Params(m, temperature=0.0)).collect()
+        assert r.text == alone.text
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0
+
+
+def test_rows_stop_at_their_own_stop_string_eos_and_hang_up(engine, monkeypatch):
+    prompts = [engine.text_ids(f"row {i} of the batch: {TABLE[: 40 * (i + 1)]}") for i in range(4)]
+    ref = [stock(engine, p, 12) for p in prompts]
+    # a stop string inside row 0's reply; as EOS, a token of row 1's reply that no other
+    # reply (nor row 1's before it) contains, so only row 1 ends early, at that step
+    stop = ref[0][3:6]
+    replies = [greedy_ids(engine, p, 12) for p in prompts]
+    others = {t for i, r in enumerate(replies) if i != 1 for t in r}
+    step = next(
+        k for k in range(2, 10) if replies[1][k] not in others and replies[1][k] not in replies[1][:k]
+    )
+    eos, row1_ids = replies[1][step], replies[1]
+    monkeypatch.setattr(engine, "_eos", {eos})
+    monkeypatch.setattr(engine.model.generation_config, "eos_token_id", eos)
+    sizes = spy_batches(monkeypatch)
+    held = Held(engine, monkeypatch)
+    params = [Params(12, temperature=0.0, stop=(stop,))] + [Params(12, temperature=0.0)] * 3
+    gens = [engine.submit(p, q) for p, q in zip(prompts, params)]
+    held.go()
+    # row 2's client hangs up after its first delta; the others must not notice
+    out, errors = [None] * 4, []
+
+    def run(i):
+        try:
+            if i == 2:
+                for _ in gens[2]:
+                    gens[2].cancel()
+                    break
+                return
+            out[i] = gens[i].collect()
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and sizes == [4]
+    assert out[0].text == ref[0][: ref[0].index(stop)] and out[0].finish_reason == "stop"
+    assert out[1].completion_tokens == step + 1 and out[1].finish_reason == "stop"
+    assert out[1].text == engine.decode(row1_ids[: step + 1])
+    assert out[3].text == ref[3] and out[3].completion_tokens == 12
+    assert gens[2].finished.wait(30) and gens[2].generated < 12
+    engine.check_invariants()
+
+
+def test_seeded_and_n_requests_run_alone_and_batch_size_one_never_batches(engine, monkeypatch):
+    sizes = spy_batches(monkeypatch)
+    held = Held(engine, monkeypatch)
+    gens = [
+        engine.submit(engine.text_ids(f"seeded {i}"), Params(4, temperature=1.0, seed=i)) for i in range(3)
+    ]
+    gens.append(engine.submit(engine.text_ids("n=2"), Params(4, temperature=1.0, n=2)))
+    held.go()
+    seeded = collect_all(gens)
+    assert sizes == [] and engine.batch_sizes.counts[0] >= 4  # all ran alone (bucket le=1)
+    again = [
+        engine.submit(engine.text_ids(f"seeded {i}"), Params(4, temperature=1.0, seed=i)).collect()
+        for i in range(3)
+    ]
+    assert [r.text for r in seeded[:3]] == [r.text for r in again]
+    one = Engine(engine.model, engine.tokenizer, engine.context, reuse=False, max_batch_size=1)
+    held2 = Held(one, monkeypatch)
+    gens = [one.submit(one.text_ids(f"q {i}"), Params(3, temperature=0.0)) for i in range(3)]
+    held2.go()
+    collect_all(gens)
+    assert sizes == [] and one.batch_sizes.counts[0] == 4 and sum(one.batch_sizes.counts) == 4
+
+
+def test_metrics_show_batch_size_and_queue_wait_histograms(engine, monkeypatch):
+    app = create_app(Config(model="builtin-tiny"), engine)
+    held = Held(engine, monkeypatch)
+    gens = [engine.submit(engine.text_ids(f"metrics {i}"), Params(2, temperature=0.0)) for i in range(3)]
+    time.sleep(0.05)
+    held.go()
+    collect_all(gens)
+    text = app.test_client().get("/metrics").get_data(as_text=True)
+    assert "# TYPE radixkv_batch_size histogram" in text
+    assert "# TYPE radixkv_queue_wait_seconds histogram" in text
+    buckets = [line for line in text.splitlines() if line.startswith("radixkv_batch_size_bucket")]
+    assert buckets[0].startswith('radixkv_batch_size_bucket{le="1"}') and buckets[-1].startswith(
+        'radixkv_batch_size_bucket{le="+Inf"}'
+    )
+    counts = [int(line.rsplit(" ", 1)[1]) for line in buckets]
+    assert counts == sorted(counts)  # cumulative
+    total = int(
+        next(line for line in text.splitlines() if line.startswith("radixkv_batch_size_count ")).split()[1]
+    )
+    assert total == counts[-1] == sum(engine.batch_sizes.counts)
+    assert (
+        f'radixkv_batch_size_bucket{{le="2"}} {counts[1]}' in text and counts[2] - counts[1] >= 1
+    )  # the 3-row batch
+    assert any(line.startswith("radixkv_queue_wait_seconds_sum ") for line in text.splitlines())
+
+
+def test_batched_penalties_and_logprobs_equal_alone(engine, monkeypatch):
+    prompts = [engine.text_ids(f"penalised row {i}: " + "la " * (3 + 4 * i)) for i in range(3)]
+    params = Params(8, temperature=0.0, frequency_penalty=0.7, presence_penalty=0.3, top_logprobs=2)
+    sizes = spy_batches(monkeypatch)
+    held = Held(engine, monkeypatch)
+    gens = [engine.submit(p, params) for p in prompts]
+    held.go()
+    batched = collect_all(gens)
+    assert sizes == [3]
+    for p, r in zip(prompts, batched):
+        alone = engine.submit(p, params).collect()
+        assert r.text == alone.text and r.completion_tokens == alone.completion_tokens == 8
+        got, want = r.choices[0].logprobs, alone.choices[0].logprobs
+        assert [t.token for t in got] == [t.token for t in want]
+        assert [[i for i, _ in t.top] for t in got] == [[i for i, _ in t.top] for t in want]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got, want)) < 1e-4
