@@ -127,7 +127,7 @@ def _forward_prefix(
     if cached:
         store.read(
             [lease], cached, [layer.buffers()[0][:, :, :cached] for layer in layers],
-            [layer.buffers()[1][:, :, :cached] for layer in layers],
+            [layer.buffers()[1][:, :, :cached] for layer in layers], count=False,
         )  # fmt: skip
         for layer in layers:
             layer.set_length(cached)
@@ -165,8 +165,8 @@ def compute_shared(
     fully cached prompt would be fed again), so it takes no part in the sharing. Returns
     ``{row: Lease}`` for every row that shares a prefix, acquired (matched and pinned) right
     after its deepest prefix was committed; the caller owns and releases the leases. Side
-    effects: forwards of ``model`` on one-row scratch caches, commits to ``store``, one
-    store lookup per shared prefix (counted in the store's request / query counters).
+    effects: forwards of ``model`` on one-row scratch caches, commits to ``store``; the store's
+    counters see the rows' lookups and commits only (a prefix lookup is not a prompt).
     """
     reusable = [row.head(row.num_tokens - 1) for row in rows]
     prefixes, deepest = shared_prefixes(reusable, store.block_size)
@@ -179,7 +179,8 @@ def compute_shared(
     leases: dict[int, Lease] = {}
     try:
         for p, prefix in enumerate(prefixes):
-            with store.acquire(prefix, namespace) as lease:
+            # Not counted as a request: the rows' own lookups below are the prompts' queries and hits.
+            with store.acquire(prefix, namespace, count=False) as lease:
                 if lease.num_tokens < prefix.num_tokens:
                     scratch = _forward_prefix(model, store, specs, prefix, lease, chunk_size)
                     store.commit(

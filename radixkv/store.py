@@ -87,6 +87,8 @@ class KVStore:
         tokens: Tokens,
         namespace: Hashable = None,
         max_tokens: int | None = None,
+        *,
+        count: bool = True,
     ) -> Lease:
         """Match the longest cached whole-block prefix of ``tokens[:max_tokens]`` and pin it.
 
@@ -98,8 +100,9 @@ class KVStore:
             tree = self.tree
             match = tree.match(query, namespace)
             tree.pin(match.node)
-            self.counters.requests += 1
-            self.counters.query_tokens += num_tokens_of(tokens)
+            if count:  # False: a lookup that is no prompt (hf_patch's in-batch prefix sharing)
+                self.counters.requests += 1
+                self.counters.query_tokens += num_tokens_of(tokens)
             return Lease(self, tree, match, self.epoch, namespace)
 
     def read(
@@ -108,6 +111,8 @@ class KVStore:
         num_tokens: int,
         k_out: Sequence[torch.Tensor],
         v_out: Sequence[torch.Tensor],
+        *,
+        count: bool = True,
     ) -> None:
         """Copy the first ``num_tokens`` cached tokens of each lease (one output row each).
 
@@ -127,8 +132,9 @@ class KVStore:
                 raise ValueError(f"lease holds {lease.num_tokens} tokens, {num_tokens} requested")
         ids = torch.tensor([list(lease.block_ids[:nb]) for lease in leases], dtype=torch.int64)
         self.pool.gather(ids, num_tokens, k_out, v_out)
-        with self._lock:
-            self.counters.hit_tokens += num_tokens * len(leases)
+        if count:
+            with self._lock:
+                self.counters.hit_tokens += num_tokens * len(leases)
 
     # -- insertion ------------------------------------------------------------------------
     def commit(

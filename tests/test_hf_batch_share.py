@@ -75,7 +75,11 @@ def test_cold_left_padded_batch_computes_the_document_once(family):
     pads = [width - len(DOC) - len(q) for q in QUESTIONS]
     common = min(p + block_floor(len(DOC), BS) for p in pads)
     assert cache.cached_tokens == [common - p for p in pads]
-    assert store.stats()["pinned_blocks"] == 0
+    stats = store.stats()
+    assert stats["pinned_blocks"] == 0
+    # The store counts the rows' lookups only: the document's own lookup is no prompt.
+    assert stats["requests"] == len(QUESTIONS) and stats["query_tokens"] == mask.sum().item()
+    assert stats["hit_tokens"] == sum(cache.cached_tokens)
 
 
 @pytest.mark.parametrize("family", ["llama-sdpa", "gpt2"])

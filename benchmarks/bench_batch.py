@@ -1,0 +1,98 @@
+"""Batch jobs with RadixCache: a cold batch sharing one document, and generate_many over a job.
+
+Run by hand (CPU, fp32, the bench_hf model: random Llama hidden 512, 8 layers, vocab 32k):
+
+    python -m benchmarks.bench_batch --parts cold     # 1. 16 questions x one 2,000-token document
+    python -m benchmarks.bench_batch --parts many     # 2. 400 prompts over 8 documents
+
+Every figure is a ratio against a baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+import hf_patch
+import hf_patch.patch
+from benchmarks.bench_hf import build_model, document
+from hf_patch import RadixCache
+
+
+def left_pad(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return input_ids, mask
+
+
+def time_first_token(model, input_ids, mask, cache=None) -> tuple[float, torch.Tensor]:
+    """Seconds for generate(max_new_tokens=1) on the whole batch: its time to first token."""
+    kwargs = {} if cache is None else {"past_key_values": cache}
+    t0 = time.perf_counter()
+    out = model.generate(
+        input_ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0, **kwargs
+    )
+    return time.perf_counter() - t0, out
+
+
+def part_cold(model, args) -> None:
+    rng = random.Random(5)
+    doc = document(rng, 2000)
+    rows = [doc + document(rng, rng.randrange(26, 35)) for _ in range(args.questions)]
+    input_ids, mask = left_pad(rows)
+    time_first_token(model, *left_pad([r[:64] for r in rows[:2]]))  # warm-up
+    share = hf_patch.patch.can_share
+    results = {}
+    stock_s, stock_out = time_first_token(model, input_ids, mask)
+    results["stock batched generate"] = stock_s
+    hf_patch.patch.can_share = lambda model_kwargs: False  # RadixCache as it was before in-batch sharing
+    try:
+        before_s, before_out = time_first_token(
+            model, input_ids, mask, RadixCache(store=hf_patch.build_store(model))
+        )
+    finally:
+        hf_patch.patch.can_share = share
+    results["RadixCache, no in-batch sharing"] = before_s
+    after = []
+    for _ in range(args.repeats):
+        cache = RadixCache(store=hf_patch.build_store(model))  # a cold store every time
+        seconds, after_out = time_first_token(model, input_ids, mask, cache)
+        after.append(seconds)
+    results["RadixCache, in-batch sharing"] = statistics.median(after)
+    same = torch.equal(stock_out, before_out) and torch.equal(stock_out, after_out)
+    print(
+        f"\n1. cold batch: {args.questions} questions of 26-34 tokens over one 2,000-token document, "
+        f"one generate() call, empty store (first tokens equal to stock: {same})"
+    )
+    print(f"   {'method':<34}{'TTFT s':>8}{'vs stock':>10}")
+    for name, seconds in results.items():
+        print(f"   {name:<34}{seconds:>8.2f}{stock_s / seconds:>9.1f}x")
+    print(f"   cached tokens per row after: {cache.cached_tokens[:4]} ...")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="cold,many")
+    parser.add_argument("--questions", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--docs", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=400)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    model = build_model()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model: Llama 512x8, vocab 32k, fp32")
+    parts = {"cold": part_cold}
+    for name in args.parts.split(","):
+        parts[name](model, args)
+
+
+if __name__ == "__main__":
+    main()
