@@ -32,7 +32,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from hf_patch.layer import AppendLayer
-from radixkv import KVStore, LayerSpec, Lease, PackedTokens, pack_tokens
+from radixkv import KVStore, LayerSpec, Lease, PackedTokens, pack_tokens  # noqa: F401 (doctest)
 
 logger = logging.getLogger(__name__)
 
