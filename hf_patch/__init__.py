@@ -7,9 +7,18 @@ Importing installs the generate() integration once; for any other cache it chang
 """
 
 from hf_patch.cache import RadixCache
+from hf_patch.generate_many import Generated, generate_many
 from hf_patch.model_spec import UnsupportedModelError, build_store, default_store
 from hf_patch.patch import install
 
 install()
 
-__all__ = ["RadixCache", "UnsupportedModelError", "build_store", "default_store", "install"]
+__all__ = [
+    "Generated",
+    "RadixCache",
+    "UnsupportedModelError",
+    "build_store",
+    "default_store",
+    "generate_many",
+    "install",
+]
