@@ -4,6 +4,7 @@ Run by hand (CPU, fp32, the bench_hf model: random Llama hidden 512, 8 layers, v
 
     python -m benchmarks.bench_batch --parts cold     # 1. 16 questions x one 2,000-token document
     python -m benchmarks.bench_batch --parts many     # 2. 400 prompts over 8 documents
+    python -m benchmarks.bench_batch --parts dp       # 3. the same job on 2 torchrun ranks
 
 Every figure is a ratio against a baseline measured in the same run.
 """
@@ -129,6 +130,59 @@ def part_many(model, args) -> None:
     print(f"   generate_many tokens equal to the stock loop for {same}/{len(prompts)} prompts")
 
 
+def part_dp(model, args) -> None:
+    """Two torchrun CPU processes over one batch file: prefix-affine routing vs round robin."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from demo.model import build_builtin
+
+    work = Path(tempfile.mkdtemp(prefix="bench_dp_"))
+    small, tokenizer = build_builtin("builtin")  # Llama 512x6, vocab 2048, with a tokenizer to save
+    small.save_pretrained(work / "model")
+    tokenizer.save_pretrained(work / "model")
+    rng = random.Random(7)
+    docs = [[rng.randrange(300, 2000) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
+    with open(work / "requests.jsonl", "w") as f:
+        for i in range(args.prompts):
+            prompt = docs[rng.randrange(args.docs)] + [rng.randrange(300, 2000) for _ in range(rng.randrange(15, 30))]
+            body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    print(
+        f"\n3. data parallel, 2 torchrun CPU processes (1 thread each): {args.prompts} completions = one of "
+        f"{args.docs} documents of {args.doc_tokens} tokens + a 15-29-token question, 4 new tokens, Llama 512x6"
+    )
+    outputs = {}
+    for routing in ("round-robin", "affine"):
+        out = work / f"{routing}.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+               "batchrun", "--model", str(work / "model"), "--input", str(work / "requests.jsonl"),
+               "--output", str(out), "--routing", routing, "--cpu", "--no-progress"]  # fmt: skip
+        t0 = time.perf_counter()
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        seconds = time.perf_counter() - t0
+        if res.returncode:
+            raise SystemExit(res.stdout[-2000:] + res.stderr[-3000:])
+        for line in res.stdout.splitlines():
+            if line.startswith(("rank ", "job:")):
+                print(f"   [{routing}] {line}")
+        job = re.search(r"prompt tokens (\d+), computed (\d+), hit rate ([\d.]+), wall ([\d.]+) s", res.stdout)
+        print(f"   [{routing}] torchrun wall incl. start-up {seconds:.1f} s")
+        outputs[routing] = ([json.loads(x)["response"]["body"]["choices"][0]["text"] for x in open(out)], job)
+    same = outputs["affine"][0] == outputs["round-robin"][0]
+    rr, af = outputs["round-robin"][1], outputs["affine"][1]
+    print(
+        f"   prefill tokens computed: round robin {rr[2]}, affine {af[2]} ({int(rr[2]) / int(af[2]):.2f}x fewer); "
+        f"documents alone: {args.docs * args.doc_tokens} tokens; results identical: {same}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="cold,many")
@@ -142,7 +196,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     model = build_model()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model: Llama 512x8, vocab 32k, fp32")
-    parts = {"cold": part_cold, "many": part_many}
+    parts = {"cold": part_cold, "many": part_many, "dp": part_dp}
     for name in args.parts.split(","):
         parts[name](model, args)
 
