@@ -10,6 +10,9 @@ import torch
 from hf_patch.batch_share import common_prefix_tokens, shared_prefixes
 from radixkv import pack_tokens
 from tests.hf_models import (
+    FAMILIES as FAMILIES_ALL,
+)
+from tests.hf_models import (
     assert_same_as_stock,
     block_floor,
     ids,
@@ -140,3 +143,13 @@ def test_warm_store_is_not_recomputed():
     radix = counter.forwards[len(counter.forwards) // 2 :]
     assert radix[0][0] == 3  # no one-row forward: the document was in the store already
     assert torch.equal(torch.tensor(store.stats()["pinned_blocks"]), torch.tensor(0))
+
+
+@pytest.mark.parametrize("family", FAMILIES_ALL)
+def test_every_family_shares_a_cold_prefix_and_matches_stock(family):
+    """fp32 logits within 1e-5 of stock for every supported family, with the prefix really shared."""
+    model = shared(family)
+    store = store_for(model, BS)
+    input_ids, mask = left_pad([DOC + QUESTIONS[0], DOC + QUESTIONS[1]])
+    cache, _ = assert_same_as_stock(model, input_ids, store, attention_mask=mask, pad_token_id=0)
+    assert min(cache.cached_tokens) >= block_floor(len(DOC), BS) - BS, cache.cached_tokens
