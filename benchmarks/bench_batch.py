@@ -147,16 +147,16 @@ def part_dp(model, args) -> None:
     small.save_pretrained(work / "model")
     tokenizer.save_pretrained(work / "model")
     rng = random.Random(7)
-    docs = [[rng.randrange(300, 2000) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
+    docs = [[rng.randrange(300, 750) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
     with open(work / "requests.jsonl", "w") as f:
         for i in range(args.prompts):
-            prompt = docs[rng.randrange(args.docs)] + [rng.randrange(300, 2000) for _ in range(rng.randrange(15, 30))]
+            prompt = docs[rng.randrange(args.docs)] + [rng.randrange(300, 750) for _ in range(rng.randrange(15, 30))]
             body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
             f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     print(
         f"\n3. data parallel, 2 torchrun CPU processes (1 thread each): {args.prompts} completions = one of "
-        f"{args.docs} documents of {args.doc_tokens} tokens + a 15-29-token question, 4 new tokens, Llama 512x6"
+        f"{args.docs} documents of {args.doc_tokens} tokens + a 15-29-token question, 4 new tokens, Llama 512x6 (demo builtin, vocab 754)"
     )
     outputs = {}
     for routing in ("round-robin", "affine"):

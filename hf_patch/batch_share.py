@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -149,6 +150,20 @@ def _forward_prefix(
     return scratch
 
 
+@dataclass
+class SharedPrefixes:
+    """What ``compute_shared`` did: pinned matches of the sharing rows, and who computed what.
+
+    ``computed[row]``: prompt tokens computed by the prefix forwards and attributed to ``row``,
+    the first row (by index) that starts with each computed prefix. The others got them from
+    the store; so ``cached_tokens`` reports them as cached for the others only, as a server
+    reports a prefix that a concurrent request computed first.
+    """
+
+    leases: dict[int, Lease] = field(default_factory=dict)
+    computed: dict[int, int] = field(default_factory=dict)
+
+
 @torch.no_grad()
 def compute_shared(
     model,
@@ -158,25 +173,25 @@ def compute_shared(
     epoch: int,
     rows: Sequence[PackedTokens],
     chunk_size: int | None = None,
-) -> dict[int, Lease]:
+) -> SharedPrefixes:
     """Compute and commit the prefixes that >= 2 of ``rows`` share; return pinned row matches.
 
     ``rows``: each row's real tokens (without padding); a row's last token is never reused (a
-    fully cached prompt would be fed again), so it takes no part in the sharing. Returns
-    ``{row: Lease}`` for every row that shares a prefix, acquired (matched and pinned) right
-    after its deepest prefix was committed; the caller owns and releases the leases. Side
-    effects: forwards of ``model`` on one-row scratch caches, commits to ``store``; the store's
-    counters see the rows' lookups and commits only (a prefix lookup is not a prompt).
+    fully cached prompt would be fed again), so it takes no part in the sharing. The leases
+    cover every row that shares a prefix, acquired (matched and pinned) right after its
+    deepest prefix was committed; the caller owns and releases them. Side effects: forwards of
+    ``model`` on one-row scratch caches, commits to ``store``; the store's counters see the
+    rows' lookups and commits only (a prefix lookup is not a prompt).
     """
     reusable = [row.head(row.num_tokens - 1) for row in rows]
     prefixes, deepest = shared_prefixes(reusable, store.block_size)
+    out = SharedPrefixes()
     if not prefixes:
-        return {}
+        return out
     waiting: dict[int, list[int]] = {}
     for row, p in enumerate(deepest):
         if p >= 0:
             waiting.setdefault(p, []).append(row)
-    leases: dict[int, Lease] = {}
     try:
         for p, prefix in enumerate(prefixes):
             # Not counted as a request: the rows' own lookups below are the prompts' queries and hits.
@@ -187,12 +202,12 @@ def compute_shared(
                         prefix, [layer.keys for layer in scratch.layers],
                         [layer.values for layer in scratch.layers], namespace, epoch=epoch,
                     )  # fmt: skip
-                    logger.debug("in-batch prefix: computed %d tokens once for %d rows",
-                                 prefix.num_tokens - lease.num_tokens, len(waiting.get(p, ())))  # fmt: skip
+                    owner = next(i for i, row in enumerate(reusable) if row.startswith(prefix))
+                    out.computed[owner] = out.computed.get(owner, 0) + prefix.num_tokens - lease.num_tokens
             for row in waiting.get(p, ()):
-                leases[row] = store.acquire(rows[row], namespace, max_tokens=rows[row].num_tokens - 1)
+                out.leases[row] = store.acquire(rows[row], namespace, max_tokens=rows[row].num_tokens - 1)
     except BaseException:
-        for lease in leases.values():
+        for lease in out.leases.values():
             lease.release()
         raise
-    return leases
+    return out

@@ -85,7 +85,7 @@ class Request:
         ``prompt_only``: commit only the prompt afterwards (beam search: the cache rows are
         reordered running beams, not the returned sequences). ``reuse=False``: prepare the
         buffers and the commit, read nothing from the store. ``share``: None, or a callable
-        ``share(rows) -> {row: Lease}`` that computes and commits the prefixes rows share and
+        ``share(rows) -> SharedPrefixes`` that computes and commits the prefixes rows share and
         returns their pinned matches (``batch_share.compute_shared`` bound to the model).
         """
         self.eos_token_ids = eos_token_ids
@@ -109,7 +109,10 @@ class Request:
         try:
             ns = self.namespace
             reals = [pack_tokens(row[pad:].numpy()) for row, pad in zip(rows, self.pads)]
-            shared = share(reals) if share is not None and batch > 1 else {}
+            computed: dict[int, int] = {}
+            if share is not None and batch > 1:
+                result = share(reals)
+                shared, computed = result.leases, result.computed
             for i, real in enumerate(reals):
                 lease = shared.pop(i, None)
                 if lease is None:
@@ -119,6 +122,9 @@ class Request:
             common = min(pad + lease.num_tokens for pad, lease in zip(self.pads, self.leases))
             if common > 0:
                 self._copy_prefix(common)
+            cached = self.cache.cached_tokens
+            for i, tokens in computed.items():  # this row computed them (for all): not cached for it
+                cached[i] = max(0, cached[i] - tokens)
         finally:
             self.release()  # the copy is done: blocks need not stay pinned through decode
             for lease in shared.values():  # left over only when an acquire above raised

@@ -52,10 +52,11 @@ def test_token_prompts_equal_stock_generate_one_by_one(family):
         assert result.token_ids == stock_new_tokens(model, prompt, max_new_tokens=6), prompt
         assert result.finish_reason == ("length" if len(result.token_ids) == 6 else "stop")
         assert result.text is None
-    # No prompt over a document computes it again: each computes at most its question (3-9
-    # tokens), the block the document ends in, and the padding up to its batch's longest question.
-    for prompt, result in zip(prompts[:12], results):
-        assert len(prompt) - result.cached_tokens <= 9 + 1 + BS, [r.cached_tokens for r in results]
+    # One prompt per document computes it; the others compute at most their question (3-9
+    # tokens), the block the document ends in, and the padding up to their batch's longest question.
+    for d in range(3):
+        computed = [len(p) - r.cached_tokens for p, r in zip(prompts[d:12:3], results[d:12:3])]
+        assert sorted(computed)[-2] <= 9 + 1 + BS, computed
     stats = store.stats()
     assert stats["pinned_blocks"] == 0 and stats["hit_rate"] > 0.6
     store.check_invariants()

@@ -77,12 +77,15 @@ def test_cold_left_padded_batch_computes_the_document_once(family):
     assert radix[1][0] == len(QUESTIONS) and radix[1][1] < width - block_floor(len(DOC), BS) + BS
     pads = [width - len(DOC) - len(q) for q in QUESTIONS]
     common = min(p + block_floor(len(DOC), BS) for p in pads)
-    assert cache.cached_tokens == [common - p for p in pads]
+    preloaded = [common - p for p in pads]
+    # Row 0 computed the document (for every row): not cached for it; cached for the others.
+    assert cache.cached_tokens == [max(0, preloaded[0] - block_floor(len(DOC), BS))] + preloaded[1:]
     stats = store.stats()
     assert stats["pinned_blocks"] == 0
-    # The store counts the rows' lookups only: the document's own lookup is no prompt.
+    # The store counts the rows' lookups only (the document's own lookup is no prompt), and every
+    # token it served into the rows as a hit.
     assert stats["requests"] == len(QUESTIONS) and stats["query_tokens"] == mask.sum().item()
-    assert stats["hit_tokens"] == sum(cache.cached_tokens)
+    assert stats["hit_tokens"] == sum(preloaded)
 
 
 @pytest.mark.parametrize("family", ["llama-sdpa", "gpt2"])
@@ -93,7 +96,8 @@ def test_two_groups_and_an_identical_pair_in_one_batch(family):
     rows.append(rows[1])  # an identical row shares its whole reusable length
     input_ids, mask = left_pad(rows)
     cache, _ = assert_same_as_stock(model, input_ids, store, attention_mask=mask, pad_token_id=0)
-    assert all(c >= block_floor(len(OTHER_DOC), BS) - BS for c in cache.cached_tokens), cache.cached_tokens
+    # Rows 0 and 1 computed the two documents; the others reused them.
+    assert all(c >= block_floor(len(OTHER_DOC), BS) - BS for c in cache.cached_tokens[2:]), cache.cached_tokens
 
 
 @pytest.mark.parametrize(
@@ -110,7 +114,7 @@ def test_expansion_and_chunked_prefill_on_a_cold_store(mode):
     store = store_for(model, BS)
     input_ids, mask = left_pad([DOC + QUESTIONS[0], DOC + QUESTIONS[1]])
     cache, out = assert_same_as_stock(model, input_ids, store, attention_mask=mask, pad_token_id=0, **mode)
-    assert min(cache.cached_tokens) >= block_floor(len(DOC), BS) - BS
+    assert min(cache.cached_tokens[-1:]) >= block_floor(len(DOC), BS) - BS  # the 2nd prompt reused it
     assert len(cache.cached_tokens) == out.sequences.shape[0]
 
 
@@ -122,7 +126,7 @@ def test_single_prompt_with_num_return_sequences_is_prefilled_once():
         cache, _ = assert_same_as_stock(model, ids(prompt), store, do_sample=True, seed=5, num_return_sequences=3)
     radix = counter.forwards[len(counter.forwards) // 2 :]
     assert radix[0] == (1, block_floor(len(prompt) - 1, BS)) and radix[1] == (3, len(prompt) % BS or BS)
-    assert cache.cached_tokens == [block_floor(len(prompt) - 1, BS)] * 3
+    assert cache.cached_tokens == [0] * 3  # the prompt computed its prefix itself (once, for 3 rows)
 
 
 def test_store_too_small_for_the_shared_prefix_still_generates_correctly():
@@ -152,4 +156,4 @@ def test_every_family_shares_a_cold_prefix_and_matches_stock(family):
     store = store_for(model, BS)
     input_ids, mask = left_pad([DOC + QUESTIONS[0], DOC + QUESTIONS[1]])
     cache, _ = assert_same_as_stock(model, input_ids, store, attention_mask=mask, pad_token_id=0)
-    assert min(cache.cached_tokens) >= block_floor(len(DOC), BS) - BS, cache.cached_tokens
+    assert cache.cached_tokens[0] == 0 and cache.cached_tokens[1] >= block_floor(len(DOC), BS) - BS
