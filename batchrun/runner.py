@@ -173,7 +173,7 @@ def run(argv: list[str] | None = None) -> int:
     parts_dir(output).mkdir(parents=True, exist_ok=True)
     part = parts_dir(output) / f"rank{rank}.jsonl"
     stats = serve(model, tokenizer, [todo[i] for i in mine], store, part, args, Path(args.model).name)
-    stats.update(rank=rank, seconds=round(time.perf_counter() - started, 2), hit_rate=store.stats()["hit_rate"])
+    stats.update(rank=rank, seconds=round(time.perf_counter() - started, 2))
     state.wait_for_everyone()
     gathered = [stats]
     if world > 1:
@@ -191,7 +191,8 @@ def _report(gathered, requests, done, routing, world, seconds, missing) -> None:
     for s in gathered:
         print(
             f"rank {s['rank']}: {s['requests']} requests, prompt tokens {s['prompt_tokens']}, "
-            f"computed {s['prompt_tokens'] - s['cached_tokens']}, hit rate {s['hit_rate']:.3f}, {s['seconds']:.1f} s",
+            f"computed {s['prompt_tokens'] - s['cached_tokens']}, "
+            f"hit rate {s['cached_tokens'] / max(s['prompt_tokens'], 1):.3f}, {s['seconds']:.1f} s",
             flush=True,
         )
     prompt = sum(s["prompt_tokens"] for s in gathered)
