@@ -89,3 +89,23 @@ def test_bad_input_file_lines(tmp_path):
     assert "method must be POST" in errors[0] and "custom_id must be a non-empty string" in errors[1]
     assert "not a JSON object" in errors[2] and "temperature must be a number in [0.0, 2.0]" in errors[3]
     assert "non-empty 'messages'" in errors[4]
+
+
+def test_merge_after_a_failed_rank_keeps_what_the_others_finished(tmp_path):
+    """Rank 1 died before writing: rank 0's results and the error lines are merged in input order,
+    the parts stay for the rerun, and the missing requests are counted."""
+    from batchrun.runner import finished, merge, parts_dir, read_requests
+
+    path = tmp_path / "in.jsonl"
+    lines = [{"custom_id": f"r{i}", "url": "/v1/completions", "body": {"prompt": "x"}} for i in range(4)]
+    path.write_text("\n".join([json.dumps(x) for x in lines] + ["{broken"]))
+    requests = read_requests(path)
+    output = tmp_path / "out.jsonl"
+    parts_dir(output).mkdir()
+    served = [{"id": f"i{i}", "custom_id": f"r{i}", "response": {"status_code": 200}, "error": None} for i in (2, 0)]
+    (parts_dir(output) / "rank0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in served) + '{"cut sh')
+    assert merge(requests, output) == 2
+    merged = [json.loads(x) for x in output.read_text().splitlines()]
+    assert [m["custom_id"] for m in merged] == ["r0", "r2", None] and "not JSON" in merged[-1]["error"]
+    assert (parts_dir(output) / "rank0.jsonl").exists()  # kept until the job is complete
+    assert set(finished(output)) == {"r0", "r2"}  # what a rerun skips
