@@ -192,7 +192,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=400)
     parser.add_argument("--doc-tokens", type=int, default=500)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: a second thread spin-waits badly on a busy 2-core machine)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     model = build_model()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model: Llama 512x8, vocab 32k, fp32")
