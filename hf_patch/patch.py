@@ -2,7 +2,8 @@
 
 - ``GenerationMixin._prefill`` is the last stop before the first forward and the first place
   that sees the final ``input_ids`` (after beam / num_return_sequences expansion) and the
-  full 2-D attention mask: match and preload there.
+  full 2-D attention mask: compute once the prefixes rows of the batch share
+  (``batch_share``), then match and preload there.
 - ``GenerationMixin.generate``: bind the store, then after generation commit the finished
   sequences, and in ``finally`` release every pin (exceptions, KeyboardInterrupt, a streamer
   consumer that raises).
