@@ -89,8 +89,12 @@ def _check_body(kind: str, body: dict) -> str | None:
     return None
 
 
-def encode(request: BatchRequest, tokenizer, default_max_tokens: int) -> None:
-    """Fill ``prompt_ids`` and ``generate_kwargs`` (or ``error``) from the body."""
+def encode(request: BatchRequest, tokenizer, default_max_tokens: int, context: int | None = None) -> None:
+    """Fill ``prompt_ids`` and ``generate_kwargs`` (or ``error``) from the body.
+
+    ``context``: the model's longest sequence; a prompt + ``max_tokens`` beyond it is an error (as
+    in the OpenAI API), and the default ``max_tokens`` is shortened to fit.
+    """
     body = request.body
     try:
         if request.kind == "chat":
@@ -108,9 +112,19 @@ def encode(request: BatchRequest, tokenizer, default_max_tokens: int) -> None:
     if not ids:
         request.error = "the prompt is empty"
         return
+    asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    new_tokens = asked or default_max_tokens
+    if context is not None:
+        if len(ids) >= context or (asked and len(ids) + asked > context):
+            request.error = (
+                f"the prompt has {len(ids)} tokens and asks for {asked or 1} more; "
+                f"the model's context is {context} tokens"
+            )
+            return
+        new_tokens = min(new_tokens, context - len(ids))
     request.prompt_ids = list(ids)
     temperature = body.get("temperature", 1.0)  # OpenAI's default: sampling
-    kwargs = {"max_new_tokens": body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens}
+    kwargs = {"max_new_tokens": new_tokens}
     if temperature == 0:
         kwargs["do_sample"] = False
     else:
@@ -122,12 +136,13 @@ def _request_id(custom_id: str | None, index: int) -> str:
     return "batch-" + hashlib.sha256(f"{index}:{custom_id}".encode()).hexdigest()[:24]
 
 
-def error_line(request: BatchRequest) -> dict:
+def error_line(request: BatchRequest, status_code: int = 400) -> dict:
+    """The output line of a request that was not served (``status_code`` 500: generation failed)."""
     rid = _request_id(request.custom_id, request.index)
     return {
         "id": rid,
         "custom_id": request.custom_id,
-        "response": {"status_code": 400, "request_id": rid, "body": None},
+        "response": {"status_code": status_code, "request_id": rid, "body": None},
         "error": request.error,
     }
 

@@ -11,6 +11,7 @@ removes the parts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -68,12 +69,13 @@ def parts_dir(output: Path) -> Path:
     return output.with_name(output.name + ".parts")
 
 
-def finished(output: Path) -> dict[str, dict]:
-    """Served (status 200) result lines of earlier runs, by custom_id: merged output and parts."""
+def finished(output: Path, served_only: bool = True) -> dict[str, dict]:
+    """Result lines of earlier runs by custom_id, from the merged output and the parts: the
+    served ones (status 200), plus with ``served_only=False`` failed ones that nothing served."""
     files = [output] if output.exists() else []
     if parts_dir(output).is_dir():
         files += sorted(parts_dir(output).glob("rank*.jsonl"))
-    done = {}
+    done, failed = {}, {}
     for path in files:
         with open(path, encoding="utf-8") as f:
             for line in f:
@@ -81,9 +83,13 @@ def finished(output: Path) -> dict[str, dict]:
                     result = json.loads(line)
                 except json.JSONDecodeError:  # a line cut short by a killed rank: served again
                     continue
-                if isinstance(result, dict) and result.get("error") is None and result.get("custom_id"):
+                if not isinstance(result, dict) or not isinstance(result.get("custom_id"), str):
+                    continue
+                if result.get("error") is None:
                     done[result["custom_id"]] = result
-    return done
+                elif not served_only and result["custom_id"] not in done:
+                    failed[result["custom_id"]] = result
+    return {**failed, **done}
 
 
 def _load(args, device):
@@ -95,22 +101,35 @@ def _load(args, device):
     return model.to(device).eval(), tokenizer
 
 
+def context_length(model) -> int | None:
+    n = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
 def serve(model, tokenizer, requests: list[BatchRequest], store, part: Path, args, model_name: str) -> dict:
     """Generate ``requests`` (already in prefix order) chunk by chunk, appending result lines to ``part``."""
     stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
     with open(part, "a", encoding="utf-8") as out:
         for start in range(0, len(requests), args.chunk):
             chunk = requests[start : start + args.chunk]
-            results = hf_patch.generate_many(
-                model,
-                [r.prompt_ids for r in chunk],
-                tokenizer=tokenizer,
-                store=store,
-                per_prompt_kwargs=[r.generate_kwargs for r in chunk],
-                max_batch_tokens=args.max_batch_tokens,
-                max_batch_size=args.max_batch_size,
-                progress=not args.no_progress,
-            )
+            try:
+                results = hf_patch.generate_many(
+                    model,
+                    [r.prompt_ids for r in chunk],
+                    tokenizer=tokenizer,
+                    store=store,
+                    per_prompt_kwargs=[r.generate_kwargs for r in chunk],
+                    max_batch_tokens=args.max_batch_tokens,
+                    max_batch_size=args.max_batch_size,
+                    progress=not args.no_progress,
+                )
+            except Exception as exc:  # e.g. out of memory: these requests fail, the others go on
+                logger.exception("generation failed for %d requests", len(chunk))
+                for request in chunk:
+                    failed = dataclasses.replace(request, error=f"generation failed: {type(exc).__name__}: {exc}")
+                    out.write(json.dumps(error_line(failed, status_code=500)) + "\n")
+                out.flush()
+                continue
             for request, result in zip(chunk, results):
                 line = result_line(request, model_name, result.text, result.finish_reason,
                                    len(result.token_ids), result.cached_tokens)  # fmt: skip
@@ -126,14 +145,14 @@ def serve(model, tokenizer, requests: list[BatchRequest], store, part: Path, arg
 def merge(requests: list[BatchRequest], output: Path) -> int:
     """Write ``output`` in input order from earlier results, part files and error lines; returns
     the number of requests still without a result (a rank failed: rerun to finish them)."""
-    done = finished(output)
+    done = finished(output, served_only=False)
     missing = 0
     tmp = output.with_name(output.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for request in requests:
             if request.error is not None:
                 line = error_line(request)
-            elif request.custom_id in done:
+            elif request.custom_id in done:  # served, or failed in generation (a rerun retries it)
                 line = done[request.custom_id]
             else:
                 missing += 1
@@ -161,7 +180,7 @@ def run(argv: list[str] | None = None) -> int:
     state.wait_for_everyone()
     for request in requests:
         if request.error is None and request.custom_id not in done:
-            encode(request, tokenizer, args.default_max_tokens)
+            encode(request, tokenizer, args.default_max_tokens, context_length(model))
     todo = [r for r in requests if r.error is None and r.custom_id not in done]
     packed = [pack_tokens(r.prompt_ids) for r in todo]
     store = hf_patch.build_store(model, budget_tokens=args.cache_tokens)

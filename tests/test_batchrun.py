@@ -109,3 +109,46 @@ def test_merge_after_a_failed_rank_keeps_what_the_others_finished(tmp_path):
     assert [m["custom_id"] for m in merged] == ["r0", "r2", None] and "not JSON" in merged[-1]["error"]
     assert (parts_dir(output) / "rank0.jsonl").exists()  # kept until the job is complete
     assert set(finished(output)) == {"r0", "r2"}  # what a rerun skips
+
+
+def test_a_failed_generation_becomes_error_lines_and_a_rerun_serves_them(job, tmp_path, monkeypatch, capsys):
+    import batchrun.runner
+
+    directory, model_dir, raw, answers = job
+    output = tmp_path / "results.jsonl"
+    argv = ["--model", str(model_dir), "--input", str(directory / "requests.jsonl"), "--output", str(output),
+            "--no-progress", "--cpu", "--chunk", "4"]  # fmt: skip
+    calls = []
+
+    def second_chunk_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (simulated)")
+        return original(*args, **kwargs)
+
+    original = batchrun.runner.hf_patch.generate_many
+    monkeypatch.setattr(batchrun.runner.hf_patch, "generate_many", second_chunk_fails)
+    assert run(argv) == 0
+    results = [json.loads(x) for x in output.read_text().splitlines()]
+    failed = [r for r in results if r["response"]["status_code"] == 500]
+    assert len(failed) == 4 and all("RuntimeError: out of memory (simulated)" in r["error"] for r in failed)
+    assert "missing 0" in capsys.readouterr().out
+    monkeypatch.setattr(batchrun.runner.hf_patch, "generate_many", original)
+    assert run(argv) == 0
+    assert "skipped (done before) 8" in capsys.readouterr().out  # the 4 failed ones are served now
+    check_results(output, raw, answers)
+
+
+def test_a_prompt_longer_than_the_context_is_an_error_line():
+    from batchrun.openai_batch import BatchRequest, encode
+
+    class Vocab:
+        def __len__(self):
+            return 100
+
+    too_long = BatchRequest(0, "a", "completion", {"prompt": [5] * 30, "max_tokens": 5})
+    encode(too_long, Vocab(), default_max_tokens=256, context=32)
+    assert too_long.error == "the prompt has 30 tokens and asks for 5 more; the model's context is 32 tokens"
+    fits = BatchRequest(1, "b", "completion", {"prompt": [5] * 30})
+    encode(fits, Vocab(), default_max_tokens=256, context=32)
+    assert fits.error is None and fits.generate_kwargs["max_new_tokens"] == 2  # the default, shortened
