@@ -176,6 +176,10 @@ def compute_shared(
 ) -> SharedPrefixes:
     """Compute and commit the prefixes that >= 2 of ``rows`` share; return pinned row matches.
 
+    When some prefix is shared, every row that shares none gets its own whole-block prefix
+    computed alone too, so no uncached row widens the batch's first forward. A batch whose rows
+    share nothing is left to generate() as it is.
+
     ``rows``: each row's real tokens (without padding); a row's last token is never reused (a
     fully cached prompt would be fed again), so it takes no part in the sharing. The leases
     cover every row that shares a prefix, acquired (matched and pinned) right after its
@@ -188,6 +192,14 @@ def compute_shared(
     out = SharedPrefixes()
     if not prefixes:
         return out
+    bs = store.block_size
+    for row, p in enumerate(deepest):
+        if p < 0 and reusable[row].num_tokens >= bs:
+            # A row that shares nothing would, if uncached, make every row's first forward as
+            # wide as its whole prompt (the batch preloads one common column count). Its own
+            # prefix computed alone costs what the batch would spend on that row anyway.
+            deepest[row] = len(prefixes)
+            prefixes.append(reusable[row].head(reusable[row].num_tokens // bs * bs))
     waiting: dict[int, list[int]] = {}
     for row, p in enumerate(deepest):
         if p >= 0:

@@ -28,6 +28,8 @@ DOC = tokens(41, seed=70)
 OTHER_DOC = tokens(29, seed=71)
 QUESTIONS = [tokens(n, seed=72 + n) for n in (5, 9, 3, 7)]
 FAMILIES = ["llama-sdpa", "qwen2-sliding", "gpt2", "gemma2-sliding"]
+# assert_same_as_stock runs stock generate() first: one prefill + 5 decode steps (6 new tokens).
+STOCK_FORWARDS = 6
 
 
 class TokenCounter:
@@ -69,8 +71,7 @@ def test_cold_left_padded_batch_computes_the_document_once(family):
     input_ids, mask = left_pad([DOC + q for q in QUESTIONS])
     with TokenCounter(model) as counter:
         cache, _ = assert_same_as_stock(model, input_ids, store, attention_mask=mask, pad_token_id=0)
-    # The reference ran first: its forwards are the first ones (one prefill + decode steps).
-    radix = counter.forwards[len(counter.forwards) // 2 :]
+    radix = counter.forwards[STOCK_FORWARDS:]
     width = input_ids.shape[1]
     assert radix[0] == (1, block_floor(len(DOC), BS))  # the shared document, once
     # The batch prefill then only covers what is left after the longest common preload.
@@ -124,7 +125,7 @@ def test_single_prompt_with_num_return_sequences_is_prefilled_once():
     prompt = DOC + QUESTIONS[0]
     with TokenCounter(model) as counter:
         cache, _ = assert_same_as_stock(model, ids(prompt), store, do_sample=True, seed=5, num_return_sequences=3)
-    radix = counter.forwards[len(counter.forwards) // 2 :]
+    radix = counter.forwards[STOCK_FORWARDS:]
     assert radix[0] == (1, block_floor(len(prompt) - 1, BS)) and radix[1] == (3, len(prompt) % BS or BS)
     assert cache.cached_tokens == [0] * 3  # the prompt computed its prefix itself (once, for 3 rows)
 
@@ -144,7 +145,7 @@ def test_warm_store_is_not_recomputed():
     input_ids, mask = left_pad([DOC + q for q in QUESTIONS[:3]])
     with TokenCounter(model) as counter:
         assert_same_as_stock(model, input_ids, store, attention_mask=mask, pad_token_id=0)
-    radix = counter.forwards[len(counter.forwards) // 2 :]
+    radix = counter.forwards[STOCK_FORWARDS:]
     assert radix[0][0] == 3  # no one-row forward: the document was in the store already
     assert torch.equal(torch.tensor(store.stats()["pinned_blocks"]), torch.tensor(0))
 
@@ -157,3 +158,18 @@ def test_every_family_shares_a_cold_prefix_and_matches_stock(family):
     input_ids, mask = left_pad([DOC + QUESTIONS[0], DOC + QUESTIONS[1]])
     cache, _ = assert_same_as_stock(model, input_ids, store, attention_mask=mask, pad_token_id=0)
     assert cache.cached_tokens[0] == 0 and cache.cached_tokens[1] >= block_floor(len(DOC), BS) - BS
+
+
+def test_a_row_that_shares_nothing_does_not_widen_the_batch():
+    """Without its own prefix computed alone, the unrelated row (uncached) would make the batch's
+    first forward as wide as its whole prompt, for every row."""
+    model = shared("llama-sdpa")
+    store = store_for(model, BS)
+    loner = tokens(30, seed=130)
+    input_ids, mask = left_pad([DOC + QUESTIONS[0], loner, DOC + QUESTIONS[1]])
+    with TokenCounter(model) as counter:
+        cache, _ = assert_same_as_stock(model, input_ids, store, attention_mask=mask, pad_token_id=0)
+    radix = counter.forwards[STOCK_FORWARDS:]
+    assert radix[:2] == [(1, block_floor(len(DOC), BS)), (1, block_floor(len(loner) - 1, BS))]
+    assert radix[2][0] == 3 and radix[2][1] <= max(map(len, QUESTIONS)) + 2 * BS
+    assert cache.cached_tokens[1] == 0 and cache.cached_tokens[2] >= block_floor(len(DOC), BS) - BS
