@@ -7,6 +7,7 @@ Importing installs the generate() integration once; for any other cache it chang
 """
 
 from hf_patch.cache import RadixCache
+from hf_patch.generate_many import Generated, generate_many
 from hf_patch.model_spec import UnsupportedModelError, build_store, default_store
 from hf_patch.patch import install
 from hf_patch.persistence import model_identity, restore_cache, save_cache
@@ -15,10 +16,12 @@ from hf_patch.task_prompts import pin_prompts, unpin_prompts
 install()
 
 __all__ = [
+    "Generated",
     "RadixCache",
     "UnsupportedModelError",
     "build_store",
     "default_store",
+    "generate_many",
     "install",
     "model_identity",
     "restore_cache",

@@ -2,7 +2,8 @@
 
 - ``GenerationMixin._prefill`` is the last stop before the first forward and the first place
   that sees the final ``input_ids`` (after beam / num_return_sequences expansion) and the
-  full 2-D attention mask: match and preload there.
+  full 2-D attention mask: compute once the prefixes rows of the batch share
+  (``batch_share``), then match and preload there.
 - ``GenerationMixin.generate``: bind the store, then after generation commit the finished
   sequences, and in ``finally`` release every pin (exceptions, KeyboardInterrupt, a streamer
   consumer that raises).
@@ -22,6 +23,7 @@ import threading
 import torch
 from transformers.generation.utils import GenerationMixin
 
+from hf_patch.batch_share import can_share, compute_shared
 from hf_patch.cache import RadixCache
 from hf_patch.model_spec import check_store_fits, default_store, layer_specs
 from hf_patch.request import Request
@@ -143,6 +145,13 @@ def _wrap_prefill(original):
                 raise ValueError(
                     "RadixCache needs use_cache=True (the generation config sets use_cache=False)"
                 )
+            reuse = not (generation_config.output_hidden_states or generation_config.output_attentions)
+            share = None
+            if reuse and can_share(model_kwargs):
+                share = functools.partial(
+                    compute_shared, self, request.store, request.specs, request.namespace, request.epoch,
+                    chunk_size=generation_config.prefill_chunk_size,
+                )  # fmt: skip
             request.preload(
                 input_ids,
                 model_kwargs.get("attention_mask"),
@@ -151,10 +160,11 @@ def _wrap_prefill(original):
                 prompt_only=(generation_config.num_beams or 1) > 1,
                 # Per-token outputs of the prompt must cover every prompt token, as in stock
                 # generate(): compute the whole prompt then (and still commit it).
-                reuse=not (generation_config.output_hidden_states or generation_config.output_attentions),
+                reuse=reuse,
                 rows_per_prompt=max(
                     generation_config.num_beams or 1, generation_config.num_return_sequences or 1
                 ),
+                share=share,
             )
         return original(self, input_ids, generation_config, model_kwargs, is_first_iteration, *args, **kwargs)
 

@@ -78,12 +78,15 @@ class Request:
         prompt_only: bool,
         reuse: bool = True,
         rows_per_prompt: int = 1,
+        share=None,
     ) -> None:
         """Match every row, copy the common reusable prefix into fresh layer buffers.
 
         ``prompt_only``: commit only the prompt afterwards (beam search: the cache rows are
         reordered running beams, not the returned sequences). ``reuse=False``: prepare the
-        buffers and the commit, read nothing from the store.
+        buffers and the commit, read nothing from the store. ``share``: None, or a callable
+        ``share(rows) -> SharedPrefixes`` that computes and commits the prefixes rows share and
+        returns their pinned matches (``batch_share.compute_shared`` bound to the model).
         """
         self.eos_token_ids = eos_token_ids
         self.prompt_only = prompt_only
@@ -102,17 +105,30 @@ class Request:
         rows = self.prompt_ids = input_ids.to("cpu", torch.int64)
         if not reuse:
             return
+        shared: dict[int, Lease] = {}
         try:
             ns = self.namespace
-            for row, pad in zip(rows, self.pads):
-                real = pack_tokens(row[pad:].numpy())
-                # Leave at least one token to compute: a fully cached prompt would be fed again.
-                self.leases.append(self.store.acquire(real, ns, max_tokens=real.num_tokens - 1))
+            reals = [pack_tokens(row[pad:].numpy()) for row, pad in zip(rows, self.pads)]
+            computed: dict[int, int] = {}
+            if share is not None and batch > 1:
+                result = share(reals)
+                shared, computed = result.leases, result.computed
+            for i, real in enumerate(reals):
+                lease = shared.pop(i, None)
+                if lease is None:
+                    # Leave at least one token to compute: a fully cached prompt would be fed again.
+                    lease = self.store.acquire(real, ns, max_tokens=real.num_tokens - 1)
+                self.leases.append(lease)
             common = min(pad + lease.num_tokens for pad, lease in zip(self.pads, self.leases))
             if common > 0:
                 self._copy_prefix(common)
+            cached = self.cache.cached_tokens
+            for i, tokens in computed.items():  # this row computed them (for all): not cached for it
+                cached[i] = max(0, cached[i] - tokens)
         finally:
             self.release()  # the copy is done: blocks need not stay pinned through decode
+            for lease in shared.values():  # left over only when an acquire above raised
+                lease.release()
 
     def _copy_prefix(self, common: int) -> None:
         layers = self.cache.layers

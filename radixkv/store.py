@@ -71,10 +71,13 @@ class KVStore:
         tokens: Tokens,
         namespace: Hashable = None,
         max_tokens: int | None = None,
+        *,
+        count: bool = True,
     ) -> Lease:
         """Match the longest cached whole-block prefix of ``tokens[:max_tokens]`` and pin it.
 
-        Counts all of ``tokens`` as query tokens. O(len(tokens)) to pack them (outside the
+        Counts all of ``tokens`` as query tokens (``count=False``: not a request; nothing
+        counted). O(len(tokens)) to pack them (outside the
         lock; nothing for PackedTokens) plus the tree's match.
         """
         query = pack_tokens(tokens if max_tokens is None else head_of(tokens, max_tokens))
@@ -82,8 +85,9 @@ class KVStore:
             tree = self.tree
             match = tree.match(query, namespace)
             tree.pin(match.node)
-            self.counters.requests += 1
-            self.counters.query_tokens += num_tokens_of(tokens)
+            if count:  # False: a lookup that is no prompt (hf_patch's in-batch prefix sharing)
+                self.counters.requests += 1
+                self.counters.query_tokens += num_tokens_of(tokens)
             return Lease(self, tree, match, self.epoch, namespace, self._host_blocks(match))
 
     def read(
@@ -92,6 +96,8 @@ class KVStore:
         num_tokens: int,
         k_out: Sequence[torch.Tensor],
         v_out: Sequence[torch.Tensor],
+        *,
+        count: bool = True,
     ) -> None:
         """Copy the first ``num_tokens`` cached tokens of each lease (one output row each).
 
@@ -117,9 +123,10 @@ class KVStore:
             ids = torch.tensor([list(lease.block_ids[:nb]) for lease in leases], dtype=torch.int64)
             self.pool.gather(ids, num_tokens, k_out, v_out)
         with self._lock:
-            self.counters.hit_tokens += num_tokens * len(leases)
-            self.counters.host_hit_tokens += host_tokens
-            self.counters.bytes_from_host += host_tokens * self.pool.bytes_per_token
+            if count:  # False: hf_patch's in-batch sharing reading a prefix, no request's hit
+                self.counters.hit_tokens += num_tokens * len(leases)
+                self.counters.host_hit_tokens += host_tokens
+            self.counters.bytes_from_host += host_tokens * self.pool.bytes_per_token  # moved either way
 
     # -- insertion ------------------------------------------------------------------------
     def commit(

@@ -313,5 +313,7 @@ def test_cached_tokens_follow_the_returned_sequences_under_beam_search(num_retur
         output_scores=True,
     )
     assert out.sequences.shape[0] == 2 * num_return_sequences
-    # Common column 21 (the short row's padding): the long row reused 21 tokens, the short none.
-    assert cache.cached_tokens == [0] * num_return_sequences + [21] * num_return_sequences
+    # The short prompt's 3 beam rows share its 16 reusable tokens (computed once in the batch), so
+    # the common column is 37 = min(21 + 16, 0 + 40): the long row reused 37 tokens; the short
+    # prompt computed its 16 itself (once for its beams), so none were cached for it.
+    assert cache.cached_tokens == [0] * num_return_sequences + [37] * num_return_sequences

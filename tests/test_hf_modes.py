@@ -102,7 +102,9 @@ def test_left_padded_batch_with_expansion(family, mode):
     )
     # One entry per returned sequence (2 per prompt), not per beam: entry i describes sequences[i].
     per_row = mode["num_return_sequences"]
-    assert cache.cached_tokens == [26] * per_row + [20] * per_row  # common column 26 = min(0 + 36, 6 + 20)
+    # The second prompt's copies share its 28 reusable tokens: 8 computed once in the batch (20 were
+    # cached), so the common column is 34 = min(0 + 36, 6 + 28); the prompt itself computed those 8.
+    assert cache.cached_tokens == [34] * per_row + [20] * per_row
 
 
 def test_left_padded_batch_with_mask_inferred_from_pad_token():

@@ -1,8 +1,9 @@
-"""examples/multi_gpu.py under torchrun with two CPU processes: each rank serves its own
-documents from its own store, reuses them, and matches stock generate() (--check)."""
+"""batchrun under torchrun with two CPU processes (gloo): the merged result file is complete, in
+input order, equal line by line to stock generate(); each system prompt is served by one rank."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -11,22 +12,29 @@ from pathlib import Path
 
 import pytest
 
+from tests.batch_job import check_results, save_tiny_model, stock_answers, write_requests
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_two_processes_each_reuse_their_documents():
+def test_two_ranks_route_by_prefix_and_match_stock(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "model")
+    raw = write_requests(tmp_path / "requests.jsonl", questions_per_system=6)
+    output = tmp_path / "results.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "examples/multi_gpu.py"), "--check", "--docs", "4", "--questions", "3"]  # fmt: skip
+           "-m", "batchrun", "--model", str(model_dir), "--input", str(tmp_path / "requests.jsonl"),
+           "--output", str(output), "--cpu", "--no-progress"]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    lines = re.findall(
-        r"rank (\d)/2 on cpu[:\d]*: (\d+) requests, cached tokens per request \[([\d, ]*)\]", res.stdout
-    )
-    assert sorted(rank for rank, _, _ in lines) == ["0", "1"], res.stdout
-    for _, count, cached in lines:
-        per_request = [int(x) for x in cached.split(",")]
-        assert int(count) == 6 == len(per_request)  # 2 documents x 3 questions per rank
-        # Each document: the first question misses, the next two reuse its 300-token prefix.
-        assert per_request[0::3] == [0, 0] and all(c >= 288 for i, c in enumerate(per_request) if i % 3)
+    results = check_results(output, raw, stock_answers(model_dir, raw))
+    served = [int(count) for _, count in re.findall(r"rank (\d): (\d+) requests", res.stdout)]
+    assert len(served) == 2 and all(n > 0 for n in served) and sum(served) == 14, res.stdout
+    assert "missing 0" in res.stdout
+    # Prefix-affine: all chats over one system prompt went to one rank, so that rank computed the
+    # system prompt once and its other 5 chats reused it.
+    for s in (0, 1):
+        usage = [r["response"]["body"]["usage"] for r in results
+                 if r["error"] is None and r["custom_id"].startswith(f"chat-{s}-")]  # fmt: skip
+        assert sum(u["prompt_tokens_details"]["cached_tokens"] > 0 for u in usage) >= 5, json.dumps(usage)

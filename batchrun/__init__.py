@@ -1,0 +1,10 @@
+"""batchrun: OpenAI batch files through stock generate() with prefix reuse, data parallel.
+
+    python -m batchrun --model DIR --input requests.jsonl --output results.jsonl
+    torchrun --nproc_per_node 2 -m batchrun --model DIR --input ... --output ...
+    accelerate launch -m batchrun --model DIR --input ... --output ...
+
+An application on top of hf_patch (like demo/): it imports hf_patch and radixkv, nothing
+imports it. Modules: ``openai_batch`` (the file format), ``routing`` (which rank serves which
+request), ``runner`` (ranks, part files, merge, resume).
+"""

@@ -1,0 +1,225 @@
+"""In-batch prefix sharing: compute a prefix that several rows of one batch share once, before
+generate()'s prefill, so a cold batch of 16 questions over one document costs one document
+prefill plus 16 question prefills instead of 16 document prefills.
+
+Runs inside the ``_prefill`` wrapper, after the rows are known and before they are matched:
+
+1. ``shared_prefixes``: sort the rows (each packed, capped at its reusable length) by their
+   bytes; rows sharing a prefix are then adjacent, and each adjacent pair's common prefix
+   floored to whole blocks is a prefix shared by >= 2 rows. O(B log B) comparisons plus
+   O(total tokens) for the common-prefix lengths.
+2. ``compute_shared``: for each such prefix, shortest first (a longer one then finds the
+   shorter one in the store): match it, read what the store holds into a scratch cache of one
+   row, run one forward over the rest (positions continue from the cached length, exactly as
+   the un-padded prefix sits in every padded row), and commit it.
+3. The rows are then matched and preloaded as usual (``Request.preload``). Each row is
+   acquired right after its deepest shared prefix is committed, so the pin protects those
+   blocks from the commits of later groups; a store too small to hold a prefix caches what
+   fits and the rows compute the rest: still the same output, just less sharing.
+
+KV of a prefix computed alone equals, to float rounding (~1e-7 in fp32), the KV the batched
+prefill would compute for it: real token j has position j in any left-padded row.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache
+
+from hf_patch.layer import AppendLayer
+from radixkv import KVStore, LayerSpec, Lease, PackedTokens, pack_tokens  # noqa: F401 (doctest)
+
+logger = logging.getLogger(__name__)
+
+# Model inputs generate() may hold in model_kwargs that change nothing about a row's KV given its
+# ids. Anything else (token_type_ids, images, ...) would have to reach the prefix forward too:
+# share nothing then, rather than compute KV that differs from the batched prefill.
+PLAIN_MODEL_KWARGS = frozenset(
+    {
+        "attention_mask",
+        "past_key_values",
+        "use_cache",
+        "position_ids",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "logits_to_keep",
+    }
+)
+
+
+def can_share(model_kwargs: dict) -> bool:
+    """Whether the prefill's inputs are ids + mask only (else a prefix forward could differ)."""
+    return all(key in PLAIN_MODEL_KWARGS or value is None for key, value in model_kwargs.items())
+
+
+def common_prefix_tokens(a: PackedTokens, b: PackedTokens) -> int:
+    """Number of leading tokens ``a`` and ``b`` share. O(min length), vectorised."""
+    n = min(a.num_tokens, b.num_tokens)
+    if n == 0:
+        return 0
+    if a[: 8 * n] == b[: 8 * n]:  # memcmp: the common case of one row contained in the other
+        return n
+    x = np.frombuffer(a, dtype=np.int64, count=n)
+    y = np.frombuffer(b, dtype=np.int64, count=n)
+    return int(np.argmax(x != y))
+
+
+def shared_prefixes(rows: Sequence[PackedTokens], block_size: int) -> tuple[list[PackedTokens], list[int]]:
+    """Whole-block prefixes shared by at least two rows, and each row's deepest one.
+
+    Returns ``(prefixes, deepest)``: ``prefixes`` distinct, shortest first; ``deepest[i]`` the
+    index in ``prefixes`` of the longest one row ``i`` starts with, or -1. Identical rows
+    (``num_return_sequences``, beams) share their whole reusable length.
+
+    >>> p = lambda *t: pack_tokens(list(t))
+    >>> prefixes, deepest = shared_prefixes([p(1, 2, 3, 4, 9), p(7, 7), p(1, 2, 3, 4, 5)], 2)
+    >>> [x.num_tokens for x in prefixes], deepest
+    ([4], [0, -1, 0])
+    """
+    order = sorted(range(len(rows)), key=rows.__getitem__)
+    by_bytes: dict[bytes, int] = {}  # prefix bytes -> its length in tokens
+    pair_prefix: list[bytes | None] = []
+    for a, b in zip(order, order[1:]):
+        n = common_prefix_tokens(rows[a], rows[b]) // block_size * block_size
+        key = rows[a][: 8 * n] if n else None
+        if key is not None:
+            by_bytes[key] = n
+        pair_prefix.append(key)
+    prefixes = sorted(by_bytes, key=len)
+    index = {key: i for i, key in enumerate(prefixes)}
+    deepest = [-1] * len(rows)
+    for k, key in enumerate(pair_prefix):
+        if key is None:
+            continue
+        for row in (order[k], order[k + 1]):
+            if deepest[row] < 0 or len(prefixes[deepest[row]]) < len(key):
+                deepest[row] = index[key]
+    return [PackedTokens(p) for p in prefixes], deepest
+
+
+def _accepts(model, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _forward_prefix(
+    model,
+    store: KVStore,
+    specs: Sequence[LayerSpec],
+    prefix: PackedTokens,
+    lease: Lease,
+    chunk_size: int | None,
+) -> Cache:
+    """KV of ``prefix`` in a one-row scratch cache: the leased part read from the store, the
+    rest computed by forwards of at most ``chunk_size`` tokens (generate's ``prefill_chunk_size``)."""
+    length, cached = prefix.num_tokens, lease.num_tokens
+    layers = [AppendLayer() for _ in specs]
+    for layer, spec in zip(layers, specs):
+        layer.allocate(1, spec.num_kv_heads, spec.k_head_dim, spec.v_head_dim, length, spec.dtype, spec.device)
+    if cached:
+        store.read(
+            [lease], cached, [layer.buffers()[0][:, :, :cached] for layer in layers],
+            [layer.buffers()[1][:, :, :cached] for layer in layers], count=False,
+        )  # fmt: skip
+        for layer in layers:
+            layer.set_length(cached)
+    scratch = Cache(layers=layers)
+    device = model.device
+    ids = torch.from_numpy(np.frombuffer(prefix, dtype=np.int64).copy()).to(device).unsqueeze(0)
+    extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}  # skip the vocab matmul
+    step = chunk_size or length
+    for start in range(cached, length, step):
+        stop = min(start + step, length)
+        model(
+            input_ids=ids[:, start:stop],
+            attention_mask=torch.ones(1, stop, dtype=torch.long, device=device),
+            position_ids=torch.arange(start, stop, device=device).unsqueeze(0),
+            past_key_values=scratch,
+            use_cache=True,
+            **extra,
+        )
+    return scratch
+
+
+@dataclass
+class SharedPrefixes:
+    """What ``compute_shared`` did: pinned matches of the sharing rows, and who computed what.
+
+    ``computed[row]``: prompt tokens computed by the prefix forwards and attributed to ``row``,
+    the first row (by index) that starts with each computed prefix. The others got them from
+    the store; so ``cached_tokens`` reports them as cached for the others only, as a server
+    reports a prefix that a concurrent request computed first.
+    """
+
+    leases: dict[int, Lease] = field(default_factory=dict)
+    computed: dict[int, int] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def compute_shared(
+    model,
+    store: KVStore,
+    specs: Sequence[LayerSpec],
+    namespace: Hashable,
+    epoch: int,
+    rows: Sequence[PackedTokens],
+    chunk_size: int | None = None,
+) -> SharedPrefixes:
+    """Compute and commit the prefixes that >= 2 of ``rows`` share; return pinned row matches.
+
+    When some prefix is shared, every row that shares none gets its own whole-block prefix
+    computed alone too, so no uncached row widens the batch's first forward. A batch whose rows
+    share nothing is left to generate() as it is.
+
+    ``rows``: each row's real tokens (without padding); a row's last token is never reused (a
+    fully cached prompt would be fed again), so it takes no part in the sharing. The leases
+    cover every row that shares a prefix, acquired (matched and pinned) right after its
+    deepest prefix was committed; the caller owns and releases them. Side effects: forwards of
+    ``model`` on one-row scratch caches, commits to ``store``; the store's counters see the
+    rows' lookups and commits only (a prefix lookup is not a prompt).
+    """
+    reusable = [row.head(row.num_tokens - 1) for row in rows]
+    prefixes, deepest = shared_prefixes(reusable, store.block_size)
+    out = SharedPrefixes()
+    if not prefixes:
+        return out
+    bs = store.block_size
+    for row, p in enumerate(deepest):
+        if p < 0 and reusable[row].num_tokens >= bs:
+            # A row that shares nothing would, if uncached, make every row's first forward as
+            # wide as its whole prompt (the batch preloads one common column count). Its own
+            # prefix computed alone costs what the batch would spend on that row anyway.
+            deepest[row] = len(prefixes)
+            prefixes.append(reusable[row].head(reusable[row].num_tokens // bs * bs))
+    waiting: dict[int, list[int]] = {}
+    for row, p in enumerate(deepest):
+        if p >= 0:
+            waiting.setdefault(p, []).append(row)
+    try:
+        for p, prefix in enumerate(prefixes):
+            # Not counted as a request: the rows' own lookups below are the prompts' queries and hits.
+            with store.acquire(prefix, namespace, count=False) as lease:
+                if lease.num_tokens < prefix.num_tokens:
+                    scratch = _forward_prefix(model, store, specs, prefix, lease, chunk_size)
+                    store.commit(
+                        prefix, [layer.keys for layer in scratch.layers],
+                        [layer.values for layer in scratch.layers], namespace, epoch=epoch,
+                    )  # fmt: skip
+                    owner = next(i for i, row in enumerate(reusable) if row.startswith(prefix))
+                    out.computed[owner] = out.computed.get(owner, 0) + prefix.num_tokens - lease.num_tokens
+            for row in waiting.get(p, ()):
+                out.leases[row] = store.acquire(rows[row], namespace, max_tokens=rows[row].num_tokens - 1)
+    except BaseException:
+        for lease in out.leases.values():
+            lease.release()
+        raise
+    return out
