@@ -121,16 +121,15 @@ class Request:
                 self.leases.append(lease)
             common = min(pad + lease.num_tokens for pad, lease in zip(self.pads, self.leases))
             if common > 0:
-                self._copy_prefix(common)
-            cached = self.cache.cached_tokens
-            for i, tokens in computed.items():  # this row computed them (for all): not cached for it
-                cached[i] = max(0, cached[i] - tokens)
+                self._copy_prefix(common, computed)
         finally:
             self.release()  # the copy is done: blocks need not stay pinned through decode
             for lease in shared.values():  # left over only when an acquire above raised
                 lease.release()
 
-    def _copy_prefix(self, common: int) -> None:
+    def _copy_prefix(self, common: int, computed: dict[int, int]) -> None:
+        """Read each row's first ``common - pad`` tokens; ``computed[i]`` of row i's were computed
+        for the batch by row i (in-batch sharing): not cached for it, nor a hit in the store."""
         layers = self.cache.layers
         k_bufs, v_bufs = zip(*(layer.buffers() for layer in layers))
         for i, pad in enumerate(self.pads):
@@ -147,13 +146,15 @@ class Request:
                 stop += 1
             reuse = common - pad
             if reuse > 0:
+                served = [max(0, reuse - computed.get(i, 0)) for i in range(start, stop)]
                 self.store.read(
                     self.leases[start:stop],
                     reuse,
                     [k[start:stop, :, pad:common] for k in k_bufs],
                     [v[start:stop, :, pad:common] for v in v_bufs],
+                    served=served,
                 )
-                self.cache.cached_tokens[start:stop] = [reuse] * (stop - start)
+                self.cache.cached_tokens[start:stop] = served
             start = stop
         for layer in layers:
             layer.set_length(common)

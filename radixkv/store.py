@@ -98,11 +98,15 @@ class KVStore:
         v_out: Sequence[torch.Tensor],
         *,
         count: bool = True,
+        served: Sequence[int] | None = None,
     ) -> None:
         """Copy the first ``num_tokens`` cached tokens of each lease (one output row each).
 
         ``k_out[l]``/``v_out[l]``: ``[len(leases), H, num_tokens, D]`` views on layer l's device.
         Runs without the lock: pinned blocks are neither evicted nor rewritten.
+        Hits counted: ``num_tokens`` per row, or ``served[i]`` for row i (tokens that row did
+        not compute itself: hf_patch's in-batch sharing computed a prefix for it just before);
+        nothing with ``count=False``.
         """
         if num_tokens == 0 or not leases:
             return
@@ -124,8 +128,11 @@ class KVStore:
             self.pool.gather(ids, num_tokens, k_out, v_out)
         with self._lock:
             if count:  # False: hf_patch's in-batch sharing reading a prefix, no request's hit
-                self.counters.hit_tokens += num_tokens * len(leases)
-                self.counters.host_hit_tokens += host_tokens
+                hits = num_tokens * len(leases) if served is None else sum(served)
+                self.counters.hit_tokens += hits
+                # Host blocks sit at the end of a prefix, where a batch's own computed blocks
+                # are too only when they extend a host prefix: bounded so it stays "of hit_tokens".
+                self.counters.host_hit_tokens += min(host_tokens, hits)
             self.counters.bytes_from_host += host_tokens * self.pool.bytes_per_token  # moved either way
 
     # -- insertion ------------------------------------------------------------------------

@@ -58,7 +58,11 @@ def test_token_prompts_equal_stock_generate_one_by_one(family):
         computed = [len(p) - r.cached_tokens for p, r in zip(prompts[d:12:3], results[d:12:3])]
         assert sorted(computed)[-2] <= 9 + 1 + BS, computed
     stats = store.stats()
-    assert stats["pinned_blocks"] == 0 and stats["hit_rate"] > 0.6
+    assert stats["pinned_blocks"] == 0
+    # The store's hits are exactly the prompts' cached tokens: each document computed once (by
+    # the first prompt that starts with it, no hit for it), then read by the three others.
+    assert stats["hit_tokens"] == sum(r.cached_tokens for r in results)
+    assert stats["hit_rate"] > 0.5
     store.check_invariants()
 
 
