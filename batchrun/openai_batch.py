@@ -98,7 +98,9 @@ def encode(request: BatchRequest, tokenizer, default_max_tokens: int, context: i
     body = request.body
     try:
         if request.kind == "chat":
-            rendered = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+            rendered = tokenizer.apply_chat_template(
+                body["messages"], add_generation_prompt=True, tokenize=True
+            )
             ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
         elif isinstance(body["prompt"], str):
             ids = tokenizer(body["prompt"])["input_ids"]
@@ -152,7 +154,11 @@ def result_line(request: BatchRequest, model_name: str, text: str, finish_reason
     """The output line of a served request: a chat.completion or text_completion body."""
     rid = _request_id(request.custom_id, request.index)
     if request.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish_reason,
+        }
         obj, prefix = "chat.completion", "chatcmpl-"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -171,4 +177,9 @@ def result_line(request: BatchRequest, model_name: str, text: str, finish_reason
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
         },
     }
-    return {"id": rid, "custom_id": request.custom_id, "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+    return {
+        "id": rid,
+        "custom_id": request.custom_id,
+        "response": {"status_code": 200, "request_id": rid, "body": body},
+        "error": None,
+    }

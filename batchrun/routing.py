@@ -33,7 +33,8 @@ def sorted_lcp(prompts: Sequence[PackedTokens], block_size: int) -> tuple[list[i
     ``order[k-1]`` and ``order[k]`` (``lcp[0] = 0``). O(n log n) comparisons + O(tokens)."""
     order = sorted(range(len(prompts)), key=prompts.__getitem__)
     lcp = [0] + [
-        common_prefix_tokens(prompts[a], prompts[b]) // block_size * block_size for a, b in zip(order, order[1:])
+        common_prefix_tokens(prompts[a], prompts[b]) // block_size * block_size
+        for a, b in zip(order, order[1:])
     ]
     return order, lcp
 

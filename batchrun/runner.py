@@ -43,8 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-tokens", type=int, default=None, help="store budget per rank, in tokens")
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
     parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
-    parser.add_argument("--chunk", type=int, default=256, help="requests generated between writes of a part file")
+    parser.add_argument(
+        "--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens"
+    )
+    parser.add_argument(
+        "--chunk", type=int, default=256, help="requests generated between writes of a part file"
+    )
     parser.add_argument("--no-progress", action="store_true")
     return parser.parse_args(argv)
 
@@ -126,7 +130,9 @@ def serve(model, tokenizer, requests: list[BatchRequest], store, part: Path, arg
             except Exception as exc:  # e.g. out of memory: these requests fail, the others go on
                 logger.exception("generation failed for %d requests", len(chunk))
                 for request in chunk:
-                    failed = dataclasses.replace(request, error=f"generation failed: {type(exc).__name__}: {exc}")
+                    failed = dataclasses.replace(
+                        request, error=f"generation failed: {type(exc).__name__}: {exc}"
+                    )
                     out.write(json.dumps(error_line(failed, status_code=500)) + "\n")
                 out.flush()
                 continue

@@ -124,7 +124,9 @@ def _forward_prefix(
     length, cached = prefix.num_tokens, lease.num_tokens
     layers = [AppendLayer() for _ in specs]
     for layer, spec in zip(layers, specs):
-        layer.allocate(1, spec.num_kv_heads, spec.k_head_dim, spec.v_head_dim, length, spec.dtype, spec.device)
+        layer.allocate(
+            1, spec.num_kv_heads, spec.k_head_dim, spec.v_head_dim, length, spec.dtype, spec.device
+        )
     if cached:
         store.read(
             [lease], cached, [layer.buffers()[0][:, :, :cached] for layer in layers],

@@ -48,8 +48,14 @@ def encode_prompt(prompt, tokenizer) -> list[int]:
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("chat messages need tokenizer= with a chat_template")
         rendered = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-        return list(rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered)
-    if isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(
+            rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered
+        )
+    if (
+        isinstance(prompt, Sequence)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         return list(prompt)
     raise ValueError(
         f"a prompt must be a non-empty list of token ids, a string, or a list of chat messages "
@@ -163,10 +169,15 @@ def generate_many(
         raise ValueError(f"per_prompt_kwargs has {len(per_prompt_kwargs)} entries for {len(prompts)} prompts")
     if max_batch_tokens < 1 or max_batch_size < 1:
         raise ValueError("max_batch_tokens and max_batch_size must be positive")
-    kwargs_list = [{**generate_kwargs, **(per_prompt_kwargs[i] if per_prompt_kwargs else {})} for i in range(len(prompts))]
+    kwargs_list = [
+        {**generate_kwargs, **(per_prompt_kwargs[i] if per_prompt_kwargs else {})}
+        for i in range(len(prompts))
+    ]
     for i, kw in enumerate(kwargs_list):
         if kw.get("num_return_sequences", 1) != 1:
-            raise ValueError(f"prompt {i}: generate_many returns one result per prompt (num_return_sequences=1)")
+            raise ValueError(
+                f"prompt {i}: generate_many returns one result per prompt (num_return_sequences=1)"
+            )
         if "past_key_values" in kw or "attention_mask" in kw:
             raise ValueError(f"prompt {i}: generate_many makes the cache and attention mask itself")
     encoded = []
@@ -201,7 +212,10 @@ def generate_many(
             cache = RadixCache(store=store, namespace=namespace)
             with torch.no_grad():
                 out = model.generate(
-                    input_ids.to(model.device), attention_mask=mask.to(model.device), past_key_values=cache, **kw
+                    input_ids.to(model.device),
+                    attention_mask=mask.to(model.device),
+                    past_key_values=cache,
+                    **kw,
                 )
             sequences = (out if isinstance(out, torch.Tensor) else out.sequences)[:, width:].tolist()
             eos = _eos_ids(model, kw)
@@ -209,9 +223,15 @@ def generate_many(
                 new = sequences[row]
                 stop = next((j for j, t in enumerate(new) if t in eos), None)
                 token_ids = new if stop is None else new[:stop]
-                text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
+                text = (
+                    tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
+                )
                 results[i] = Generated(
-                    encoded[i], token_ids, text, "length" if stop is None else "stop", cache.cached_tokens[row]
+                    encoded[i],
+                    token_ids,
+                    text,
+                    "length" if stop is None else "stop",
+                    cache.cached_tokens[row],
                 )
                 cached_total += cache.cached_tokens[row]
                 prompt_total += len(encoded[i])

@@ -35,11 +35,16 @@ def write_requests(path: Path, questions_per_system: int = 5) -> list[str]:
         for s, system in enumerate(systems):
             body = {
                 "model": "tiny",
-                "messages": [{"role": "system", "content": system}, {"role": "user", "content": text(rng, 3 + q)}],
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": text(rng, 3 + q)},
+                ],
                 "max_tokens": 5,
                 "temperature": 0,
             }
-            lines.append({"custom_id": f"chat-{s}-{q}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+            lines.append(
+                {"custom_id": f"chat-{s}-{q}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+            )
     lines.append({"custom_id": "cmpl-text", "url": "/v1/completions",
                   "body": {"prompt": systems[0] + " and more", "max_tokens": 4, "temperature": 0}})  # fmt: skip
     lines.append({"custom_id": "cmpl-ids", "url": "/v1/completions",
@@ -49,7 +54,11 @@ def write_requests(path: Path, questions_per_system: int = 5) -> list[str]:
     raw.insert(6, json.dumps({"custom_id": "bad-url", "url": "/v1/embeddings", "body": {"input": "x"}}))
     raw.insert(8, json.dumps({"custom_id": "chat-0-0", "url": "/v1/completions", "body": {"prompt": "dup"}}))
     raw.append(json.dumps({"custom_id": "two", "url": "/v1/completions", "body": {"prompt": "x", "n": 2}}))
-    raw.append(json.dumps({"custom_id": "logprobs", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 2}}))
+    raw.append(
+        json.dumps(
+            {"custom_id": "logprobs", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 2}}
+        )
+    )
     path.write_text("\n".join(raw) + "\n\n", encoding="utf-8")
     return raw
 
@@ -74,7 +83,9 @@ def stock_answers(model_dir: Path, raw_lines: list[str]) -> dict[str, tuple[str,
         if line["custom_id"] in answers or line["url"] == "/v1/embeddings" or set(body) & {"n", "logprobs"}:
             continue
         if "messages" in body:
-            ids = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)["input_ids"]
+            ids = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)[
+                "input_ids"
+            ]
         elif isinstance(body["prompt"], str):
             ids = tokenizer(body["prompt"])["input_ids"]
         else:

@@ -34,7 +34,11 @@ def test_one_process_answers_every_line_like_stock_generate(job, capsys):
     assert "errors 5, missing 0" in report
     assert not (directory / "results.jsonl.parts").exists()  # merged and removed
     # The chats over one system prompt reuse it: most of their prompt tokens were cached.
-    usage = [r["response"]["body"]["usage"] for r in results if r["error"] is None and r["custom_id"].startswith("chat-")]
+    usage = [
+        r["response"]["body"]["usage"]
+        for r in results
+        if r["error"] is None and r["custom_id"].startswith("chat-")
+    ]
     cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
     assert cached > 0.6 * sum(u["prompt_tokens"] for u in usage)
 
@@ -77,13 +81,17 @@ def test_bad_input_file_lines(tmp_path):
 
     path = tmp_path / "in.jsonl"
     path.write_text(
-        "\n".join([
-            json.dumps({"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}),
-            json.dumps({"custom_id": "", "url": "/v1/completions", "body": {}}),
-            json.dumps([1, 2]),
-            json.dumps({"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "x", "temperature": 9}}),
-            json.dumps({"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": []}}),
-        ])  # fmt: skip
+        "\n".join(
+            [
+                json.dumps({"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}),
+                json.dumps({"custom_id": "", "url": "/v1/completions", "body": {}}),
+                json.dumps([1, 2]),
+                json.dumps(
+                    {"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "x", "temperature": 9}}
+                ),
+                json.dumps({"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": []}}),
+            ]
+        )  # fmt: skip
     )
     errors = [r.error for r in read_requests(path)]
     assert "method must be POST" in errors[0] and "custom_id must be a non-empty string" in errors[1]
@@ -102,7 +110,9 @@ def test_merge_after_a_failed_rank_keeps_what_the_others_finished(tmp_path):
     requests = read_requests(path)
     output = tmp_path / "out.jsonl"
     parts_dir(output).mkdir()
-    served = [{"id": f"i{i}", "custom_id": f"r{i}", "response": {"status_code": 200}, "error": None} for i in (2, 0)]
+    served = [
+        {"id": f"i{i}", "custom_id": f"r{i}", "response": {"status_code": 200}, "error": None} for i in (2, 0)
+    ]
     (parts_dir(output) / "rank0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in served) + '{"cut sh')
     assert merge(requests, output) == 2
     merged = [json.loads(x) for x in output.read_text().splitlines()]

@@ -27,7 +27,9 @@ DOCS = [tokens(37, seed=80 + d) for d in range(3)]
 def job(num_per_doc: int = 4) -> list[list[int]]:
     """Prompts of three documents, interleaved (as a dataset would list them), plus two loners."""
     prompts = [
-        DOCS[d] + tokens(3 + (q * 5 + d) % 7, seed=100 + 10 * d + q) for q in range(num_per_doc) for d in range(3)
+        DOCS[d] + tokens(3 + (q * 5 + d) % 7, seed=100 + 10 * d + q)
+        for q in range(num_per_doc)
+        for d in range(3)
     ]
     return prompts + [tokens(9, seed=150), tokens(23, seed=151)]
 
@@ -79,7 +81,9 @@ def test_strings_and_chat_messages_with_a_tokenizer(capsys):
         if isinstance(prompt, str):
             ids = tok(prompt)["input_ids"]
         else:
-            ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)["input_ids"])
+            ids = list(
+                tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)["input_ids"]
+            )
         assert result.prompt_ids == ids
         assert result.token_ids == stock_new_tokens(model, ids, max_new_tokens=5)
         assert result.text == tok.decode(result.token_ids, skip_special_tokens=True)

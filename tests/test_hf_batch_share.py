@@ -99,7 +99,9 @@ def test_two_groups_and_an_identical_pair_in_one_batch(family):
     input_ids, mask = left_pad(rows)
     cache, _ = assert_same_as_stock(model, input_ids, store, attention_mask=mask, pad_token_id=0)
     # Rows 0 and 1 computed the two documents; the others reused them.
-    assert all(c >= block_floor(len(OTHER_DOC), BS) - BS for c in cache.cached_tokens[2:]), cache.cached_tokens
+    assert all(c >= block_floor(len(OTHER_DOC), BS) - BS for c in cache.cached_tokens[2:]), (
+        cache.cached_tokens
+    )
 
 
 @pytest.mark.parametrize(
@@ -125,7 +127,9 @@ def test_single_prompt_with_num_return_sequences_is_prefilled_once():
     store = store_for(model, BS)
     prompt = DOC + QUESTIONS[0]
     with TokenCounter(model) as counter:
-        cache, _ = assert_same_as_stock(model, ids(prompt), store, do_sample=True, seed=5, num_return_sequences=3)
+        cache, _ = assert_same_as_stock(
+            model, ids(prompt), store, do_sample=True, seed=5, num_return_sequences=3
+        )
     radix = counter.forwards[STOCK_FORWARDS:]
     assert radix[0] == (1, block_floor(len(prompt) - 1, BS)) and radix[1] == (3, len(prompt) % BS or BS)
     assert cache.cached_tokens == [0] * 3  # the prompt computed its prefix itself (once, for 3 rows)

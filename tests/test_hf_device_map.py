@@ -51,7 +51,9 @@ def test_offloaded_model_generates_like_stock(tmp_path, load):
     store = store_for(model, BS)
     input_ids, mask = left_pad([DOC + tokens(5, seed=121), DOC + tokens(8, seed=122)])
     with torch.no_grad():
-        plain = reference.generate(input_ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        plain = reference.generate(
+            input_ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
     for _ in range(2):  # cold (in-batch sharing), then warm (every row from the store)
         cache, out = assert_same_as_stock(model, input_ids, store, attention_mask=mask, pad_token_id=0)
         assert torch.equal(out.sequences, plain)
