@@ -47,6 +47,7 @@ from radixkv.tree import TierOrderError
 logger = logging.getLogger(__name__)
 
 Rename = Callable[[Hashable], Hashable]
+_CACHED = -1  # restore: the id of a file block the store holds already (never copied nor inserted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,21 +204,31 @@ def restore_store(
     # Most recently used first; at equal recency a parent (earlier row) before its children.
     order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][3], i))
     with store._exclusive() as (tree, pool, _):
+        # Blocks the store holds already need no free block: only each node's uncached tail is
+        # copied. Its leading ids are placeholders the tree never takes: nothing is evicted under
+        # this lock, so every insert below finds at least that much cached and keeps it.
+        fresh: dict[int, int] = {}  # node -> how many of its last blocks are not cached
         chosen: set[int] = set()
         used = 0
         for i in order:
-            parent, _ns, blocks, _last = nodes[i]
-            if (parent == -1 or parent in chosen) and used + blocks <= pool.num_free:
-                chosen.add(i)
-                used += blocks
+            parent, ns, blocks, _last = nodes[i]
+            if parent == -1 or parent in chosen:
+                first = len(paths[i]) // width - blocks  # the node's first block in its path
+                cached = tree.cached_tokens(PackedTokens(paths[i]), namespaces[ns]) // bs
+                need = blocks - min(blocks, max(0, cached - first))
+                if used + need <= pool.num_free:
+                    chosen.add(i)
+                    fresh[i] = need
+                    used += need
         selected = sorted(chosen)  # file order: when everything fits, the file's tensors copy as they are
         ids = pool.allocate(used)
         try:
             own: dict[int, list[int]] = {}
             rows: list[int] = []
             for i in selected:
-                own[i] = ids[len(rows) : len(rows) + nodes[i][2]]
-                rows.extend(range(start[i], start[i] + nodes[i][2]))
+                blocks, need = nodes[i][2], fresh[i]
+                own[i] = [_CACHED] * (blocks - need) + ids[len(rows) : len(rows) + need]
+                rows.extend(range(start[i] + blocks - need, start[i] + blocks))
             if rows:
                 _copy_in(pool, data, rows, ids)
         except BaseException:
@@ -249,10 +260,10 @@ def restore_store(
             unused = [b for b in ids if b not in taken]
             pool.free(unused)
     total = sum(row[2] for row in nodes)
-    dropped = total - used + len(below_host - taken)
+    dropped = total - sum(nodes[i][2] for i in selected) + len(below_host - taken)
     result = RestoreResult(
         restored_tokens=len(taken) * bs,
-        duplicate_tokens=(len(unused) - len(below_host - taken)) * bs,
+        duplicate_tokens=(total - dropped - len(taken)) * bs,
         dropped_tokens=dropped * bs,
         restored_blocks=len(taken),
         dropped_blocks=dropped,

@@ -156,6 +156,31 @@ class RadixTree:
             self._touch_device_end(node)
         return MatchResult(pos // TOKEN_BYTES, tuple(ids), node)
 
+    def cached_tokens(self, tokens: Tokens, namespace: Hashable = None) -> int:
+        """Tokens of ``tokens``' longest cached whole-block prefix (either tier), changing nothing.
+
+        Unlike ``match`` it neither splits a node nor moves recency (a restore sizing what it
+        must copy). O(n) to pack, one dict lookup and memcmp per node, O(edge blocks) on the last.
+        """
+        bs, width = self._block_size, self._width
+        n = _node.num_tokens_of(tokens)
+        query = pack(tokens, n - n % bs)
+        node, pos = self._roots.get(namespace), 0
+        while node is not None and pos < len(query):
+            child = node.children.get(query[pos : pos + width])
+            if child is None:
+                break
+            if query.startswith(child.data, pos):
+                node, pos = child, pos + len(child.data)
+                continue
+            blocks = 1  # the key matched; count the following whole blocks that do too
+            while query[pos + blocks * width : pos + (blocks + 1) * width] == child.data[
+                blocks * width : (blocks + 1) * width
+            ] and pos + (blocks + 1) * width <= len(query):
+                blocks += 1
+            return (pos + blocks * width) // TOKEN_BYTES
+        return pos // TOKEN_BYTES
+
     def insert(
         self, tokens: Tokens, block_ids: Sequence[int], namespace: Hashable = None, tier: int = DEVICE
     ) -> int:
