@@ -258,7 +258,9 @@ class KVStore:
             if node is None:
                 break
             n = len(node.block_ids)
-            if host.num_free < n:
+            # Drop host leaves only when that makes room for the node: emptying the host for a
+            # node larger than what it can free would lose its content and demote nothing.
+            if host.num_free < n <= host.num_free + tree.num_host_blocks - tree.num_host_pinned_blocks:
                 self._make_room_locked(HOST, n - host.num_free)
             if host.num_free < n:  # the host is pinned full: drop device leaves instead
                 freed = tree.evict(num_blocks - done)

@@ -120,6 +120,28 @@ def test_host_pinned_full_falls_back_to_dropping_device_leaves() -> None:
     store.check_invariants()
 
 
+def test_a_node_too_big_for_the_host_is_dropped_without_emptying_the_host() -> None:
+    store = make_tiered(device_blocks=8, host_blocks=4)
+    small = [[p] * 4 + [0] for p in (1, 2)]  # 1 block each
+    for tokens in small:
+        store.commit(tokens, *kv_for(tokens))
+    big = [3] * 24 + [0]  # 6 blocks: more than the whole host tier
+    store.commit(big, *kv_for(big))
+    e = [4] * 8 + [0]
+    store.commit(e, *kv_for(e))  # demotes the two small prompts
+    assert store.stats()["host_cached_blocks"] == 2
+    f = [5] * 8 + [0]
+    store.commit(f, *kv_for(f))  # the LRU candidate (big) cannot fit in the host: dropped
+    store.check_invariants()
+    for tokens in small:  # ...and the host kept what it held: dropping it would free nothing usable
+        with store.acquire(tokens) as lease:
+            assert (lease.num_tokens, lease.num_host_blocks) == (4, 1)
+        assert_kv(store, tokens, 4)
+    assert_kv(store, f, 8)
+    with store.acquire(big) as lease:
+        assert lease.num_tokens == 0
+
+
 def test_flush_frees_both_tiers_and_keeps_pinned_host_blocks_until_released() -> None:
     store = make_tiered(device_blocks=2, host_blocks=4)
     for p in (1, 2):
