@@ -119,12 +119,16 @@ def restore_cache(model, path: str | os.PathLike, store: KVStore | None = None) 
     """Merge the prefixes saved in ``path`` into ``store`` (default: ``model``'s default store).
 
     Raises radixkv.CacheFileMismatch when the file was saved for another model class, config,
-    weights or KV layout, radixkv.CorruptCacheFile when it is damaged; the store is then
+    weights or KV layout, radixkv.CorruptCacheFile when it is damaged, RuntimeError when the
+    weights changed (the store was flushed) while the file was read; the store is then
     unchanged. See ``KVStore.restore`` for merging and a pool too small.
     """
     store = _store(model, store)
     # Record the current weights first: KV cached under older ones goes now, and the first
     # generate() after the restore does not take the restored KV for stale.
     flush_if_weights_changed(store, model)
+    # Read before the identity: a flush after it (weights changed while the file is read) makes
+    # the file's KV stale, and the store then refuses it.
+    epoch = store.epoch
     scope = model_scope(model)
-    return store.restore(path, identity=model_identity(model), rename=lambda ns: (scope, ns))
+    return store.restore(path, identity=model_identity(model), rename=lambda ns: (scope, ns), epoch=epoch)

@@ -181,7 +181,12 @@ def _snapshot(tree, pool, keep, rename):
 
 
 def restore_store(
-    store, path: str | os.PathLike, *, identity: object = None, rename: Rename | None = None
+    store,
+    path: str | os.PathLike,
+    *,
+    identity: object = None,
+    rename: Rename | None = None,
+    epoch: int | None = None,
 ) -> RestoreResult:
     """Merge the prefixes saved in ``path`` into ``store``; see ``KVStore.restore``."""
     data = read_cache_file(path, store.pool, identity)
@@ -204,6 +209,11 @@ def restore_store(
     # Most recently used first; at equal recency a parent (earlier row) before its children.
     order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][3], i))
     with store._exclusive() as (tree, pool, _):
+        if epoch is not None and epoch != store.epoch:
+            raise RuntimeError(
+                f"restore from {os.fspath(path)}: the store was flushed (weights changed?) after the "
+                "file was checked against the model; nothing was restored"
+            )
         # Blocks the store holds already need no free block: only each node's uncached tail is
         # copied. Its leading ids are placeholders the tree never takes: nothing is evicted under
         # this lock, so every insert below finds at least that much cached and keeps it.

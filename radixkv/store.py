@@ -346,6 +346,7 @@ class KVStore:
         *,
         identity: object = None,
         rename: Callable[[Hashable], Hashable] | None = None,
+        epoch: int | None = None,
     ) -> persist.RestoreResult:
         """Merge the prefixes saved in ``path`` into this store: cached ones stay, new ones go in.
 
@@ -353,8 +354,10 @@ class KVStore:
         structure) and raises ``radixkv.CacheFileError`` naming the fault, changing nothing.
         Restored blocks only take free blocks (nothing cached is evicted for them); what does
         not fit is dropped, least recently used first, and counted in the result.
+        ``epoch``: ``self.epoch`` read when ``identity`` was computed; if the store was flushed
+        since (weights changed), raises RuntimeError, changing nothing.
         """
-        return persist.restore_store(self, path, identity=identity, rename=rename)
+        return persist.restore_store(self, path, identity=identity, rename=rename, epoch=epoch)
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[tuple[RadixTree, BlockPool, Callable[[RadixTree, object], None]]]:
