@@ -274,6 +274,34 @@ class KVStore:
             self.counters.demoted_blocks += n
             done += n
 
+    def _promote_locked(self, node) -> bool:
+        """Move the host-resident end of the path to ``node`` back to device blocks (task pins:
+        never served from the host). Only when nothing else pins it (a reader's lease fixes
+        which ids are host ids) and the device can make room; returns whether it moved."""
+        tree, host = self.tree, self.host_pool
+        chain = []
+        while node.tier:
+            chain.append(node)
+            node = node.parent
+        if not chain or chain[-1].pin_count:  # chain[-1]: the topmost host node; pins cover the path below
+            return False
+        chain.reverse()
+        n = sum(len(c.block_ids) for c in chain)
+        tree.pin(chain[-1])  # neither demotion nor host eviction may touch the path meanwhile
+        try:
+            if self.pool.num_free < n:
+                self._make_room_locked(DEVICE, n - self.pool.num_free)
+            if self.pool.num_free < n:
+                return False
+            for c in chain:  # top down: each one's parent is on the device by then
+                ids = self.pool.allocate(len(c.block_ids))
+                self.counters.bytes_from_host += copy_blocks(host, c.block_ids, self.pool, ids)
+                host.free(tree.promote(c, ids))
+                self.counters.promoted_blocks += len(ids)
+            return True
+        finally:
+            tree.unpin(chain[-1])
+
     def _check_layers(self, op: str, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> None:
         n = len(self.pool.layers)
         if len(ks) != n or len(vs) != n:

@@ -70,6 +70,10 @@ class TaskPins:
                 f"{len(others)} ({shared} shared): the device pool has only {store.pool.num_blocks} blocks"
             )
         for _attempt in range(3):  # traffic may evict what commit cached before we pin it: retry
+            with store._lock:  # a prefix demoted earlier comes back: task prompts live on the device
+                prefix = store.tree.match(packed, namespace)
+                if prefix.node.tier:
+                    store._promote_locked(prefix.node)
             store.commit(packed, k_src, v_src, namespace, epoch)
             with store._lock:
                 if epoch is not None and epoch != store.epoch:  # checked with the pin, under one lock

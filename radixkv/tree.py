@@ -380,6 +380,34 @@ class RadixTree:
             self._add_evictable(parent)
         return old
 
+    def promote(self, node: Node, device_ids: Sequence[int]) -> list[int]:
+        """Mark pinned host ``node`` under a device parent device-resident, its KV now in
+        ``device_ids``; return its host ids. The reverse of ``demote``, for a caller holding
+        the only pins on ``node`` (a reader's lease fixes which of its ids are host ids).
+
+        The caller has copied the blocks (same order). Raises ValueError, changing nothing,
+        when ``node`` is not a pinned host node whose parent is on the device, or the id count
+        differs. O(len(device_ids)).
+        """
+        if node.tier != HOST or node.parent is None or node.parent.tier != DEVICE or not node.pin_count:
+            raise ValueError(f"cannot promote {node!r}: not a pinned host node under a device node")
+        if len(device_ids) != len(node.block_ids):
+            raise ValueError(f"promote needs {len(node.block_ids)} device block ids, got {len(device_ids)}")
+        new_ids = list(device_ids)
+        if self._owned is not None:
+            new_ids = _node.check_block_ids(new_ids, self._owned)
+            self._owned_host.difference_update(node.block_ids)
+            self._owned.update(new_ids)
+        old, node.block_ids, node.tier = node.block_ids, new_ids, DEVICE
+        self._num_host_blocks -= len(old)
+        self._num_host_pinned_blocks -= len(old)  # pinned: unpin counts it as a device node now
+        parent = node.parent
+        parent.dev_children += 1
+        if parent.evict_entry is not None:  # a device parent is no candidate with a device child
+            self._evictable.remove(parent.evict_entry)
+            parent.evict_entry = None
+        return old
+
     def host_blocks_at(self, node: Node) -> int:
         """Blocks of host-resident nodes on the path ending at ``node`` (they end it). O(host nodes)."""
         count = 0

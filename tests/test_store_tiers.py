@@ -222,6 +222,47 @@ def test_a_pinned_task_prompt_survives_a_flood_and_is_never_demoted() -> None:
     store.check_invariants()
 
 
+def test_a_task_prompt_whose_prefix_was_demoted_is_pinned_on_the_device() -> None:
+    store = make_tiered(device_blocks=8, host_blocks=2)  # a host tier smaller than the prompt
+    task = [1] * 16 + [0]  # 4 blocks
+    head = task[:8] + [0]
+    store.commit(head, *kv_for(head))
+    for p in range(4):  # traffic demotes the prompt's first 2 blocks, filling the host
+        tokens = [p + 10] * 8 + [0]
+        store.commit(tokens, *kv_for(tokens))
+    assert store.tree.match(head).node.tier == HOST
+    # No request runs and the device pool holds 8 blocks: the 4-block prompt must pin there.
+    assert store.tasks.pin("t", task, *kv_for(task)) == 16
+    store.check_invariants()
+    stats = store.stats()
+    assert (stats["task_pinned_blocks"], stats["task_pinned_host_blocks"]) == (4, 0)
+    assert stats["promoted_blocks"] == 2
+    for p in range(10):  # pinned on the device: never demoted by the traffic that follows
+        tokens = [p + 30] * 8 + [0]
+        store.commit(tokens, *kv_for(tokens))
+    with store.acquire(task) as lease:
+        assert (lease.num_tokens, lease.num_host_blocks) == (16, 0)
+    assert_kv(store, task, 16)
+    store.check_invariants()
+
+
+def test_a_demoted_prefix_a_reader_holds_stays_on_the_host_for_a_task_pin() -> None:
+    store = make_tiered(device_blocks=4, host_blocks=8)
+    task = [1] * 12 + [0]  # 3 blocks
+    head = task[:8] + [0]
+    store.commit(head, *kv_for(head))
+    for p in range(2):
+        tokens = [p + 10] * 8 + [0]
+        store.commit(tokens, *kv_for(tokens))
+    with store.acquire(head) as reader:  # a request reads the demoted blocks outside the lock
+        assert reader.num_host_blocks == 2
+        assert store.tasks.pin("t", task, *kv_for(task)) == 12  # pinned where the prefix is
+        assert_kv(store, head, 8)
+        store.check_invariants()
+    assert_kv(store, task, 12)
+    store.check_invariants()
+
+
 def test_task_pins_are_refused_when_the_pool_cannot_hold_them() -> None:
     store = make_tiered(device_blocks=4, host_blocks=4)
     a = [1] * 12
