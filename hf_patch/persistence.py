@@ -103,16 +103,19 @@ def save_cache(
     ``namespaces``: a list/set of RadixCache namespaces to save; None saves all of this
     model's. Another model's prefixes in a shared store are never written. KV cached under
     weights that have changed since is flushed first, never saved under the new identity.
+    Raises RuntimeError, writing nothing, if the weights change (the store is flushed) while
+    their identity is computed.
     """
     store = _store(model, store)
     flush_if_weights_changed(store, model)
+    epoch = store.epoch  # a flush while the identity is computed: the tree may hold other weights' KV
     scope = model_scope(model)
     wanted = None if namespaces is None else set(namespaces)
 
     def mine(ns: Hashable) -> bool:
         return type(ns) is tuple and len(ns) == 2 and ns[0] == scope and (wanted is None or ns[1] in wanted)
 
-    return store.save(path, mine, identity=model_identity(model), rename=lambda ns: ns[1])
+    return store.save(path, mine, identity=model_identity(model), rename=lambda ns: ns[1], epoch=epoch)
 
 
 def restore_cache(model, path: str | os.PathLike, store: KVStore | None = None) -> RestoreResult:

@@ -94,6 +94,7 @@ def save_store(
     namespaces: Collection[Hashable] | Callable[[Hashable], bool] | None = None,
     identity: object = None,
     rename: Rename | None = None,
+    epoch: int | None = None,
 ) -> SaveResult:
     """Write ``store``'s cached prefixes (those of ``namespaces``: all when None) to ``path``.
 
@@ -101,11 +102,18 @@ def save_store(
     namespace to the one written (hf_patch drops its per-process model scope). Raises
     ValueError, writing nothing, for a namespace that has no file form (see
     ``encode_namespace``); OSError from the file system, leaving any previous file intact.
+    ``epoch``: ``store.epoch`` read before ``identity`` was computed; RuntimeError, writing
+    nothing, if the store was flushed since (its KV may be of other weights than ``identity``).
     """
     identity = canonical(identity)
     keep = _namespace_filter(namespaces)
     path = os.fspath(path)
     with store._exclusive() as (tree, pool, _):
+        if epoch is not None and epoch != store.epoch:
+            raise RuntimeError(
+                f"save to {path}: the store was flushed (weights changed?) after the identity was "
+                "computed; nothing was written"
+            )
         rows, ns_list, tokens, ids, tiers, leaves = _snapshot(tree, pool, keep, rename)
         pools = [tier.pool for tier in store.tiers]  # a node's blocks index its tier's pool
         for leaf in leaves:  # the saved blocks can be neither evicted nor reused until written

@@ -357,6 +357,7 @@ class KVStore:
         *,
         identity: object = None,
         rename: Callable[[Hashable], Hashable] | None = None,
+        epoch: int | None = None,
     ) -> persist.SaveResult:
         """Write the cached prefixes of ``namespaces`` (a list/set or a predicate; None: all) to ``path``.
 
@@ -364,9 +365,13 @@ class KVStore:
         ``identity`` (JSON-able) must be presented equal to ``restore``; ``rename`` maps a
         namespace to the one written. Pins the saved prefixes while it writes (the lock only
         for the snapshot of the tree), so commits meanwhile may cache less.
-        Raises ValueError for a namespace other than None/str/bytes/int/tuples of them.
+        Raises ValueError for a namespace other than None/str/bytes/int/tuples of them;
+        RuntimeError, writing nothing, when the store was flushed after ``epoch`` (``self.epoch``
+        read before ``identity`` was computed).
         """
-        return persist.save_store(self, path, namespaces=namespaces, identity=identity, rename=rename)
+        return persist.save_store(
+            self, path, namespaces=namespaces, identity=identity, rename=rename, epoch=epoch
+        )
 
     def restore(
         self,
