@@ -41,7 +41,7 @@ from radixkv.manifest import (
     encode_namespace,
     layout_of,
 )
-from radixkv.node import TOKEN_BYTES, PackedTokens
+from radixkv.node import HOST, TOKEN_BYTES, PackedTokens
 from radixkv.tree import TierOrderError
 
 logger = logging.getLogger(__name__)
@@ -224,16 +224,21 @@ def restore_store(
             )
         # Blocks the store holds already need no free block: only each node's uncached tail is
         # copied. Its leading ids are placeholders the tree never takes: nothing is evicted under
-        # this lock, so every insert below finds at least that much cached and keeps it.
+        # this lock, so every insert below finds at least that much cached and keeps it. A tail
+        # that would hang below a prefix the store holds on its host tier is dropped up front.
         fresh: dict[int, int] = {}  # node -> how many of its last blocks are not cached
         chosen: set[int] = set()
-        used = 0
+        used = cached_below_host = 0
         for i in order:
             parent, ns, blocks, _last = nodes[i]
             if parent == -1 or parent in chosen:
                 first = len(paths[i]) // width - blocks  # the node's first block in its path
-                cached = tree.cached_tokens(PackedTokens(paths[i]), namespaces[ns]) // bs
-                need = blocks - min(blocks, max(0, cached - first))
+                cached, tier = tree.cached_prefix(PackedTokens(paths[i]), namespaces[ns])
+                have = min(blocks, max(0, cached // bs - first))
+                need = blocks - have
+                if need and tier == HOST:  # device blocks never hang below host ones
+                    cached_below_host += have
+                    continue
                 if used + need <= pool.num_free:
                     chosen.add(i)
                     fresh[i] = need
@@ -278,7 +283,7 @@ def restore_store(
             unused = [b for b in ids if b not in taken]
             pool.free(unused)
     total = sum(row[2] for row in nodes)
-    dropped = total - sum(nodes[i][2] for i in selected) + len(below_host - taken)
+    dropped = total - sum(nodes[i][2] for i in selected) - cached_below_host + len(below_host - taken)
     result = RestoreResult(
         restored_tokens=len(taken) * bs,
         duplicate_tokens=(total - dropped - len(taken)) * bs,

@@ -156,8 +156,9 @@ class RadixTree:
             self._touch_device_end(node)
         return MatchResult(pos // TOKEN_BYTES, tuple(ids), node)
 
-    def cached_tokens(self, tokens: Tokens, namespace: Hashable = None) -> int:
-        """Tokens of ``tokens``' longest cached whole-block prefix (either tier), changing nothing.
+    def cached_prefix(self, tokens: Tokens, namespace: Hashable = None) -> tuple[int, int]:
+        """``(tokens, tier)``: the length of ``tokens``' longest cached whole-block prefix and the
+        tier of the node it ends in (DEVICE when nothing matches), changing nothing.
 
         Unlike ``match`` it neither splits a node nor moves recency (a restore sizing what it
         must copy). O(n) to pack, one dict lookup and memcmp per node, O(edge blocks) on the last.
@@ -166,7 +167,9 @@ class RadixTree:
         n = _node.num_tokens_of(tokens)
         query = pack(tokens, n - n % bs)
         node, pos = self._roots.get(namespace), 0
-        while node is not None and pos < len(query):
+        if node is None:
+            return 0, DEVICE
+        while pos < len(query):
             child = node.children.get(query[pos : pos + width])
             if child is None:
                 break
@@ -178,8 +181,8 @@ class RadixTree:
                 blocks * width : (blocks + 1) * width
             ] and pos + (blocks + 1) * width <= len(query):
                 blocks += 1
-            return (pos + blocks * width) // TOKEN_BYTES
-        return pos // TOKEN_BYTES
+            return (pos + blocks * width) // TOKEN_BYTES, child.tier
+        return pos // TOKEN_BYTES, node.tier
 
     def insert(
         self, tokens: Tokens, block_ids: Sequence[int], namespace: Hashable = None, tier: int = DEVICE
