@@ -295,7 +295,11 @@ class KVStore:
                 return False
             for c in chain:  # top down: each one's parent is on the device by then
                 ids = self.pool.allocate(len(c.block_ids))
-                self.counters.bytes_from_host += copy_blocks(host, c.block_ids, self.pool, ids)
+                try:
+                    self.counters.bytes_from_host += copy_blocks(host, c.block_ids, self.pool, ids)
+                except BaseException:  # the node keeps its host blocks; ours go back
+                    self.pool.free(ids)
+                    raise
                 host.free(tree.promote(c, ids))
                 self.counters.promoted_blocks += len(ids)
             return True
