@@ -103,28 +103,35 @@ def save_cache(
     ``namespaces``: a list/set of RadixCache namespaces to save; None saves all of this
     model's. Another model's prefixes in a shared store are never written. KV cached under
     weights that have changed since is flushed first, never saved under the new identity.
+    Raises RuntimeError, writing nothing, if the weights change (the store is flushed) while
+    their identity is computed.
     """
     store = _store(model, store)
     flush_if_weights_changed(store, model)
+    epoch = store.epoch  # a flush while the identity is computed: the tree may hold other weights' KV
     scope = model_scope(model)
     wanted = None if namespaces is None else set(namespaces)
 
     def mine(ns: Hashable) -> bool:
         return type(ns) is tuple and len(ns) == 2 and ns[0] == scope and (wanted is None or ns[1] in wanted)
 
-    return store.save(path, mine, identity=model_identity(model), rename=lambda ns: ns[1])
+    return store.save(path, mine, identity=model_identity(model), rename=lambda ns: ns[1], epoch=epoch)
 
 
 def restore_cache(model, path: str | os.PathLike, store: KVStore | None = None) -> RestoreResult:
     """Merge the prefixes saved in ``path`` into ``store`` (default: ``model``'s default store).
 
     Raises radixkv.CacheFileMismatch when the file was saved for another model class, config,
-    weights or KV layout, radixkv.CorruptCacheFile when it is damaged; the store is then
+    weights or KV layout, radixkv.CorruptCacheFile when it is damaged, RuntimeError when the
+    weights changed (the store was flushed) while the file was read; the store is then
     unchanged. See ``KVStore.restore`` for merging and a pool too small.
     """
     store = _store(model, store)
     # Record the current weights first: KV cached under older ones goes now, and the first
     # generate() after the restore does not take the restored KV for stale.
     flush_if_weights_changed(store, model)
+    # Read before the identity: a flush after it (weights changed while the file is read) makes
+    # the file's KV stale, and the store then refuses it.
+    epoch = store.epoch
     scope = model_scope(model)
-    return store.restore(path, identity=model_identity(model), rename=lambda ns: (scope, ns))
+    return store.restore(path, identity=model_identity(model), rename=lambda ns: (scope, ns), epoch=epoch)

@@ -67,7 +67,9 @@ def pin_prompts(
 
     Raises ValueError before computing anything when a prompt is malformed or shorter than
     one block, or when the prompts' blocks together with the other pinned task prompts
-    exceed the device pool (naming blocks needed and blocks that exist). One forward pass
+    exceed the device pool (naming blocks needed and blocks that exist). Raises RuntimeError,
+    pinning no stale KV, when the store is flushed (weights changed) while a prompt's KV is
+    computed: that flush dropped every task pin, so pin the prompts again. One forward pass
     per prompt; sliding-window layers are computed as full layers (the mask comes from
     positions), as the RadixCache does.
     """
@@ -94,6 +96,7 @@ def pin_prompts(
     scope = (model_scope(model), namespace)
     pinned: dict[Hashable, int] = {}
     for task_id, ids in token_lists.items():
+        epoch = store.epoch  # a flush during the forward pass (weights changed) makes its KV stale
         cache = DynamicCache()  # no config: full layers everywhere, even for sliding-window models
         model(input_ids=torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True)
         if len(cache.layers) != len(specs):
@@ -102,7 +105,7 @@ def pin_prompts(
             )
         keys = [layer.keys for layer in cache.layers]
         values = [layer.values for layer in cache.layers]
-        pinned[task_id] = store.tasks.pin(task_id, ids, keys, values, scope)
+        pinned[task_id] = store.tasks.pin(task_id, ids, keys, values, scope, epoch=epoch)
     return pinned
 
 

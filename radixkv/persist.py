@@ -41,12 +41,13 @@ from radixkv.manifest import (
     encode_namespace,
     layout_of,
 )
-from radixkv.node import TOKEN_BYTES, PackedTokens
+from radixkv.node import HOST, TOKEN_BYTES, PackedTokens
 from radixkv.tree import TierOrderError
 
 logger = logging.getLogger(__name__)
 
 Rename = Callable[[Hashable], Hashable]
+_CACHED = -1  # restore: the id of a file block the store holds already (never copied nor inserted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,7 @@ def save_store(
     namespaces: Collection[Hashable] | Callable[[Hashable], bool] | None = None,
     identity: object = None,
     rename: Rename | None = None,
+    epoch: int | None = None,
 ) -> SaveResult:
     """Write ``store``'s cached prefixes (those of ``namespaces``: all when None) to ``path``.
 
@@ -100,11 +102,18 @@ def save_store(
     namespace to the one written (hf_patch drops its per-process model scope). Raises
     ValueError, writing nothing, for a namespace that has no file form (see
     ``encode_namespace``); OSError from the file system, leaving any previous file intact.
+    ``epoch``: ``store.epoch`` read before ``identity`` was computed; RuntimeError, writing
+    nothing, if the store was flushed since (its KV may be of other weights than ``identity``).
     """
     identity = canonical(identity)
     keep = _namespace_filter(namespaces)
     path = os.fspath(path)
     with store._exclusive() as (tree, pool, _):
+        if epoch is not None and epoch != store.epoch:
+            raise RuntimeError(
+                f"save to {path}: the store was flushed (weights changed?) after the identity was "
+                "computed; nothing was written"
+            )
         rows, ns_list, tokens, ids, tiers, leaves = _snapshot(tree, pool, keep, rename)
         pools = [tier.pool for tier in store.tiers]  # a node's blocks index its tier's pool
         for leaf in leaves:  # the saved blocks can be neither evicted nor reused until written
@@ -180,7 +189,12 @@ def _snapshot(tree, pool, keep, rename):
 
 
 def restore_store(
-    store, path: str | os.PathLike, *, identity: object = None, rename: Rename | None = None
+    store,
+    path: str | os.PathLike,
+    *,
+    identity: object = None,
+    rename: Rename | None = None,
+    epoch: int | None = None,
 ) -> RestoreResult:
     """Merge the prefixes saved in ``path`` into ``store``; see ``KVStore.restore``."""
     data = read_cache_file(path, store.pool, identity)
@@ -203,21 +217,41 @@ def restore_store(
     # Most recently used first; at equal recency a parent (earlier row) before its children.
     order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][3], i))
     with store._exclusive() as (tree, pool, _):
+        if epoch is not None and epoch != store.epoch:
+            raise RuntimeError(
+                f"restore from {os.fspath(path)}: the store was flushed (weights changed?) after the "
+                "file was checked against the model; nothing was restored"
+            )
+        # Blocks the store holds already need no free block: only each node's uncached tail is
+        # copied. Its leading ids are placeholders the tree never takes: nothing is evicted under
+        # this lock, so every insert below finds at least that much cached and keeps it. A tail
+        # that would hang below a prefix the store holds on its host tier is dropped up front.
+        fresh: dict[int, int] = {}  # node -> how many of its last blocks are not cached
         chosen: set[int] = set()
-        used = 0
+        used = cached_below_host = 0
         for i in order:
-            parent, _ns, blocks, _last = nodes[i]
-            if (parent == -1 or parent in chosen) and used + blocks <= pool.num_free:
-                chosen.add(i)
-                used += blocks
+            parent, ns, blocks, _last = nodes[i]
+            if parent == -1 or parent in chosen:
+                first = len(paths[i]) // width - blocks  # the node's first block in its path
+                cached, tier = tree.cached_prefix(PackedTokens(paths[i]), namespaces[ns])
+                have = min(blocks, max(0, cached // bs - first))
+                need = blocks - have
+                if need and tier == HOST:  # device blocks never hang below host ones
+                    cached_below_host += have
+                    continue
+                if used + need <= pool.num_free:
+                    chosen.add(i)
+                    fresh[i] = need
+                    used += need
         selected = sorted(chosen)  # file order: when everything fits, the file's tensors copy as they are
         ids = pool.allocate(used)
         try:
             own: dict[int, list[int]] = {}
             rows: list[int] = []
             for i in selected:
-                own[i] = ids[len(rows) : len(rows) + nodes[i][2]]
-                rows.extend(range(start[i], start[i] + nodes[i][2]))
+                blocks, need = nodes[i][2], fresh[i]
+                own[i] = [_CACHED] * (blocks - need) + ids[len(rows) : len(rows) + need]
+                rows.extend(range(start[i] + blocks - need, start[i] + blocks))
             if rows:
                 _copy_in(pool, data, rows, ids)
         except BaseException:
@@ -249,10 +283,10 @@ def restore_store(
             unused = [b for b in ids if b not in taken]
             pool.free(unused)
     total = sum(row[2] for row in nodes)
-    dropped = total - used + len(below_host - taken)
+    dropped = total - sum(nodes[i][2] for i in selected) - cached_below_host + len(below_host - taken)
     result = RestoreResult(
         restored_tokens=len(taken) * bs,
-        duplicate_tokens=(len(unused) - len(below_host - taken)) * bs,
+        duplicate_tokens=(total - dropped - len(taken)) * bs,
         dropped_tokens=dropped * bs,
         restored_blocks=len(taken),
         dropped_blocks=dropped,

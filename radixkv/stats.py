@@ -20,11 +20,13 @@ class StoreCounters:
     evicted_blocks: int = 0
     uncached_tokens: int = 0  # tokens a commit could not cache: every block pinned / pool too small
     flushes: int = 0
-    # Host tier (all zero without one). No promotions: host hits are read in place.
+    # Host tier (all zero without one). Host hits are read in place; only a task prompt pinned
+    # over a demoted prefix brings that prefix back to the device (promoted_blocks).
     demoted_blocks: int = 0  # device blocks copied to the host instead of being dropped
+    promoted_blocks: int = 0  # host blocks copied back to the device for a task pin
     host_hit_tokens: int = 0  # of hit_tokens, those read from host blocks
     bytes_to_host: int = 0  # demotions + commits written straight to the host tier
-    bytes_from_host: int = 0  # host hits copied into request buffers
+    bytes_from_host: int = 0  # host hits copied into request buffers, and promotions
 
     def as_dict(self) -> dict[str, int | float]:
         out: dict[str, int | float] = dataclasses.asdict(self)

@@ -272,7 +272,9 @@ class KVStore:
             if node is None:
                 break
             n = len(node.block_ids)
-            if host.num_free < n:
+            # Drop host leaves only when that makes room for the node: emptying the host for a
+            # node larger than what it can free would lose its content and demote nothing.
+            if host.num_free < n <= host.num_free + tree.num_host_blocks - tree.num_host_pinned_blocks:
                 self._make_room_locked(HOST, n - host.num_free)
             if host.num_free < n:  # the host is pinned full: drop device leaves instead
                 freed = tree.evict(num_blocks - done)
@@ -285,6 +287,38 @@ class KVStore:
             self.pool.free(tree.demote(node, host_ids))
             self.counters.demoted_blocks += n
             done += n
+
+    def _promote_locked(self, node) -> bool:
+        """Move the host-resident end of the path to ``node`` back to device blocks (task pins:
+        never served from the host). Only when nothing else pins it (a reader's lease fixes
+        which ids are host ids) and the device can make room; returns whether it moved."""
+        tree, host = self.tree, self.host_pool
+        chain = []
+        while node.tier:
+            chain.append(node)
+            node = node.parent
+        if not chain or chain[-1].pin_count:  # chain[-1]: the topmost host node; pins cover the path below
+            return False
+        chain.reverse()
+        n = sum(len(c.block_ids) for c in chain)
+        tree.pin(chain[-1])  # neither demotion nor host eviction may touch the path meanwhile
+        try:
+            if self.pool.num_free < n:
+                self._make_room_locked(DEVICE, n - self.pool.num_free)
+            if self.pool.num_free < n:
+                return False
+            for c in chain:  # top down: each one's parent is on the device by then
+                ids = self.pool.allocate(len(c.block_ids))
+                try:
+                    self.counters.bytes_from_host += copy_blocks(host, c.block_ids, self.pool, ids)
+                except BaseException:  # the node keeps its host blocks; ours go back
+                    self.pool.free(ids)
+                    raise
+                host.free(tree.promote(c, ids))
+                self.counters.promoted_blocks += len(ids)
+            return True
+        finally:
+            tree.unpin(chain[-1])
 
     def _check_layers(self, op: str, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> None:
         n = len(self.pool.layers)
@@ -341,6 +375,7 @@ class KVStore:
         *,
         identity: object = None,
         rename: Callable[[Hashable], Hashable] | None = None,
+        epoch: int | None = None,
     ) -> persist.SaveResult:
         """Write the cached prefixes of ``namespaces`` (a list/set or a predicate; None: all) to ``path``.
 
@@ -348,9 +383,13 @@ class KVStore:
         ``identity`` (JSON-able) must be presented equal to ``restore``; ``rename`` maps a
         namespace to the one written. Pins the saved prefixes while it writes (the lock only
         for the snapshot of the tree), so commits meanwhile may cache less.
-        Raises ValueError for a namespace other than None/str/bytes/int/tuples of them.
+        Raises ValueError for a namespace other than None/str/bytes/int/tuples of them;
+        RuntimeError, writing nothing, when the store was flushed after ``epoch`` (``self.epoch``
+        read before ``identity`` was computed).
         """
-        return persist.save_store(self, path, namespaces=namespaces, identity=identity, rename=rename)
+        return persist.save_store(
+            self, path, namespaces=namespaces, identity=identity, rename=rename, epoch=epoch
+        )
 
     def restore(
         self,
@@ -358,6 +397,7 @@ class KVStore:
         *,
         identity: object = None,
         rename: Callable[[Hashable], Hashable] | None = None,
+        epoch: int | None = None,
     ) -> persist.RestoreResult:
         """Merge the prefixes saved in ``path`` into this store: cached ones stay, new ones go in.
 
@@ -365,8 +405,10 @@ class KVStore:
         structure) and raises ``radixkv.CacheFileError`` naming the fault, changing nothing.
         Restored blocks only take free blocks (nothing cached is evicted for them); what does
         not fit is dropped, least recently used first, and counted in the result.
+        ``epoch``: ``self.epoch`` read when ``identity`` was computed; if the store was flushed
+        since (weights changed), raises RuntimeError, changing nothing.
         """
-        return persist.restore_store(self, path, identity=identity, rename=rename)
+        return persist.restore_store(self, path, identity=identity, rename=rename, epoch=epoch)
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[tuple[RadixTree, BlockPool, Callable[[RadixTree, object], None]]]:

@@ -34,15 +34,20 @@ class TaskPins:
         k_src: Sequence[torch.Tensor],
         v_src: Sequence[torch.Tensor],
         namespace: Hashable = None,
+        epoch: int | None = None,
     ) -> int:
         """Cache the whole blocks of ``tokens`` (KV as for ``commit``) and pin them under ``task_id``.
+
+        ``epoch``: ``store.epoch`` read before the KV was computed, as for ``commit``; if the
+        store was flushed since (weights changed), the KV is stale and nothing is pinned.
 
         Pinned until ``unpin(task_id)`` or the store's ``flush()``: never evicted nor demoted. Pinning
         an id again replaces its prompt (the old one is unpinned once the new one holds).
         Returns the pinned tokens (whole blocks). Raises ValueError, pinning nothing, when the
         prompt is shorter than one block or the device pool cannot hold it beside the other
         task prompts (naming blocks needed and blocks that exist); RuntimeError when running
-        requests pin so much of the pool that it could not be cached whole.
+        requests pin so much of the pool that it could not be cached whole, or when the store
+        was flushed after ``epoch`` (compute the KV again and pin again).
         """
         store = self._store
         hash(task_id)
@@ -65,8 +70,17 @@ class TaskPins:
                 f"{len(others)} ({shared} shared): the device pool has only {store.pool.num_blocks} blocks"
             )
         for _attempt in range(3):  # traffic may evict what commit cached before we pin it: retry
-            store.commit(packed, k_src, v_src, namespace)
+            with store._lock:  # a prefix demoted earlier comes back: task prompts live on the device
+                prefix = store.tree.match(packed, namespace)
+                if prefix.node.tier:
+                    store._promote_locked(prefix.node)
+            store.commit(packed, k_src, v_src, namespace, epoch)
             with store._lock:
+                if epoch is not None and epoch != store.epoch:  # checked with the pin, under one lock
+                    raise RuntimeError(
+                        f"task prompt {task_id!r}: the store was flushed (weights changed?) after its KV "
+                        "was computed; nothing was pinned: compute it again and pin again"
+                    )
                 match = store.tree.match(packed, namespace)
                 if match.num_tokens == need * bs:
                     store.tree.pin(match.node)

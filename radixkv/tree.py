@@ -156,6 +156,34 @@ class RadixTree:
             self._touch_device_end(node)
         return MatchResult(pos // TOKEN_BYTES, tuple(ids), node)
 
+    def cached_prefix(self, tokens: Tokens, namespace: Hashable = None) -> tuple[int, int]:
+        """``(tokens, tier)``: the length of ``tokens``' longest cached whole-block prefix and the
+        tier of the node it ends in (DEVICE when nothing matches), changing nothing.
+
+        Unlike ``match`` it neither splits a node nor moves recency (a restore sizing what it
+        must copy). O(n) to pack, one dict lookup and memcmp per node, O(edge blocks) on the last.
+        """
+        bs, width = self._block_size, self._width
+        n = _node.num_tokens_of(tokens)
+        query = pack(tokens, n - n % bs)
+        node, pos = self._roots.get(namespace), 0
+        if node is None:
+            return 0, DEVICE
+        while pos < len(query):
+            child = node.children.get(query[pos : pos + width])
+            if child is None:
+                break
+            if query.startswith(child.data, pos):
+                node, pos = child, pos + len(child.data)
+                continue
+            blocks = 1  # the key matched; count the following whole blocks that do too
+            while query[pos + blocks * width : pos + (blocks + 1) * width] == child.data[
+                blocks * width : (blocks + 1) * width
+            ] and pos + (blocks + 1) * width <= len(query):
+                blocks += 1
+            return (pos + blocks * width) // TOKEN_BYTES, child.tier
+        return pos // TOKEN_BYTES, node.tier
+
     def insert(
         self, tokens: Tokens, block_ids: Sequence[int], namespace: Hashable = None, tier: int = DEVICE
     ) -> int:
@@ -353,6 +381,34 @@ class RadixTree:
         parent.dev_children -= 1
         if not (parent.dev_children or parent.pin_count or parent.is_root or parent.evict_entry):
             self._add_evictable(parent)
+        return old
+
+    def promote(self, node: Node, device_ids: Sequence[int]) -> list[int]:
+        """Mark pinned host ``node`` under a device parent device-resident, its KV now in
+        ``device_ids``; return its host ids. The reverse of ``demote``, for a caller holding
+        the only pins on ``node`` (a reader's lease fixes which of its ids are host ids).
+
+        The caller has copied the blocks (same order). Raises ValueError, changing nothing,
+        when ``node`` is not a pinned host node whose parent is on the device, or the id count
+        differs. O(len(device_ids)).
+        """
+        if node.tier != HOST or node.parent is None or node.parent.tier != DEVICE or not node.pin_count:
+            raise ValueError(f"cannot promote {node!r}: not a pinned host node under a device node")
+        if len(device_ids) != len(node.block_ids):
+            raise ValueError(f"promote needs {len(node.block_ids)} device block ids, got {len(device_ids)}")
+        new_ids = list(device_ids)
+        if self._owned is not None:
+            new_ids = _node.check_block_ids(new_ids, self._owned)
+            self._owned_host.difference_update(node.block_ids)
+            self._owned.update(new_ids)
+        old, node.block_ids, node.tier = node.block_ids, new_ids, DEVICE
+        self._num_host_blocks -= len(old)
+        self._num_host_pinned_blocks -= len(old)  # pinned: unpin counts it as a device node now
+        parent = node.parent
+        parent.dev_children += 1
+        if parent.evict_entry is not None:  # a device parent is no candidate with a device child
+            self._evictable.remove(parent.evict_entry)
+            parent.evict_entry = None
         return old
 
     def host_blocks_at(self, node: Node) -> int:

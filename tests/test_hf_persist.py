@@ -131,6 +131,57 @@ def test_weights_changed_in_process_flush_instead_of_being_saved(tmp_path):
     assert hf_patch.save_cache(model, tmp_path / "x.safetensors", store).num_tokens == 0
 
 
+def test_weights_changed_while_a_file_is_read_restore_no_stale_kv(saved, monkeypatch):
+    # The file matched the weights when checked; another thread changes them and flushes the
+    # store (its next generate() does) before the restore inserts: that KV is stale now.
+    import radixkv.persist
+
+    model = build("llama-sdpa")
+    store = store_for(model, BS)
+    hf_patch.weights.flush_if_weights_changed(store, model)  # the store has seen these weights
+    read = radixkv.persist.read_cache_file
+
+    def read_then_weights_change(*args, **kwargs):
+        data = read(*args, **kwargs)
+        with torch.no_grad():
+            model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
+        hf_patch.weights.flush_if_weights_changed(store, model)
+        return data
+
+    monkeypatch.setattr(radixkv.persist, "read_cache_file", read_then_weights_change)
+    with pytest.raises(RuntimeError, match="flushed"):
+        hf_patch.restore_cache(model, saved, store)
+    assert store.stats()["cached_blocks"] == 0 and store.stats()["free_blocks"] == store.pool.num_blocks
+    store.check_invariants()
+    cache, _ = assert_same_as_stock(model, ids(DOC + Q2), store)
+    assert cache.cached_tokens == [0]
+
+
+def test_weights_changed_while_the_identity_is_computed_save_no_mislabelled_kv(tmp_path, monkeypatch):
+    # save_cache fingerprints the weights, then snapshots the tree. If another thread changes
+    # the weights and caches KV under them in between, that KV must not be written under the
+    # old weights' identity (a restore with the old weights would serve it).
+    import hf_patch.persistence
+
+    model = build("llama-sdpa")
+    store = warm_store(model)
+    fingerprint = hf_patch.persistence.weights_sha256
+
+    def fingerprint_then_weights_change(m, *args, **kwargs):
+        digest = fingerprint(m, *args, **kwargs)
+        with torch.no_grad():
+            model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
+        assert_same_as_stock(model, ids(DOC + Q1), store)  # flushes, caches the new weights' KV
+        return digest
+
+    monkeypatch.setattr(hf_patch.persistence, "weights_sha256", fingerprint_then_weights_change)
+    path = tmp_path / "kv.safetensors"
+    with pytest.raises(RuntimeError, match="flushed"):
+        hf_patch.save_cache(model, path, store)
+    assert not path.exists()
+    store.check_invariants()
+
+
 def test_a_damaged_file_builds_no_store(saved, tmp_path):
     broken = tmp_path / "broken.safetensors"
     data = open(saved, "rb").read()

@@ -98,3 +98,26 @@ def test_replace_unpin_and_namespaces():
     with pytest.raises(KeyError, match="'t'"):
         hf_patch.unpin_prompts(model, ["t"], store=store)
     store.check_invariants()
+
+
+def test_a_flush_while_a_prompt_is_computed_pins_no_stale_kv():
+    # Another thread changes the weights and flushes the store (its next generate() does) while
+    # pin_prompts runs the forward pass: the KV just computed is of the old weights.
+    from tests.hf_models import build
+
+    model = build("llama-sdpa", seed=3)
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=96)
+    system = tokens(12, seed=440)
+
+    def weights_change_meanwhile(module, args, output):
+        handle.remove()
+        with torch.no_grad():
+            next(model.parameters()).mul_(1.5)
+        hf_patch.weights.flush_if_weights_changed(store, model)
+
+    handle = model.register_forward_hook(weights_change_meanwhile)
+    with pytest.raises(RuntimeError, match="flushed"):
+        hf_patch.pin_prompts(model, {"support": system}, store=store)
+    assert store.tasks.ids() == [] and store.stats()["cached_blocks"] == 0
+    cache, _ = same_as_stock(model, ids(system + tokens(5, seed=441)), store, max_new_tokens=3)
+    assert cache.cached_tokens == [0]

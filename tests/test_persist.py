@@ -195,6 +195,26 @@ def test_a_file_larger_than_the_free_pool_keeps_its_most_recent_part(tmp_path):
     assert hits == [8, 0, 0, 0, 0, 0, 0, 8]  # kept: seqs[0], then the newest two; seqs[6] evicted
 
 
+def test_prefixes_the_store_holds_already_take_no_free_blocks_from_the_file(tmp_path):
+    # The file's most recent prefix is cached already; its older one fits in the free blocks
+    # and must be restored, not dropped as if the cached copy needed room again.
+    recent = [1000 + t for t in range(4 * BS)]
+    older = [2000 + t for t in range(4 * BS)]
+    source = make_store()
+    put(source, older)
+    put(source, recent)
+    path = tmp_path / "kv.safetensors"
+    source.save(path, identity=IDENTITY)
+    store = make_store(num_blocks=8)
+    put(store, recent)  # 4 blocks cached, 4 free
+    result = store.restore(path, identity=IDENTITY)
+    store.check_invariants()
+    assert (result.restored_blocks, result.duplicate_tokens, result.dropped_blocks) == (4, 4 * BS, 0)
+    assert cached_prefix(store, older) == len(older) and cached_prefix(store, recent) == len(recent)
+    stats = store.stats()
+    assert stats["free_blocks"] == 0 and stats["cached_blocks"] == 8
+
+
 def test_nothing_cached_is_evicted_to_make_room(saved):
     store = make_store(6)
     put(store, list(range(300, 320)))  # 5 of the 6 blocks

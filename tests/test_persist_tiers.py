@@ -61,3 +61,26 @@ def test_a_restore_keeps_the_stores_host_copy_and_drops_the_files_part_below_it(
     store.check_invariants()
     assert cached_prefix(store, longer) == len(doc)
     assert store.stats()["free_blocks"] == 4  # nothing leaked
+
+
+def test_file_parts_below_a_host_prefix_take_no_free_blocks_from_parts_that_fit(tmp_path) -> None:
+    doc = list(range(2 * BS))
+    longer = doc + [7] * (4 * BS)  # its last 4 blocks would hang below the store's host copy of doc
+    older = [5000 + t for t in range(4 * BS)]
+    source = make_store()
+    put(source, older)
+    put(source, longer)  # the most recent: chosen first
+    path = tmp_path / "kv.safetensors"
+    source.save(path, identity=IDENTITY)
+
+    store = make_tiered(device_blocks=6, host_blocks=8)
+    put(store, doc)
+    put(store, [9000 + t for t in range(6 * BS)])  # demotes doc
+    put(store, [8000 + t for t in range(2 * BS)])  # demotes the 6 blocks: 4 device blocks free
+    assert store.tree.match(doc).node.tier == HOST and store.stats()["free_blocks"] == 4
+    result = store.restore(path, identity=IDENTITY)
+    store.check_invariants()
+    # doc: cached (on the host); longer's tail: dropped (below it); older: fits in the 4 free blocks.
+    assert (result.restored_blocks, result.duplicate_tokens, result.dropped_blocks) == (4, 2 * BS, 4)
+    assert cached_prefix(store, older) == len(older)
+    assert cached_prefix(store, longer) == len(doc)

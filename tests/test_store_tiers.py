@@ -120,6 +120,28 @@ def test_host_pinned_full_falls_back_to_dropping_device_leaves() -> None:
     store.check_invariants()
 
 
+def test_a_node_too_big_for_the_host_is_dropped_without_emptying_the_host() -> None:
+    store = make_tiered(device_blocks=8, host_blocks=4)
+    small = [[p] * 4 + [0] for p in (1, 2)]  # 1 block each
+    for tokens in small:
+        store.commit(tokens, *kv_for(tokens))
+    big = [3] * 24 + [0]  # 6 blocks: more than the whole host tier
+    store.commit(big, *kv_for(big))
+    e = [4] * 8 + [0]
+    store.commit(e, *kv_for(e))  # demotes the two small prompts
+    assert store.stats()["host_cached_blocks"] == 2
+    f = [5] * 8 + [0]
+    store.commit(f, *kv_for(f))  # the LRU candidate (big) cannot fit in the host: dropped
+    store.check_invariants()
+    for tokens in small:  # ...and the host kept what it held: dropping it would free nothing usable
+        with store.acquire(tokens) as lease:
+            assert (lease.num_tokens, lease.num_host_blocks) == (4, 1)
+        assert_kv(store, tokens, 4)
+    assert_kv(store, f, 8)
+    with store.acquire(big) as lease:
+        assert lease.num_tokens == 0
+
+
 def test_flush_frees_both_tiers_and_keeps_pinned_host_blocks_until_released() -> None:
     store = make_tiered(device_blocks=2, host_blocks=4)
     for p in (1, 2):
@@ -197,6 +219,47 @@ def test_a_pinned_task_prompt_survives_a_flood_and_is_never_demoted() -> None:
     assert store.stats()["task_pinned_blocks"] == 0 and store.tasks.ids() == []
     with pytest.raises(KeyError, match="'summarise'"):
         store.tasks.unpin("summarise")
+    store.check_invariants()
+
+
+def test_a_task_prompt_whose_prefix_was_demoted_is_pinned_on_the_device() -> None:
+    store = make_tiered(device_blocks=8, host_blocks=2)  # a host tier smaller than the prompt
+    task = [1] * 16 + [0]  # 4 blocks
+    head = task[:8] + [0]
+    store.commit(head, *kv_for(head))
+    for p in range(4):  # traffic demotes the prompt's first 2 blocks, filling the host
+        tokens = [p + 10] * 8 + [0]
+        store.commit(tokens, *kv_for(tokens))
+    assert store.tree.match(head).node.tier == HOST
+    # No request runs and the device pool holds 8 blocks: the 4-block prompt must pin there.
+    assert store.tasks.pin("t", task, *kv_for(task)) == 16
+    store.check_invariants()
+    stats = store.stats()
+    assert (stats["task_pinned_blocks"], stats["task_pinned_host_blocks"]) == (4, 0)
+    assert stats["promoted_blocks"] == 2
+    for p in range(10):  # pinned on the device: never demoted by the traffic that follows
+        tokens = [p + 30] * 8 + [0]
+        store.commit(tokens, *kv_for(tokens))
+    with store.acquire(task) as lease:
+        assert (lease.num_tokens, lease.num_host_blocks) == (16, 0)
+    assert_kv(store, task, 16)
+    store.check_invariants()
+
+
+def test_a_demoted_prefix_a_reader_holds_stays_on_the_host_for_a_task_pin() -> None:
+    store = make_tiered(device_blocks=4, host_blocks=8)
+    task = [1] * 12 + [0]  # 3 blocks
+    head = task[:8] + [0]
+    store.commit(head, *kv_for(head))
+    for p in range(2):
+        tokens = [p + 10] * 8 + [0]
+        store.commit(tokens, *kv_for(tokens))
+    with store.acquire(head) as reader:  # a request reads the demoted blocks outside the lock
+        assert reader.num_host_blocks == 2
+        assert store.tasks.pin("t", task, *kv_for(task)) == 12  # pinned where the prefix is
+        assert_kv(store, head, 8)
+        store.check_invariants()
+    assert_kv(store, task, 12)
     store.check_invariants()
 
 

@@ -1,7 +1,7 @@
 """Hypothesis state machine over a KVStore with a tiny device pool and a host tier.
 
 Random commits (which demote and drop host leaves), held and released leases, batched reads,
-task pins, unpins and flushes. After every step: the store's full recount of both tiers
+task pins, unpins, flushes, saves and restores (merging a file into the live store). After every step: the store's full recount of both tiers
 (``check_invariants``), per-tier block accounting, every pinned task prompt a full match,
 and every read equal to the KV that was committed for those tokens (``kv_for`` is a function
 of token and position, so a block served from the wrong tier or slot shows).
@@ -9,12 +9,17 @@ of token and position, so a block served from the wrong tier or slot shows).
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixkv import BlockPool, KVStore, Lease
+from radixkv.cache_file import read_manifest
 from radixkv.tier import host_pool_for
 from tests.test_store import BS, SPECS, kv_for
 
@@ -29,6 +34,9 @@ class TieredStoreMachine(RuleBasedStateMachine):
         self.held: list[tuple[Lease, list[int]]] = []
         self.tasks: dict[str, list[int]] = {}
         self.seen: list[list[int]] = []
+        self.dir = tempfile.mkdtemp(prefix="radixkv-stateful-")
+        self.path = os.path.join(self.dir, "kv.safetensors")
+        self.saved = False
 
     def _tokens(self, data: st.DataObject) -> list[int]:
         if self.seen and data.draw(st.booleans()):  # extend or cut a committed sequence
@@ -119,6 +127,26 @@ class TieredStoreMachine(RuleBasedStateMachine):
         self.store.flush()
         self.tasks.clear()
 
+    @rule()
+    def save(self) -> None:
+        """Write both tiers' blocks (held leases and task pins stay as they are)."""
+        result = self.store.save(self.path)
+        assert result.num_blocks == read_manifest(self.path)["counts"]["blocks"]
+        self.saved = True
+
+    @precondition(lambda self: self.saved)
+    @rule()
+    def restore(self) -> None:
+        """Merge the last file into the live store: every saved block counted once, exactly
+        the restored ones added, and every sequence still reads its own KV (read_seen)."""
+        tree = self.store.tree
+        before, total = tree.num_cached_blocks, read_manifest(self.path)["counts"]["blocks"]
+        result = self.store.restore(self.path)
+        assert result.restored_tokens + result.duplicate_tokens + result.dropped_tokens == total * BS
+        assert tree.num_cached_blocks - before == result.restored_blocks
+        for row in self.seen:
+            self._check_read(row)
+
     @invariant()
     def consistent(self) -> None:
         store = self.store
@@ -135,6 +163,7 @@ class TieredStoreMachine(RuleBasedStateMachine):
             assert match.num_tokens == len(tokens)
 
     def teardown(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
         for lease, _ in self.held:
             lease.release()
         for name in list(self.tasks):

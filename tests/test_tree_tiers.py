@@ -112,3 +112,33 @@ def test_checker_catches_broken_tier_marks() -> None:
     tree.match([1, 2]).node.tier = DEVICE  # counters and LRU orders disagree
     with pytest.raises(TreeInvariantError):
         tree.check_invariants()
+
+
+def test_promote_is_demote_reversed_for_a_pinned_host_chain() -> None:
+    tree = RadixTree(block_size=2)
+    tree.insert([1, 1, 2, 2, 3, 3], [10, 11, 12])
+    tree.insert([1, 1, 2, 2, 4, 4], [10, 11, 13])  # [1,1,2,2] -> {[3,3], [4,4]}
+    tree.match([1, 1, 2, 2, 3, 3])  # [4,4] is the least recently used leaf
+    assert tree.demote(tree.demotion_candidate(), [21]) == [13]
+    assert tree.demote(tree.demotion_candidate(), [20]) == [12]
+    assert tree.demote(tree.demotion_candidate(), [22, 23]) == [10, 11]
+    top = tree.match([1, 1, 2, 2]).node
+    assert top.tier == HOST and tree.num_host_blocks == 4
+    with pytest.raises(ValueError, match="cannot promote"):
+        tree.promote(top, [30, 31])  # unpinned: the caller does not hold it
+    leaf = tree.match([1, 1, 2, 2, 3, 3]).node
+    tree.pin(leaf)
+    with pytest.raises(ValueError, match="cannot promote"):
+        tree.promote(leaf, [32])  # its parent is still on the host
+    with pytest.raises(ValueError, match="2 device block ids"):
+        tree.promote(top, [30])
+    assert tree.promote(top, [30, 31]) == [22, 23]
+    assert tree.promote(leaf, [32]) == [20]
+    tree.check_invariants()
+    assert (tree.num_host_blocks, tree.num_host_pinned_blocks) == (1, 0)
+    tree.unpin(leaf)
+    tree.check_invariants()
+    assert tree.demotion_candidate() is leaf  # a device leaf again, in the device LRU order
+    assert tree.match([1, 1, 2, 2, 3, 3]).block_ids == (30, 31, 32)
+    assert tree.evict_host(5) == [21]  # the other leaf stayed on the host
+    tree.check_invariants()
