@@ -204,13 +204,26 @@ def restore_store(
     order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][3], i))
     with store._exclusive() as (tree, pool, _):
         chosen: set[int] = set()
+        # Nodes whose whole path the store holds already (task prompts pinned at start, say):
+        # duplicates that need no free block, and parents their children can hang under.
+        # Their full path's block ids in the store.
+        present: dict[int, list[int]] = {}
         used = 0
         for i in order:
-            parent, _ns, blocks, _last = nodes[i]
-            if (parent == -1 or parent in chosen) and used + blocks <= pool.num_free:
+            parent, ns_i, blocks, _last = nodes[i]
+            if parent != -1 and parent not in chosen:
+                continue
+            if parent == -1 or parent in present:
+                match = tree.match(PackedTokens(paths[i]), namespaces[ns_i])
+                if match.num_tokens * TOKEN_BYTES == len(paths[i]):
+                    chosen.add(i)
+                    present[i] = list(match.block_ids)
+                    continue
+            if used + blocks <= pool.num_free:
                 chosen.add(i)
                 used += blocks
-        selected = sorted(chosen)  # file order: when everything fits, the file's tensors copy as they are
+        # file order: when everything fits, the file's tensors copy as they are
+        selected = sorted(chosen - present.keys())
         ids = pool.allocate(used)
         try:
             own: dict[int, list[int]] = {}
@@ -225,7 +238,7 @@ def restore_store(
             raise
         # Insert oldest first, so the tree's clock keeps the saved recency order; at equal
         # recency children before parents (a parent's path is then already cached: no split).
-        full: dict[int, list[int]] = {}
+        full: dict[int, list[int]] = dict(present)
         taken: set[int] = set()
         for i in selected:
             parent = nodes[i][0]
@@ -249,10 +262,11 @@ def restore_store(
             unused = [b for b in ids if b not in taken]
             pool.free(unused)
     total = sum(row[2] for row in nodes)
-    dropped = total - used + len(below_host - taken)
+    held = sum(nodes[i][2] for i in present)
+    dropped = total - used - held + len(below_host - taken)
     result = RestoreResult(
         restored_tokens=len(taken) * bs,
-        duplicate_tokens=(len(unused) - len(below_host - taken)) * bs,
+        duplicate_tokens=(len(unused) - len(below_host - taken) + held) * bs,
         dropped_tokens=dropped * bs,
         restored_blocks=len(taken),
         dropped_blocks=dropped,
