@@ -41,6 +41,9 @@ _ROUTES = {
     "/v1/completions": "completions",
     "/v1/models": "models",
     "/v1/cache/flush": "flush",
+    "/v1/cache/save": "save",  # demo.cache_files
+    "/v1/cache/restore": "restore",
+    "/v1/cache/files": "files",
 }
 
 

@@ -220,3 +220,16 @@ def test_a_restart_with_task_prompts_restores_a_full_pool_whole(tmp_path):
     again = c2.post("/v1/cache/restore", json={}, headers=ADMIN).get_json()
     assert again["dropped_blocks"] == 0 and again["duplicate_tokens"] == saved["num_tokens"], again
     eng2.check_invariants()
+
+
+def test_metrics_name_the_cache_file_endpoints(tmp_path):
+    """Errors of /v1/cache/save|restore|files are counted under their own endpoint label, as
+    /v1/cache/flush's are, not lumped with unknown paths under "other"."""
+    c = app(engine(), cache_dir=str(tmp_path))
+    assert c.post("/v1/cache/save", json={"name": "a"}).status_code == 401
+    assert c.post("/v1/cache/restore", json={"name": "missing"}, headers=ADMIN).status_code == 404
+    assert c.get("/v1/cache/files", headers={"X-Admin-Token": "wrong"}).status_code == 401
+    text = c.get("/metrics").get_data(as_text=True)
+    for endpoint, status in (("save", 401), ("restore", 404), ("files", 401)):
+        assert f'radixkv_requests_total{{endpoint="{endpoint}",status="{status}"}} 1' in text, text
+    assert 'endpoint="other"' not in text
