@@ -233,3 +233,15 @@ def test_metrics_name_the_cache_file_endpoints(tmp_path):
     for endpoint, status in (("save", 401), ("restore", 404), ("files", 401)):
         assert f'radixkv_requests_total{{endpoint="{endpoint}",status="{status}"}} 1' in text, text
     assert 'endpoint="other"' not in text
+
+
+def test_a_bad_tenant_secret_file_stops_the_server_with_a_message_not_a_traceback(tmp_path, capsys, monkeypatch):
+    import demo.__main__ as demo_main
+
+    monkeypatch.setattr("demo.server.serve_forever", lambda *a, **k: pytest.fail("the server started"))
+    bad = tmp_path / "bad.secret"
+    bad.write_text("not hex\n")
+    with pytest.raises(SystemExit):
+        demo_main.main(["--model", "builtin-tiny", "--api-keys", "k", "--tenant-secret-file", str(bad)])
+    err = capsys.readouterr().err
+    assert f"tenant secret file {bad} does not hold a hex secret" in err and "Traceback" not in err
