@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser().error(str(e))
     from demo.api import create_app
+    from demo.auth import TenantSecretError
     from demo.model import BUILTIN, ModelNotFound
     from demo.server import Limits, serve_forever
     from demo.task_prompts import TaskPromptError
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
             f"a local directory or a loadable Hub id: {e}"
         )
     except TaskPromptError as e:  # a malformed --task-prompts file / RADIXKV_TASK_PROMPTS, or too big
+        parser().error(str(e))
+    except TenantSecretError as e:  # a damaged --tenant-secret-file (or CACHE_FILE.secret)
         parser().error(str(e))
     engine = app.extensions["radixkv"]["engine"]
     log = logging.getLogger("demo")

@@ -41,6 +41,9 @@ _ROUTES = {
     "/v1/completions": "completions",
     "/v1/models": "models",
     "/v1/cache/flush": "flush",
+    "/v1/cache/save": "save",  # demo.cache_files
+    "/v1/cache/restore": "restore",
+    "/v1/cache/files": "files",
 }
 
 
@@ -333,6 +336,10 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     def flush():
         authenticated(auth.check_admin)
         engine.flush()
+        # The store's flush drops task pins (made for a weight change); the weights are the
+        # same here, so the operator's prompts are pinned again, as at start-up.
+        if tasks and engine.store is not None:
+            tasks.pin(engine, auth.namespaces())
         return jsonify({"flushed": True, "reuse": engine.store is not None})
 
     # /v1/cache/save|restore|files, --cache-file; admin checks under the same throttle as flush

@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 SECRET_BYTES = 32
 
 
+class TenantSecretError(ValueError):
+    """The tenant secret file holds no valid secret; the message names the file."""
+
+
 def _wire_bytes(value: str) -> bytes:
     """A header value as the bytes the client sent: WSGI servers decode headers as Latin-1
     (PEP 3333), so a UTF-8 key arrives as mojibake; encoding back to Latin-1 restores its
@@ -106,8 +110,8 @@ def load_or_create_secret(path: str) -> bytes:
 
     Created with O_EXCL, so two servers starting at once agree on one secret. A file that
     others may read is tightened to 0600 with a warning (the secret maps keys to tenants).
-    Raises ValueError for a file that holds no valid secret: a new one would orphan every
-    tenant's saved prefixes silently.
+    Raises TenantSecretError (a ValueError) for a file that holds no valid secret: a new one
+    would orphan every tenant's saved prefixes silently.
     """
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -123,7 +127,7 @@ def load_or_create_secret(path: str) -> bytes:
         except ValueError:
             secret = b""
         if len(secret) < 16:
-            raise ValueError(
+            raise TenantSecretError(
                 f"tenant secret file {path} does not hold a hex secret of at least 16 bytes"
             ) from None
         return secret

@@ -215,7 +215,15 @@ class Engine:
             (p.temperature, p.top_p, 0) if cfg.do_sample else (1.0, 1.0, None)
         )
         cfg.num_return_sequences = p.n if cfg.do_sample else 1
-        if cfg.pad_token_id is None:
+        # A row that ends before the others (a batch's row, one of n choices) is fed the pad
+        # token until the call ends. hf_patch commits a row up to its first EOS, so an EOS as
+        # the pad keeps those fillers out of the cache; any other id would be cached as if
+        # generated. (Left-pad columns are masked: their id does not matter.)
+        eos = cfg.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if eos:
+            cfg.pad_token_id = eos[0]
+        elif cfg.pad_token_id is None:
             cfg.pad_token_id = (
                 self.tokenizer.pad_token_id
                 if self.tokenizer.pad_token_id is not None

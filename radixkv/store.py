@@ -404,7 +404,8 @@ class KVStore:
         Checks all of the file first (checksums, format version, ``identity``, layout,
         structure) and raises ``radixkv.CacheFileError`` naming the fault, changing nothing.
         Restored blocks only take free blocks (nothing cached is evicted for them); what does
-        not fit is dropped, least recently used first, and counted in the result.
+        not fit is dropped, least recently used first, and counted in the result. Prefixes the
+        store holds already (pinned task prompts, say) are duplicates and need no free block.
         ``epoch``: ``self.epoch`` read when ``identity`` was computed; if the store was flushed
         since (weights changed), raises RuntimeError, changing nothing.
         """

@@ -231,3 +231,23 @@ def test_batched_penalties_and_logprobs_equal_alone(engine, monkeypatch):
         assert [t.token for t in got] == [t.token for t in want]
         assert [[i for i, _ in t.top] for t in got] == [[i for i, _ in t.top] for t in want]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(got, want)) < 1e-4
+
+
+def test_a_row_that_ends_early_caches_no_padding(engine, monkeypatch):
+    """A row that stops before its batch ends is fed pad tokens until the batch ends. They are
+    no part of its reply and must not be committed as if they were (each batch would fill the
+    pool with up to rows x max_tokens tokens that no prompt will ever match)."""
+    short, long_ = (engine.text_ids(f"padding check {i}: " + TABLE[: 150 + 100 * i]) for i in range(2))
+    sizes = spy_batches(monkeypatch)
+    held = Held(engine, monkeypatch)
+    before = engine.stats()["inserted_tokens"]
+    gens = [engine.submit(short, Params(2, temperature=0.0)), engine.submit(long_, Params(40, temperature=0.0))]
+    held.go()
+    out = collect_all(gens)
+    assert sizes == [2] and [r.completion_tokens for r in out] == [2, 40]
+    inserted = engine.stats()["inserted_tokens"] - before
+    bs = engine.store.block_size
+    # short row: prompt + its 2 tokens (+ 1 end marker at most); long row: prompt + 39 fed tokens
+    most = (len(short) + 3) // bs * bs + (len(long_) + 39) // bs * bs
+    assert inserted <= most, (inserted, most)
+    engine.check_invariants()

@@ -6,6 +6,7 @@ configuration; tests/test_demo_restart.py does the same with real processes and 
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 
@@ -185,3 +186,62 @@ def test_cache_flags_and_environment():
     for argv in (["--cache-save-every", "10"], ["--cache-file", "/a", "--cache-save-every", "0"]):
         with pytest.raises(ValueError, match="cache_save_every"):
             from_args(argv, {})
+
+
+def test_a_restart_with_task_prompts_restores_a_full_pool_whole(tmp_path):
+    """At start the task prompts are pinned before --cache-file is restored, and the file holds
+    them too (they were cached when it was saved). Blocks the store already holds need no free
+    room: a file saved from a full pool comes back whole, nothing dropped."""
+    prompt = "You are the support desk of Example Corp. " + " ".join(f"Rule {i}: be kind." for i in range(12))
+    kw = {
+        "cache_file": str(tmp_path / "kv.safetensors"),
+        "task_prompts_json": json.dumps([{"task_id": "support", "prompt": prompt}]),
+    }
+
+    def small_engine():
+        return build_engine(Config(model="builtin-tiny", block_size=BLOCK, cache_tokens=64 * BLOCK))
+
+    eng = small_engine()
+    c = app(eng, **kw)
+    pinned = eng.stats()["task_pinned_blocks"]
+    assert 0 < pinned < 32
+    for i in range(12):  # more than the pool holds
+        body = {"messages": [{"role": "user", "content": f"case {i}: " + "word " * 60}], "max_tokens": 2}
+        assert c.post("/v1/chat/completions", json={**body, "task_id": "support"}).status_code == 200
+    saved = c.post("/v1/cache/save", json={}, headers=ADMIN).get_json()
+    assert saved["num_blocks"] == eng.stats()["cached_blocks"]
+    assert saved["num_blocks"] > 64 - pinned  # fits beside the pins only if they need no room again
+
+    eng2 = small_engine()
+    c2 = app(eng2, **kw)  # pins, then restores the file
+    stats = eng2.stats()
+    assert stats["task_pinned_blocks"] == pinned
+    assert stats["cached_blocks"] == saved["num_blocks"], stats
+    again = c2.post("/v1/cache/restore", json={}, headers=ADMIN).get_json()
+    assert again["dropped_blocks"] == 0 and again["duplicate_tokens"] == saved["num_tokens"], again
+    eng2.check_invariants()
+
+
+def test_metrics_name_the_cache_file_endpoints(tmp_path):
+    """Errors of /v1/cache/save|restore|files are counted under their own endpoint label, as
+    /v1/cache/flush's are, not lumped with unknown paths under "other"."""
+    c = app(engine(), cache_dir=str(tmp_path))
+    assert c.post("/v1/cache/save", json={"name": "a"}).status_code == 401
+    assert c.post("/v1/cache/restore", json={"name": "missing"}, headers=ADMIN).status_code == 404
+    assert c.get("/v1/cache/files", headers={"X-Admin-Token": "wrong"}).status_code == 401
+    text = c.get("/metrics").get_data(as_text=True)
+    for endpoint, status in (("save", 401), ("restore", 404), ("files", 401)):
+        assert f'radixkv_requests_total{{endpoint="{endpoint}",status="{status}"}} 1' in text, text
+    assert 'endpoint="other"' not in text
+
+
+def test_a_bad_tenant_secret_file_stops_the_server_with_a_message_not_a_traceback(tmp_path, capsys, monkeypatch):
+    import demo.__main__ as demo_main
+
+    monkeypatch.setattr("demo.server.serve_forever", lambda *a, **k: pytest.fail("the server started"))
+    bad = tmp_path / "bad.secret"
+    bad.write_text("not hex\n")
+    with pytest.raises(SystemExit):
+        demo_main.main(["--model", "builtin-tiny", "--api-keys", "k", "--tenant-secret-file", str(bad)])
+    err = capsys.readouterr().err
+    assert f"tenant secret file {bad} does not hold a hex secret" in err and "Traceback" not in err

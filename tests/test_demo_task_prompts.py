@@ -96,6 +96,36 @@ def test_every_tenant_gets_the_task_prompts_pinned_in_its_own_namespace(engine):
         assert r.get_json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
 
 
+def test_an_admin_flush_keeps_the_task_prompts_pinned():
+    """The store's flush drops task pins (KV of older weights); the demo's flush keeps the
+    weights, so the operator's prompts must stay pinned and hit on their next use."""
+    engine = build_engine(Config(model="builtin-tiny", block_size=BLOCK, cache_tokens=1 << 14))
+    client = app_for(engine, api_keys=("key-a",), admin_token="adm")
+    pinned = {k: v for k, v in engine.stats().items() if k.startswith("task_")}
+    assert pinned["task_prompts"] >= 2
+    flushed = client.post("/v1/cache/flush", headers={"X-Admin-Token": "adm"})
+    assert flushed.status_code == 200, flushed.get_json()
+    assert {k: v for k, v in engine.stats().items() if k.startswith("task_")} == pinned
+    r = chat(client, "after the flush", headers={"Authorization": "Bearer key-a"}, task_id="support")
+    assert r.get_json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
+    engine.check_invariants()
+
+
+def test_a_salted_task_request_reads_only_its_salts_prefixes(engine):
+    """The pins are in the tenant's namespace; a salt narrows to (tenant, salt), where the task
+    prompt is cached like any prefix: not read on the salt's first request, read on its next."""
+    client = app_for(engine, api_keys=("key-s",))
+    headers = {"Authorization": "Bearer key-s"}
+    first = chat(client, "salted one", headers=headers, task_id="support", cache_salt="team-1")
+    assert first.get_json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    second = chat(client, "salted two", headers=headers, task_id="support", cache_salt="team-1")
+    assert second.get_json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
+    other = chat(client, "salted three", headers=headers, task_id="support", cache_salt="team-2")
+    assert other.get_json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    off = chat(client, "not cached", headers=headers, task_id="support", cache_prompt=False)
+    assert off.get_json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def test_metrics_show_task_pins_and_host_tier_gauges(monkeypatch):
     monkeypatch.setenv("RADIXKV_HOST_CACHE_TOKENS", "4096")
     engine = build_engine(Config(model="builtin-tiny", block_size=BLOCK, cache_tokens=1024))

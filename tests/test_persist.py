@@ -215,6 +215,26 @@ def test_prefixes_the_store_holds_already_take_no_free_blocks_from_the_file(tmp_
     assert stats["free_blocks"] == 0 and stats["cached_blocks"] == 8
 
 
+def test_a_prefix_the_store_holds_needs_no_free_room(tmp_path):
+    """A saved node whose whole path is cached already is a duplicate before any copy: it takes
+    no free block, and its children still fit (task prompts pinned before a start-up restore)."""
+    big = make_store(64)
+    parent = list(range(500, 508))  # its own node: 2 blocks
+    child = parent + list(range(600, 608))  # 2 more below it
+    put(big, parent)
+    put(big, child)
+    path = tmp_path / "nested.safetensors"
+    big.save(path)
+    small = make_store(4)
+    put(small, parent)  # 2 blocks cached, 2 free: room for the child only
+    result = small.restore(path)
+    small.check_invariants()
+    assert (result.restored_blocks, result.duplicate_tokens, result.dropped_blocks) == (2, 8, 0)
+    assert cached_prefix(small, child + [0]) == 16
+    stats = small.stats()
+    assert stats["free_blocks"] == 0 and stats["cached_blocks"] == 4
+
+
 def test_nothing_cached_is_evicted_to_make_room(saved):
     store = make_store(6)
     put(store, list(range(300, 320)))  # 5 of the 6 blocks
