@@ -34,8 +34,6 @@ import contextlib
 import logging
 from collections.abc import Hashable, Iterator, Sequence
 
-from sortedcontainers import SortedList
-
 import radixkv.node as _node
 from radixkv.node import (
     DEVICE,
@@ -46,10 +44,10 @@ from radixkv.node import (
     Tokens,
     TreeInvariantError,
     pack,
-    split,
     walk,
 )
 from radixkv.tree_check import check_tree
+from radixkv.tree_tiers import TierOps
 
 __all__ = ["DEVICE", "HOST", "MatchResult", "Node", "RadixTree", "TierOrderError", "TreeInvariantError"]
 
@@ -60,71 +58,14 @@ class TierOrderError(ValueError):
     """An insert would hang device-resident blocks under a host-resident node."""
 
 
-class RadixTree:
+class RadixTree(TierOps):
     """Radix tree mapping whole-block token prefixes to KV block ids, with pins and LRU eviction.
 
     ``n`` below is the query length in tokens, ``d`` the depth of the path in nodes and ``L``
-    the number of evictable leaves.
+    the number of evictable leaves. Its fields, counters and node bookkeeping live in
+    ``TreeState`` (radixkv.tree_state), the host-tier operations in ``TierOps``
+    (radixkv.tree_tiers).
     """
-
-    def __init__(self, block_size: int = 16, *, check_block_ids: bool = True) -> None:
-        _node.check_block_size(block_size)
-        self._block_size = block_size
-        self._width = block_size * TOKEN_BYTES  # bytes of one packed block
-        self._roots: dict[Hashable, Node] = {}
-        # Unpinned non-root leaves as (last_access, uid, node); uid is unique so tuples never
-        # compare nodes. Pop from the front = least recently used.
-        self._evictable: SortedList = SortedList()
-        self._host_evictable: SortedList = SortedList()  # unpinned host leaves, same entries
-        self._lru = (self._evictable, self._host_evictable)  # indexed by Node.tier
-        self._clock = 0
-        self._next_uid = 0
-        self._num_nodes = 0
-        self._num_cached_blocks = 0
-        self._num_pinned_blocks = 0
-        self._num_host_blocks = 0  # of _num_cached_blocks, those in host nodes
-        self._num_host_pinned_blocks = 0
-        # Ids owned, so insert can refuse one held already (two KVs in one slot): ~15% of a
-        # bench_tree request (cache misses); KVStore's ids come off the pool's free list: off.
-        self._owned: set[int] | None = set() if check_block_ids else None
-        self._owned_host: set[int] | None = set() if check_block_ids else None  # another id space
-
-    # ---------------------------------------------------------------- counters
-
-    @property
-    def block_size(self) -> int:
-        """Tokens per block (a power of two)."""
-        return self._block_size
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks referenced by the tree (owned by it). O(1)."""
-        return self._num_cached_blocks
-
-    @property
-    def num_pinned_blocks(self) -> int:
-        """Blocks in nodes with a pin on themselves or a descendant. O(1)."""
-        return self._num_pinned_blocks
-
-    @property
-    def num_evictable_blocks(self) -> int:
-        """Blocks that ``evict`` could free now (every unpinned node, leaves first). O(1)."""
-        return self._num_cached_blocks - self._num_pinned_blocks
-
-    @property
-    def num_host_blocks(self) -> int:
-        """Of ``num_cached_blocks``, those held by host-resident nodes. O(1)."""
-        return self._num_host_blocks
-
-    @property
-    def num_host_pinned_blocks(self) -> int:
-        """Of ``num_pinned_blocks``, those held by host-resident nodes. O(1)."""
-        return self._num_host_pinned_blocks
-
-    @property
-    def num_nodes(self) -> int:
-        """Non-root nodes in the tree. O(1)."""
-        return self._num_nodes
 
     # ---------------------------------------------------------------- lookup and insert
 
@@ -155,34 +96,6 @@ class RadixTree:
         if node.tier:
             self._touch_device_end(node)
         return MatchResult(pos // TOKEN_BYTES, tuple(ids), node)
-
-    def cached_prefix(self, tokens: Tokens, namespace: Hashable = None) -> tuple[int, int]:
-        """``(tokens, tier)``: the length of ``tokens``' longest cached whole-block prefix and the
-        tier of the node it ends in (DEVICE when nothing matches), changing nothing.
-
-        Unlike ``match`` it neither splits a node nor moves recency (a restore sizing what it
-        must copy). O(n) to pack, one dict lookup and memcmp per node, O(edge blocks) on the last.
-        """
-        bs, width = self._block_size, self._width
-        n = _node.num_tokens_of(tokens)
-        query = pack(tokens, n - n % bs)
-        node, pos = self._roots.get(namespace), 0
-        if node is None:
-            return 0, DEVICE
-        while pos < len(query):
-            child = node.children.get(query[pos : pos + width])
-            if child is None:
-                break
-            if query.startswith(child.data, pos):
-                node, pos = child, pos + len(child.data)
-                continue
-            blocks = 1  # the key matched; count the following whole blocks that do too
-            while query[pos + blocks * width : pos + (blocks + 1) * width] == child.data[
-                blocks * width : (blocks + 1) * width
-            ] and pos + (blocks + 1) * width <= len(query):
-                blocks += 1
-            return (pos + blocks * width) // TOKEN_BYTES, child.tier
-        return pos // TOKEN_BYTES, node.tier
 
     def insert(
         self, tokens: Tokens, block_ids: Sequence[int], namespace: Hashable = None, tier: int = DEVICE
@@ -337,88 +250,6 @@ class RadixTree:
             self._add_evictable(node)
         return freed
 
-    def evict_host(self, num_blocks: int) -> list[int]:
-        """As ``evict``, for host-resident leaves: returns freed host block ids. O(log L) per node."""
-        if num_blocks < 0:
-            raise ValueError(f"evict_host needs num_blocks >= 0, got {num_blocks}")
-        freed: list[int] = []
-        evictable = self._host_evictable
-        while len(freed) < num_blocks and evictable:
-            node = evictable.pop(0)[2]
-            node.evict_entry = None
-            freed += node.block_ids
-            self._remove_leaf(node)
-        return freed
-
-    def demotion_candidate(self) -> Node | None:
-        """The least recently used unpinned device node without device children, or None. O(1)."""
-        return self._evictable[0][2] if self._evictable else None
-
-    def demote(self, node: Node, host_ids: Sequence[int]) -> list[int]:
-        """Mark candidate ``node`` host-resident, its KV now in ``host_ids``; return its device ids.
-
-        The caller has copied the blocks (same order, one host id per block). ``node`` keeps
-        its place in the LRU order (its ``last_access``); its parent may become a candidate.
-        Raises ValueError, changing nothing, when ``node`` is not a demotion candidate or the
-        id count differs. O(log L + len(host_ids)).
-        """
-        if node.evict_entry is None or node.tier != DEVICE:
-            raise ValueError(f"cannot demote {node!r}: not an unpinned device node without device children")
-        if len(host_ids) != len(node.block_ids):
-            raise ValueError(f"demote needs {len(node.block_ids)} host block ids, got {len(host_ids)}")
-        new_ids = list(host_ids)
-        if self._owned_host is not None:
-            new_ids = _node.check_block_ids(new_ids, self._owned_host)
-            self._owned.difference_update(node.block_ids)
-            self._owned_host.update(new_ids)
-        self._evictable.remove(node.evict_entry)
-        node.evict_entry = None
-        old, node.block_ids, node.tier = node.block_ids, new_ids, HOST
-        self._num_host_blocks += len(new_ids)
-        if not node.children:
-            self._add_evictable(node)
-        parent = node.parent
-        parent.dev_children -= 1
-        if not (parent.dev_children or parent.pin_count or parent.is_root or parent.evict_entry):
-            self._add_evictable(parent)
-        return old
-
-    def promote(self, node: Node, device_ids: Sequence[int]) -> list[int]:
-        """Mark pinned host ``node`` under a device parent device-resident, its KV now in
-        ``device_ids``; return its host ids. The reverse of ``demote``, for a caller holding
-        the only pins on ``node`` (a reader's lease fixes which of its ids are host ids).
-
-        The caller has copied the blocks (same order). Raises ValueError, changing nothing,
-        when ``node`` is not a pinned host node whose parent is on the device, or the id count
-        differs. O(len(device_ids)).
-        """
-        if node.tier != HOST or node.parent is None or node.parent.tier != DEVICE or not node.pin_count:
-            raise ValueError(f"cannot promote {node!r}: not a pinned host node under a device node")
-        if len(device_ids) != len(node.block_ids):
-            raise ValueError(f"promote needs {len(node.block_ids)} device block ids, got {len(device_ids)}")
-        new_ids = list(device_ids)
-        if self._owned is not None:
-            new_ids = _node.check_block_ids(new_ids, self._owned)
-            self._owned_host.difference_update(node.block_ids)
-            self._owned.update(new_ids)
-        old, node.block_ids, node.tier = node.block_ids, new_ids, DEVICE
-        self._num_host_blocks -= len(old)
-        self._num_host_pinned_blocks -= len(old)  # pinned: unpin counts it as a device node now
-        parent = node.parent
-        parent.dev_children += 1
-        if parent.evict_entry is not None:  # a device parent is no candidate with a device child
-            self._evictable.remove(parent.evict_entry)
-            parent.evict_entry = None
-        return old
-
-    def host_blocks_at(self, node: Node) -> int:
-        """Blocks of host-resident nodes on the path ending at ``node`` (they end it). O(host nodes)."""
-        count = 0
-        while node.tier:
-            count += len(node.block_ids)
-            node = node.parent
-        return count
-
     def clear(self) -> list[int]:
         """Drop every unpinned node (a cache flush) and return their block ids; pinned paths stay.
 
@@ -469,94 +300,3 @@ class RadixTree:
             num_host_pinned_blocks=self._num_host_pinned_blocks,
             owned_host=self._owned_host,
         )
-
-    # ---------------------------------------------------------------- internals
-
-    def _root(self, namespace: Hashable) -> Node:
-        root = self._roots.get(namespace)
-        if root is None:
-            root = self._roots[namespace] = Node(b"", [], None, namespace, self._uid(), 0, is_root=True)
-        return root
-
-    def _check_owned(self, node: Node, op: str) -> None:
-        """Raise ValueError unless ``node`` hangs under one of this tree's roots. O(d)."""
-        root = _node.root_of(node)
-        if not node.attached or self._roots.get(root.key) is not root:
-            raise ValueError(f"cannot {op} {node!r}: it is no longer in the tree (or another tree's)")
-
-    def _uid(self) -> int:
-        self._next_uid += 1
-        return self._next_uid
-
-    def _split(self, node: Node, cut: int) -> Node:
-        self._num_nodes += 1
-        return split(node, cut, self._width, self._uid())
-
-    def _add_leaf(self, parent: Node, data: bytes, block_ids: list[int], tick: int, tier: int) -> Node:
-        # A host child ends a host parent's candidacy; a device parent stays a demotion candidate.
-        if parent.evict_entry is not None and (parent.tier or not tier):
-            self._lru[parent.tier].remove(parent.evict_entry)
-            parent.evict_entry = None
-        key = data[: self._width]
-        leaf = parent.children[key] = Node(data, block_ids, parent, key, self._uid(), tick, tier=tier)
-        self._num_nodes += 1
-        self._num_cached_blocks += len(block_ids)
-        if tier:
-            self._num_host_blocks += len(block_ids)
-        else:
-            parent.dev_children += 1
-        if self._owned is not None:
-            (self._owned_host if tier else self._owned).update(block_ids)
-        self._add_evictable(leaf)
-        return leaf
-
-    def _remove_leaf(self, node: Node) -> None:
-        """Detach an unpinned leaf already taken out of the evictable set; cascade to its parent."""
-        parent = node.parent
-        assert parent is not None
-        del parent.children[node.key]
-        node.parent = None
-        node.attached = False
-        self._num_nodes -= 1
-        self._num_cached_blocks -= len(node.block_ids)
-        if node.tier:
-            self._num_host_blocks -= len(node.block_ids)
-        else:
-            parent.dev_children -= 1
-        if self._owned is not None:
-            (self._owned_host if node.tier else self._owned).difference_update(node.block_ids)
-        if parent.children:
-            # A device parent left without device children becomes a demotion candidate.
-            if not (
-                parent.dev_children or parent.tier or parent.pin_count or parent.is_root or parent.evict_entry
-            ):
-                self._add_evictable(parent)
-            return
-        if parent.pin_count:
-            return
-        if parent.is_root:
-            self._drop_root(parent)
-        elif parent.evict_entry is None:
-            self._add_evictable(parent)
-
-    def _drop_root(self, root: Node) -> None:
-        del self._roots[root.key]
-        root.attached = False
-
-    def _add_evictable(self, node: Node) -> None:
-        entry = node.evict_entry = (node.last_access, node.uid, node)
-        self._lru[node.tier].add(entry)
-
-    def _touch(self, node: Node) -> None:
-        """Move ``node`` to the most-recent end of the eviction order if it is a candidate. O(log L)."""
-        if node.evict_entry is not None and node.evict_entry[0] != node.last_access:
-            self._lru[node.tier].remove(node.evict_entry)
-            self._add_evictable(node)
-
-    def _touch_device_end(self, node: Node) -> None:
-        """Refresh the last device node above host ``node``: walk() stamped it, and it may be a
-        demotion candidate (its device children all demoted). O(host nodes on the path + log L)."""
-        while node.tier:
-            node = node.parent
-        if not node.is_root:
-            self._touch(node)

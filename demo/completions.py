@@ -1,0 +1,154 @@
+"""Answers to POST /v1/chat/completions and /v1/completions: one JSON body, or an SSE stream.
+
+    respond = responder(engine, config, metrics, model_id)   # demo.api's create_app does this
+    return respond("chat", prompt_ids, sampling, opts, namespace, started, slot)
+
+The request is checked already (demo.schema, demo.options) and holds a queue slot; ``respond``
+submits it to the engine, and either collects the result or streams chunks as they come,
+counting both in ``metrics``. Response shapes are built in demo.responses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+from flask import Response, jsonify, request
+
+from demo import options, responses, schema
+from demo.config import Config
+from demo.engine import Disconnected, Engine, Generation, Params
+from demo.generation import Result
+from demo.metrics import Metrics
+from demo.schema import ApiError
+from demo.server import client_alive
+
+log = logging.getLogger(__name__)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -> Callable[..., Response]:
+    """``respond(endpoint, prompt_ids, sampling, opts, namespace, started, slot)`` for ``engine``.
+
+    ``endpoint`` is "chat" or "completions"; ``started`` the request's ``time.perf_counter()``;
+    ``slot`` the queue slot from ``engine.reserve()``. Returns a Flask response.
+    """
+
+    def token_text(token: int) -> str:
+        return engine.tokenizer.decode([token], skip_special_tokens=False)
+
+    def respond(
+        endpoint: str,
+        prompt_ids: list[int],
+        s: schema.Sampling,
+        opts: options.Options,
+        namespace,
+        started: float,
+        slot,
+    ):
+        max_new = schema.check_length(
+            len(prompt_ids),
+            s.max_tokens,
+            config.default_max_tokens,
+            engine.context,
+            "messages" if endpoint == "chat" else "prompt",
+            s.max_param,
+        )
+        params = Params(
+            max_new,
+            s.temperature,
+            s.top_p,
+            s.stop,
+            s.seed,
+            n=opts.n,
+            frequency_penalty=opts.frequency_penalty,
+            presence_penalty=opts.presence_penalty,
+            logit_bias=tuple(opts.logit_bias.items()),
+            top_logprobs=opts.top_logprobs,
+            cache_prompt=opts.cache_prompt,
+        )
+        gen = engine.submit(prompt_ids, params, options.salted(namespace, opts.cache_salt), slot=slot)
+        gen.alive = client_alive(request.environ)
+        rid, created = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        if not s.stream:
+            try:
+                r = gen.collect()
+            except Disconnected:  # nobody reads this; counted as 499 by count_errors
+                raise ApiError(499, "the client closed the connection", code="client_closed") from None
+            finally:
+                gen.cancel()
+            metrics.generation(endpoint, r)
+            metrics.request(endpoint, 200, time.perf_counter() - started)
+            return jsonify(
+                {
+                    "id": rid,
+                    "object": "chat.completion" if endpoint == "chat" else "text_completion",
+                    "created": created,
+                    "model": model_id,
+                    "choices": [responses.choice(endpoint, c, token_text) for c in r.choices],
+                    "usage": responses.usage(r),
+                }
+            )
+        shaper = responses.ChunkChoices(endpoint, opts.n, opts.top_logprobs is not None, token_text)
+        return Response(
+            _stream(endpoint, gen, shaper, s.include_usage, rid, created, started),
+            mimetype="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    def _stream(
+        endpoint: str,
+        gen: Generation,
+        shaper: responses.ChunkChoices,
+        include_usage: bool,
+        rid: str,
+        created: int,
+        started: float,
+    ):
+        obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+
+        def chunk(choice: dict) -> dict:
+            c = {"id": rid, "object": obj, "created": created, "model": model_id, "choices": [choice]}
+            return {**c, "usage": None} if include_usage else c
+
+        status = 499  # until the stream ends properly: a hang-up (GeneratorExit) leaves it so
+        try:
+            if endpoint == "chat":
+                for i in range(gen.params.n):
+                    yield _sse(chunk(shaper.role(i)))
+            for delta in gen:
+                yield _sse(chunk(shaper.delta(delta)))
+            r: Result = gen.result
+            metrics.generation(endpoint, r)
+            for c in r.choices:
+                yield _sse(chunk(shaper.finish(c)))
+            if include_usage:
+                yield _sse(
+                    {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": model_id,
+                        "choices": [],
+                        "usage": responses.usage(r),
+                    }
+                )
+            status = 200
+        except Disconnected:  # the client is gone: nothing to say, nobody to say it to
+            return
+        except Exception as e:  # headers are sent: report in-band, then end the stream
+            log.exception("generation failed mid-stream")
+            status = 500
+            yield _sse(ApiError(500, f"generation failed: {type(e).__name__}", type="server_error").body())
+        finally:  # also on client disconnect (GeneratorExit): stop generating for nobody
+            gen.cancel()
+            metrics.request(endpoint, status, time.perf_counter() - started)
+        yield "data: [DONE]\n\n"
+
+    return respond
