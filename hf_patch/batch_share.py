@@ -166,6 +166,16 @@ class SharedPrefixes:
     computed: dict[int, int] = field(default_factory=dict)
 
 
+def _any_row_cached(store: KVStore, rows: Sequence[PackedTokens], namespace: Hashable) -> bool:
+    """Whether the store holds a whole block of any row (a lookup, not a request: no counts)."""
+    for row in rows:
+        if row.num_tokens >= store.block_size:
+            with store.acquire(row, namespace, count=False) as lease:
+                if lease.num_tokens:
+                    return True
+    return False
+
+
 @torch.no_grad()
 def compute_shared(
     model,
@@ -178,9 +188,11 @@ def compute_shared(
 ) -> SharedPrefixes:
     """Compute and commit the prefixes that >= 2 of ``rows`` share; return pinned row matches.
 
-    When some prefix is shared, every row that shares none gets its own whole-block prefix
-    computed alone too, so no uncached row widens the batch's first forward. A batch whose rows
-    share nothing is left to generate() as it is.
+    When some prefix is shared, or some row has whole blocks cached already (a task prompt, the
+    previous turn), every row that shares none gets its own whole-block prefix computed alone
+    too: the batch preloads one common column count, min(pad + match), so one uncached row
+    would otherwise cost every row its cached prefix and widen the batch's first forward. A
+    cold batch whose rows share nothing is left to generate() as it is (one batched prefill).
 
     ``rows``: each row's real tokens (without padding); a row's last token is never reused (a
     fully cached prompt would be fed again), so it takes no part in the sharing. The leases
@@ -192,9 +204,9 @@ def compute_shared(
     reusable = [row.head(row.num_tokens - 1) for row in rows]
     prefixes, deepest = shared_prefixes(reusable, store.block_size)
     out = SharedPrefixes()
-    if not prefixes:
-        return out
     bs = store.block_size
+    if not prefixes and not _any_row_cached(store, reusable, namespace):
+        return out
     for row, p in enumerate(deepest):
         if p < 0 and reusable[row].num_tokens >= bs:
             # A row that shares nothing would, if uncached, make every row's first forward as

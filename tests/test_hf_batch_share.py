@@ -178,3 +178,33 @@ def test_a_row_that_shares_nothing_does_not_widen_the_batch():
     assert radix[:2] == [(1, block_floor(len(DOC), BS)), (1, block_floor(len(loner) - 1, BS))]
     assert radix[2][0] == 3 and radix[2][1] <= max(map(len, QUESTIONS)) + 2 * BS
     assert cache.cached_tokens[1] == 0 and cache.cached_tokens[2] >= block_floor(len(DOC), BS) - BS
+
+
+@pytest.mark.parametrize("family", ["llama-sdpa", "gpt2"])
+def test_a_cached_row_keeps_its_hit_beside_an_uncached_row_it_shares_nothing_with(family):
+    """No prefix is shared, but one row's document is cached (a task prompt, a previous turn):
+    the uncached row's prefix is computed alone first, so the batch's common preload no longer
+    drops the cached row to zero."""
+    model = shared(family)
+    store = store_for(model, BS)
+    assert_same_as_stock(model, ids(DOC + QUESTIONS[3]), store)  # the document is cached
+    loner = tokens(30, seed=131)
+    input_ids, mask = left_pad([DOC + QUESTIONS[0], loner])
+    with TokenCounter(model) as counter:
+        cache, _ = assert_same_as_stock(model, input_ids, store, attention_mask=mask, pad_token_id=0)
+    radix = counter.forwards[STOCK_FORWARDS:]
+    row0 = block_floor(len(DOC + QUESTIONS[0]) - 1, BS)  # its reusable whole blocks
+    # Each row's own prefix, alone: row 0 only the blocks past the cached document, then the loner.
+    assert radix[:2] == [(1, row0 - block_floor(len(DOC), BS)), (1, block_floor(len(loner) - 1, BS))]
+    assert radix[2][0] == 2 and radix[2][1] <= 2 * BS  # the batch computes only the rows' tails
+    assert cache.cached_tokens == [block_floor(len(DOC), BS), 0]  # what each row did not compute
+
+
+def test_a_cold_batch_that_shares_nothing_is_one_batched_prefill():
+    model = shared("llama-sdpa")
+    store = store_for(model, BS)
+    input_ids, mask = left_pad([tokens(30, seed=132), tokens(22, seed=133)])
+    with TokenCounter(model) as counter:
+        cache, _ = assert_same_as_stock(model, input_ids, store, attention_mask=mask, pad_token_id=0)
+    assert counter.forwards[STOCK_FORWARDS][0] == 2  # no one-row forwards first
+    assert cache.cached_tokens == [0, 0]
