@@ -162,24 +162,30 @@ def test_read_checks_its_lease():
         store.read([lease], 8, out, out)
 
 
-def test_threads_share_one_store_consistently():
-    store = make_store(24)
-    prefixes = [[p] * 8 for p in range(6)]
+def assert_kv_prefix(store: KVStore, tokens: list[int], max_tokens: int | None = None) -> None:
+    """Whatever prefix of ``tokens[:max_tokens]`` is cached reads back as ``kv_for(tokens)``."""
+    with store.acquire(tokens, max_tokens=max_tokens) as lease:
+        n = lease.num_tokens
+        if n:
+            ks = [torch.empty(1, s.num_kv_heads, n, s.k_head_dim) for s in SPECS]
+            vs = [torch.empty(1, s.num_kv_heads, n, s.v_head_dim) for s in SPECS]
+            store.read([lease], n, ks, vs)
+            want_k, want_v = kv_for(tokens)
+            assert all(torch.equal(a, b[:, :, :n]) for a, b in zip(ks + vs, want_k + want_v))
+
+
+def hammer(store: KVStore, num_prefixes: int, rounds: int, vocab: int) -> None:
+    """4 threads of random requests (read + check, commit, rare flushes, full recounts) on
+    ``store``; re-raises any thread's failure, then recounts."""
+    prefixes = [[p] * 8 for p in range(num_prefixes)]
     errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
         try:
-            for _ in range(150):
-                tokens = rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randrange(0, 9))]
-                with store.acquire(tokens, max_tokens=len(tokens) - 1) as lease:
-                    n = lease.num_tokens
-                    if n:
-                        ks = [torch.empty(1, s.num_kv_heads, n, s.k_head_dim) for s in SPECS]
-                        vs = [torch.empty(1, s.num_kv_heads, n, s.v_head_dim) for s in SPECS]
-                        store.read([lease], n, ks, vs)
-                        want_k, want_v = kv_for(tokens)
-                        assert all(torch.equal(a, b[:, :, :n]) for a, b in zip(ks + vs, want_k + want_v))
+            for _ in range(rounds):
+                tokens = rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randrange(0, 9))]
+                assert_kv_prefix(store, tokens, max_tokens=len(tokens) - 1)
                 store.commit(tokens, *kv_for(tokens))
                 if rng.random() < 0.02:
                     store.flush()
@@ -195,6 +201,11 @@ def test_threads_share_one_store_consistently():
         t.join()
     assert not errors, errors
     store.check_invariants()
+
+
+def test_threads_share_one_store_consistently():
+    store = make_store(24)
+    hammer(store, num_prefixes=6, rounds=150, vocab=100)
     stats = store.stats()
     assert stats["pinned_blocks"] == 0 and stats["hit_tokens"] > 0
     assert stats["free_blocks"] + stats["cached_blocks"] == stats["num_blocks"]

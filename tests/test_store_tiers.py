@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch
 from radixkv import BlockPool, KVStore
 from radixkv.tier import HOST, copy_blocks, gather_into, host_pool_for
 from radixkv.tier import _gather_staged as gather_staged
-from tests.test_store import BS, SPECS, kv_for, read_back
+from tests.test_store import BS, SPECS, assert_kv_prefix, hammer, kv_for, read_back
 
 
 def make_tiered(device_blocks: int, host_blocks: int) -> KVStore:
@@ -164,37 +163,7 @@ def test_flush_frees_both_tiers_and_keeps_pinned_host_blocks_until_released() ->
 
 def test_threads_share_a_tiered_store_consistently() -> None:
     store = make_tiered(device_blocks=6, host_blocks=14)
-    prefixes = [[p] * 8 for p in range(8)]
-    errors: list[BaseException] = []
-
-    def worker(seed: int) -> None:
-        rng = random.Random(seed)
-        try:
-            for _ in range(120):
-                tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 9))]
-                with store.acquire(tokens, max_tokens=len(tokens) - 1) as lease:
-                    n = lease.num_tokens
-                    if n:
-                        ks = [torch.empty(1, s.num_kv_heads, n, s.k_head_dim) for s in SPECS]
-                        vs = [torch.empty(1, s.num_kv_heads, n, s.v_head_dim) for s in SPECS]
-                        store.read([lease], n, ks, vs)
-                        want_k, want_v = kv_for(tokens)
-                        assert all(torch.equal(a, b[:, :, :n]) for a, b in zip(ks + vs, want_k + want_v))
-                store.commit(tokens, *kv_for(tokens))
-                if rng.random() < 0.02:
-                    store.flush()
-                if rng.random() < 0.1:
-                    store.check_invariants()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    store.check_invariants()
+    hammer(store, num_prefixes=8, rounds=120, vocab=50)
     stats = store.stats()
     assert stats["pinned_blocks"] == stats["host_pinned_blocks"] == 0
     assert stats["host_hit_tokens"] > 0 and stats["demoted_blocks"] > 0
@@ -363,15 +332,3 @@ def test_seeded_random_traffic_reads_right_with_invariants_after_every_step(seed
         store.check_invariants()
     stats = store.stats()
     assert stats["demoted_blocks"] and stats["host_hit_tokens"] and stats["evicted_blocks"]
-
-
-def assert_kv_prefix(store: KVStore, tokens: list[int]) -> None:
-    """Whatever prefix of ``tokens`` is cached reads back as ``kv_for(tokens)``."""
-    with store.acquire(tokens) as lease:
-        n = lease.num_tokens
-        if n:
-            ks = [torch.empty(1, s.num_kv_heads, n, s.k_head_dim) for s in SPECS]
-            vs = [torch.empty(1, s.num_kv_heads, n, s.v_head_dim) for s in SPECS]
-            store.read([lease], n, ks, vs)
-            want_k, want_v = kv_for(tokens)
-            assert all(torch.equal(a, b[:, :, :n]) for a, b in zip(ks + vs, want_k + want_v))
