@@ -75,31 +75,14 @@ class BlockPool:
         self.layers = tuple(layers)
         self.num_blocks = num_blocks
         self.block_size = block_size
+
         # torch.empty: pages are committed by the OS only when first written.
-        self.k = [
-            torch.empty(
-                num_blocks,
-                block_size,
-                s.num_kv_heads,
-                s.k_head_dim,
-                dtype=s.dtype,
-                device=s.device,
-                pin_memory=pin_memory,
-            )
-            for s in self.layers
-        ]
-        self.v = [
-            torch.empty(
-                num_blocks,
-                block_size,
-                s.num_kv_heads,
-                s.v_head_dim,
-                dtype=s.dtype,
-                device=s.device,
-                pin_memory=pin_memory,
-            )
-            for s in self.layers
-        ]
+        def storage(s: LayerSpec, head_dim: int) -> torch.Tensor:
+            shape = (num_blocks, block_size, s.num_kv_heads, head_dim)
+            return torch.empty(shape, dtype=s.dtype, device=s.device, pin_memory=pin_memory)
+
+        self.k = [storage(s, s.k_head_dim) for s in self.layers]
+        self.v = [storage(s, s.v_head_dim) for s in self.layers]
         # Layers grouped by device: one fused gather/scatter launch per device.
         groups: dict[torch.device, list[int]] = {}
         for i, s in enumerate(self.layers):
