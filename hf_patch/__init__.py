@@ -8,6 +8,7 @@ Importing installs the generate() integration once; for any other cache it chang
 
 from hf_patch.cache import RadixCache
 from hf_patch.generate_many import Generated, generate_many
+from hf_patch.keys import SharedPrefix
 from hf_patch.model_spec import UnsupportedModelError, build_store, default_store
 from hf_patch.patch import install
 from hf_patch.persistence import model_identity, restore_cache, save_cache
@@ -18,6 +19,7 @@ install()
 __all__ = [
     "Generated",
     "RadixCache",
+    "SharedPrefix",
     "UnsupportedModelError",
     "build_store",
     "default_store",

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
+from hf_patch.keys import RowKey
 from hf_patch.layer import AppendLayer
 from radixkv import KVStore, LayerSpec, Lease, PackedTokens, pack_tokens  # noqa: F401 (doctest)
 
@@ -166,11 +167,11 @@ class SharedPrefixes:
     computed: dict[int, int] = field(default_factory=dict)
 
 
-def _any_row_cached(store: KVStore, rows: Sequence[PackedTokens], namespace: Hashable) -> bool:
+def _any_row_cached(store: KVStore, rows: Sequence[tuple[PackedTokens, Hashable]]) -> bool:
     """Whether the store holds a whole block of any row (a lookup, not a request: no counts)."""
-    for row in rows:
-        if row.num_tokens >= store.block_size:
-            with store.acquire(row, namespace, count=False) as lease:
+    for tokens, namespace in rows:
+        if tokens.num_tokens >= store.block_size:
+            with store.acquire(tokens, namespace, count=False) as lease:
                 if lease.num_tokens:
                     return True
     return False
@@ -181,9 +182,8 @@ def compute_shared(
     model,
     store: KVStore,
     specs: Sequence[LayerSpec],
-    namespace: Hashable,
     epoch: int,
-    rows: Sequence[PackedTokens],
+    rows: Sequence[RowKey],
     chunk_size: int | None = None,
 ) -> SharedPrefixes:
     """Compute and commit the prefixes that >= 2 of ``rows`` share; return pinned row matches.
@@ -194,46 +194,71 @@ def compute_shared(
     would otherwise cost every row its cached prefix and widen the batch's first forward. A
     cold batch whose rows share nothing is left to generate() as it is (one batched prefill).
 
-    ``rows``: each row's real tokens (without padding); a row's last token is never reused (a
-    fully cached prompt would be fed again), so it takes no part in the sharing. The leases
-    cover every row that shares a prefix, acquired (matched and pinned) right after its
-    deepest prefix was committed; the caller owns and releases them. Side effects: forwards of
-    ``model`` on one-row scratch caches, commits to ``store``; the store's counters see the
-    rows' lookups and commits only (a prefix lookup is not a prompt).
+    ``rows``: each row's key (hf_patch.keys.RowKey): rows share only under one namespace, by
+    key tokens, and only their ``computable`` part (tokens whose KV depends on their ids alone:
+    a forward over ids cannot compute an image's or an embedding table's KV). A row's last
+    token is never reused (a fully cached prompt would be fed again), so it takes no part in
+    the sharing. The leases cover every row that shares a prefix, acquired (matched and pinned)
+    right after its deepest prefix was committed; the caller owns and releases them. Side
+    effects: forwards of ``model`` on one-row scratch caches, commits to ``store``; the store's
+    counters see the rows' lookups and commits only (a prefix lookup is not a prompt).
     """
-    reusable = [row.head(row.num_tokens - 1) for row in rows]
-    prefixes, deepest = shared_prefixes(reusable, store.block_size)
     out = SharedPrefixes()
-    bs = store.block_size
-    if not prefixes and not _any_row_cached(store, reusable, namespace):
+    groups: dict[Hashable, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(row.namespace, []).append(i)
+    reusable = [row.tokens.head(min(row.tokens.num_tokens - 1, row.computable)) for row in rows]
+    found = {
+        ns: shared_prefixes([reusable[i] for i in members], store.block_size)
+        for ns, members in groups.items()
+    }
+    if not any(prefixes for prefixes, _ in found.values()) and not _any_row_cached(
+        store, [(reusable[i], rows[i].namespace) for i in range(len(rows))]
+    ):
         return out
-    for row, p in enumerate(deepest):
-        if p < 0 and reusable[row].num_tokens >= bs:
+    try:
+        for ns, members in groups.items():
+            prefixes, deepest = found[ns]
+            _share_group(
+                model, store, specs, epoch, rows, reusable, members, ns, prefixes, deepest, chunk_size, out
+            )
+    except BaseException:
+        for lease in out.leases.values():
+            lease.release()
+        raise
+    return out
+
+
+def _share_group(
+    model, store, specs, epoch, rows, reusable, members, namespace, prefixes, deepest_of, chunk_size, out
+) -> None:
+    """compute_shared for the rows ``members`` of one namespace, whose shared ``prefixes`` and
+    deepest prefix per member (``shared_prefixes``) are known."""
+    bs = store.block_size
+    deepest = dict(zip(members, deepest_of))
+    for row in members:
+        if deepest[row] < 0 and reusable[row].num_tokens >= bs:
             # A row that shares nothing would, if uncached, make every row's first forward as
             # wide as its whole prompt (the batch preloads one common column count). Its own
             # prefix computed alone costs what the batch would spend on that row anyway.
             deepest[row] = len(prefixes)
             prefixes.append(reusable[row].head(reusable[row].num_tokens // bs * bs))
     waiting: dict[int, list[int]] = {}
-    for row, p in enumerate(deepest):
-        if p >= 0:
-            waiting.setdefault(p, []).append(row)
-    try:
-        for p, prefix in enumerate(prefixes):
-            # Not counted as a request: the rows' own lookups below are the prompts' queries and hits.
-            with store.acquire(prefix, namespace, count=False) as lease:
-                if lease.num_tokens < prefix.num_tokens:
-                    scratch = _forward_prefix(model, store, specs, prefix, lease, chunk_size)
-                    store.commit(
-                        prefix, [layer.keys for layer in scratch.layers],
-                        [layer.values for layer in scratch.layers], namespace, epoch=epoch,
-                    )  # fmt: skip
-                    owner = next(i for i, row in enumerate(reusable) if row.startswith(prefix))
-                    out.computed[owner] = out.computed.get(owner, 0) + prefix.num_tokens - lease.num_tokens
-            for row in waiting.get(p, ()):
-                out.leases[row] = store.acquire(rows[row], namespace, max_tokens=rows[row].num_tokens - 1)
-    except BaseException:
-        for lease in out.leases.values():
-            lease.release()
-        raise
-    return out
+    for row in members:
+        if deepest[row] >= 0:
+            waiting.setdefault(deepest[row], []).append(row)
+    for p, prefix in enumerate(prefixes):
+        # Not counted as a request: the rows' own lookups below are the prompts' queries and hits.
+        with store.acquire(prefix, namespace, count=False) as lease:
+            if lease.num_tokens < prefix.num_tokens:
+                owner = next(i for i in members if reusable[i].startswith(prefix))
+                ids = rows[owner].ids.head(prefix.num_tokens)
+                scratch = _forward_prefix(model, store, specs, ids, lease, chunk_size)
+                store.commit(
+                    prefix, [layer.keys for layer in scratch.layers],
+                    [layer.values for layer in scratch.layers], namespace, epoch=epoch,
+                )  # fmt: skip
+                out.computed[owner] = out.computed.get(owner, 0) + prefix.num_tokens - lease.num_tokens
+        for row in waiting.get(p, ()):
+            key = rows[row].tokens
+            out.leases[row] = store.acquire(key, namespace, max_tokens=key.num_tokens - 1)

@@ -13,10 +13,30 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+import torch
 from transformers.cache_utils import Cache
 
+from hf_patch.keys import SharedPrefix
 from hf_patch.layer import AppendLayer
 from radixkv import KVStore
+
+
+def _extra_ids_tensor(extra_ids) -> torch.Tensor:
+    """``extra_ids`` as a CPU int64 ``[batch, seq]`` tensor holding the uint64 bit patterns."""
+    if not isinstance(extra_ids, torch.Tensor):
+        try:
+            extra_ids = torch.tensor(
+                [[x if x < 1 << 63 else x - (1 << 64) for x in row] for row in extra_ids], dtype=torch.int64
+            )
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"extra_ids must be [batch, seq] integers: {e}") from None
+    if extra_ids.dim() != 2 or extra_ids.dtype.is_floating_point or extra_ids.dtype == torch.bool:
+        raise ValueError(
+            f"extra_ids must be a [batch, seq] integer tensor, got {extra_ids.dtype} {tuple(extra_ids.shape)}"
+        )
+    if extra_ids.dtype == torch.uint64:
+        extra_ids = extra_ids.view(torch.int64)
+    return extra_ids.to("cpu", torch.int64)
 
 
 class RadixCache(Cache):
@@ -26,16 +46,39 @@ class RadixCache(Cache):
         store: the KVStore to share; default: one store per model, built on first use from
             the model's shape (budget: ``RADIXKV_CACHE_TOKENS`` / ``RADIXKV_CACHE_BYTES``, 1 GiB).
         namespace: any hashable; equal prompts under different namespaces never share KV
-            (tenants, adapters). Derive it on the server, never from a client field.
+            (tenants, salts). Derive it on the server, never from a client field. A *list*
+            gives one namespace per input row (rows of different tenants in one batch).
+            The active PEFT adapter is keyed on its own (hf_patch.adapters).
+        extra_ids: TensorRT-LLM's per-token extra ids, ``[batch, seq]`` integers aligned with
+            ``input_ids`` (0 for plain tokens; the same nonzero id for tokens whose embedding
+            is the same, e.g. one prompt table): equal (id, extra id) pairs reuse, others do not.
+            With ``inputs_embeds`` they are what makes the prompt reusable at all.
+        shared_prefix: ``SharedPrefix(namespace, length)`` (or a list, one per row, None for
+            none): the row's first ``length`` tokens are keyed under the public
+            ``namespace`` (a task prompt pinned once for every tenant), the rest stay private
+            to the row's own namespace.
     """
 
-    def __init__(self, store: KVStore | None = None, namespace: Hashable = None) -> None:
+    def __init__(
+        self,
+        store: KVStore | None = None,
+        namespace: Hashable | list[Hashable] = None,
+        *,
+        extra_ids=None,
+        shared_prefix: SharedPrefix | list[SharedPrefix | None] | None = None,
+    ) -> None:
         super().__init__(layer_class_to_replicate=AppendLayer)
         if store is not None and not isinstance(store, KVStore):
             raise TypeError(f"store must be a radixkv.KVStore, got {type(store).__name__}")
-        hash(namespace)  # fail now, not deep inside a generate call
+        for ns in namespace if isinstance(namespace, list) else [namespace]:
+            hash(ns)  # fail now, not deep inside a generate call
+        for sp in shared_prefix if isinstance(shared_prefix, list) else [shared_prefix]:
+            if sp is not None and not isinstance(sp, SharedPrefix):
+                raise TypeError(f"shared_prefix must be a hf_patch.SharedPrefix, got {type(sp).__name__}")
         self.store = store
         self.namespace = namespace
+        self.extra_ids = None if extra_ids is None else _extra_ids_tensor(extra_ids)
+        self.shared_prefix = shared_prefix
         self.cached_tokens: list[int] = []
         self._request = None  # hf_patch.request.Request while a generate() call runs
 

@@ -8,8 +8,13 @@
   sequences, and in ``finally`` release every pin (exceptions, KeyboardInterrupt, a streamer
   consumer that raises).
 
-Assisted / prompt-lookup decoding never calls ``_prefill``, and ``inputs_embeds`` prompts
-have no ids: those calls generate correctly with the RadixCache as a plain cache, no reuse.
+What a row's KV is keyed by (namespace, PEFT adapter, shared prefix, extra ids) is gathered
+per row in ``key_parts`` (hf_patch.keys, hf_patch.adapters). A call whose KV depends on
+something the key cannot see (a model input outside hf_patch.inputs.KEYED_INPUTS, a replaced
+``prepare_inputs_for_generation``, forward hooks) runs with the RadixCache as a plain cache:
+nothing read, nothing committed, counted as ``uncacheable_requests``. Assisted / prompt-lookup
+decoding never calls ``_prefill``, and ``inputs_embeds`` prompts are reused only with
+``RadixCache(extra_ids=...)`` and their ids: otherwise they too run as with a plain cache.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ import threading
 import torch
 from transformers.generation.utils import GenerationMixin
 
+from hf_patch.adapters import row_adapters, unkeyable_reason
 from hf_patch.batch_share import can_share, compute_shared
 from hf_patch.cache import RadixCache
+from hf_patch.inputs import log_once, unkeyed_inputs
 from hf_patch.model_spec import check_store_fits, default_store, layer_specs
-from hf_patch.request import Request
+from hf_patch.request import KeyParts, Request
 from hf_patch.weights import flush_if_weights_changed, model_scope, watch_fused_optimizers
 
 logger = logging.getLogger(__name__)
@@ -88,6 +95,38 @@ def _positional_to_keywords(names: list[str] | None, args: tuple, kwargs: dict) 
     return (), kwargs
 
 
+def _per_row(value, name: str, rows: int, rows_per_prompt: int) -> list:
+    """A per-prompt list expanded to generate()'s rows (each prompt repeated for its beams /
+    returned sequences), or a ValueError naming ``name``."""
+    if len(value) * rows_per_prompt == rows:
+        return [v for v in value for _ in range(rows_per_prompt)]
+    if len(value) != rows:
+        raise ValueError(
+            f"RadixCache {name} has {len(value)} entries for {rows // rows_per_prompt} prompts ({rows} rows)"
+        )
+    return list(value)
+
+
+def key_parts(model, cache: RadixCache, shape: torch.Size, rows_per_prompt: int) -> KeyParts:
+    """Each row's key parts for the first forward's ``input_ids`` of ``shape`` [rows, columns]."""
+    rows = shape[0]
+    ns = cache.namespace
+    namespaces = _per_row(ns, "namespace", rows, rows_per_prompt) if isinstance(ns, list) else [ns] * rows
+    sp = cache.shared_prefix
+    shared = _per_row(sp, "shared_prefix", rows, rows_per_prompt) if isinstance(sp, list) else [sp] * rows
+    extra = cache.extra_ids
+    if extra is not None:
+        if extra.shape[0] * rows_per_prompt == rows and rows_per_prompt > 1:
+            extra = extra.repeat_interleave(rows_per_prompt, dim=0)
+        if tuple(extra.shape) != tuple(shape):
+            raise ValueError(
+                f"RadixCache extra_ids is {list(cache.extra_ids.shape)}, but the prompt is "
+                f"{[rows // rows_per_prompt, shape[1]]}: give one extra id per input token"
+            )
+    adapters = row_adapters(model, rows, rows_per_prompt)
+    return KeyParts(model_scope(model), namespaces, adapters, shared, extra)
+
+
 def _wrap_generate(original):
     names = _positional_names(original)
 
@@ -111,9 +150,15 @@ def _wrap_generate(original):
         if cache._request is not None:
             raise RuntimeError("this RadixCache is already in use by a running generate() call")
         cache.start(len(specs))
-        # Keyed by model too: a store shared by two models of one shape never mixes their KV.
-        namespace = (model_scope(self), cache.namespace)
-        request = cache._request = Request(cache, store, specs, namespace)
+        request = cache._request = Request(cache, store, specs)
+        unkeyed = unkeyed_inputs(kwargs)
+        reason = (
+            f"generate() got {', '.join(unkeyed)}, which the cache key does not cover" if unkeyed else None
+        ) or unkeyable_reason(self)
+        if reason is not None:  # stock generate() with the RadixCache as a plain cache
+            request.uncacheable = True
+            store.count_uncacheable()
+            log_once(reason)
         try:
             output = original(self, *args, **kwargs)
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
@@ -134,10 +179,13 @@ def _wrap_prefill(original):
     def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True, *args, **kwargs):
         cache = model_kwargs.get("past_key_values")
         request = getattr(cache, "_request", None) if isinstance(cache, RadixCache) else None
+        embeds = model_kwargs.get("inputs_embeds")
         if (
             request is not None
+            and not request.uncacheable
             and is_first_iteration
-            and model_kwargs.get("inputs_embeds") is None
+            # inputs_embeds: keyed only by the ids and extra ids given with them (TensorRT-LLM)
+            and (embeds is None or (cache.extra_ids is not None and embeds.shape[:2] == input_ids.shape))
             and input_ids.shape[1] > 0
             and cache.get_seq_length() == 0
         ):
@@ -146,10 +194,11 @@ def _wrap_prefill(original):
                     "RadixCache needs use_cache=True (the generation config sets use_cache=False)"
                 )
             reuse = not (generation_config.output_hidden_states or generation_config.output_attentions)
+            rows_per_prompt = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
             share = None
             if reuse and can_share(model_kwargs):
                 share = functools.partial(
-                    compute_shared, self, request.store, request.specs, request.namespace, request.epoch,
+                    compute_shared, self, request.store, request.specs, request.epoch,
                     chunk_size=generation_config.prefill_chunk_size,
                 )  # fmt: skip
             request.preload(
@@ -158,12 +207,11 @@ def _wrap_prefill(original):
                 max_length=generation_config.max_length or 0,
                 eos_token_ids=_eos_ids(generation_config),
                 prompt_only=(generation_config.num_beams or 1) > 1,
+                keys=key_parts(self, cache, input_ids.shape, rows_per_prompt),
                 # Per-token outputs of the prompt must cover every prompt token, as in stock
                 # generate(): compute the whole prompt then (and still commit it).
                 reuse=reuse,
-                rows_per_prompt=max(
-                    generation_config.num_beams or 1, generation_config.num_return_sequences or 1
-                ),
+                rows_per_prompt=rows_per_prompt,
                 share=share,
             )
         return original(self, input_ids, generation_config, model_kwargs, is_first_iteration, *args, **kwargs)

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hf_patch.cache import RadixCache
-from radixkv import KVStore, LayerSpec, Lease, pack_tokens
+from hf_patch.keys import RowKey, SharedPrefix, row_key
+from radixkv import KVStore, LayerSpec, Lease
 
 logger = logging.getLogger(__name__)
 
@@ -42,29 +45,68 @@ def left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> l
 MIN_HEADROOM = 256
 
 
+def outside_barriers(common: int, barriers: list[list[tuple[int, int]]] | None) -> int:
+    """The largest column count <= ``common`` that ends inside no row's barrier span.
+
+    >>> outside_barriers(10, [[(2, 6)], [(8, 12)]]), outside_barriers(10, [[(2, 9)], [(8, 12)]])
+    (8, 2)
+    """
+    while barriers:
+        cut = min((s for spans in barriers for s, e in spans if s < common < e), default=None)
+        if cut is None:
+            break
+        common = cut
+    return common
+
+
 def initial_capacity(length: int, max_length: int) -> int:
     """Tokens per layer buffer: the whole generation when short, else prompt + max(256, prompt)."""
     return max(length, min(max_length, length + max(MIN_HEADROOM, length)))
 
 
+@dataclass(frozen=True)
+class KeyParts:
+    """Per-row key parts of one call, rows as the first forward sees them (after generate()'s
+    expansion by beams / num_return_sequences). See hf_patch.keys."""
+
+    scope: int  # the model (hf_patch.weights.model_scope)
+    namespaces: list[Hashable]
+    adapters: list[tuple]  # hf_patch.adapters.row_adapters
+    shared: list[SharedPrefix | None]
+    extra_ids: torch.Tensor | None = None  # [B, T] int64 (uint64 bits), aligned with input_ids
+    # Per row, column spans (start, end) a reuse must never end strictly inside (an image).
+    barriers: list[list[tuple[int, int]]] | None = None
+
+    def row(self, i: int, ids: torch.Tensor, pad: int, length: int | None = None) -> RowKey:
+        """Row ``i``'s key over ``ids[pad:]`` (``ids``: the row's prompt, or its whole sequence;
+        tokens past the prompt's ``length`` columns carry no extra id)."""
+        extra = None
+        if self.extra_ids is not None:
+            extra = np.zeros(len(ids) - pad, dtype=np.uint64)
+            e = self.extra_ids[i, pad:length].numpy().view(np.uint64)[: len(extra)]
+            extra[: len(e)] = e
+        return row_key(ids[pad:].numpy(), extra, self.namespaces[i], self.shared[i], self.scope, self.adapters[i])
+
+
 class Request:
     """State of one generate() call on a RadixCache."""
 
-    def __init__(
-        self, cache: RadixCache, store: KVStore, specs: tuple[LayerSpec, ...], namespace: Hashable
-    ) -> None:
+    def __init__(self, cache: RadixCache, store: KVStore, specs: tuple[LayerSpec, ...]) -> None:
         self.cache = cache
         self.store = store
-        self.namespace = namespace  # the tree's key: (model scope, the cache's namespace)
         self.specs = specs
         self.epoch = store.epoch  # KV computed now is stale if the store is flushed meanwhile
         self.leases: list[Lease] = []
         # [B, T] int64 on the CPU, rows as seen by the first forward. Rows are packed for the
         # store straight from tensor memory (a memcpy), not from .tolist() (~10 ns a token).
         self.prompt_ids: torch.Tensor | None = None
+        self.keys: KeyParts | None = None
         self.pads: list[int] | None = None
         self.eos_token_ids: list[int] = []
         self.prompt_only = False
+        self.common = 0  # leading columns served from the store (the cache's length after preload)
+        # The KV depends on inputs the key cannot see: no read, no commit (hf_patch.inputs)
+        self.uncacheable = False
         # generate() expands each prompt to max(num_beams, num_return_sequences) rows
         self.rows_per_prompt = 1
 
@@ -76,12 +118,14 @@ class Request:
         max_length: int,
         eos_token_ids: list[int],
         prompt_only: bool,
+        keys: KeyParts,
         reuse: bool = True,
         rows_per_prompt: int = 1,
         share=None,
     ) -> None:
         """Match every row, copy the common reusable prefix into fresh layer buffers.
 
+        ``keys``: each row's namespace, adapter, shared prefix, extra ids and barriers.
         ``prompt_only``: commit only the prompt afterwards (beam search: the cache rows are
         reordered running beams, not the returned sequences). ``reuse=False``: prepare the
         buffers and the commit, read nothing from the store. ``share``: None, or a callable
@@ -103,23 +147,24 @@ class Request:
             logger.debug("attention mask is not left padding: generating without reuse")
             return
         rows = self.prompt_ids = input_ids.to("cpu", torch.int64)
+        self.keys = keys
         if not reuse:
             return
         shared: dict[int, Lease] = {}
         try:
-            ns = self.namespace
-            reals = [pack_tokens(row[pad:].numpy()) for row, pad in zip(rows, self.pads)]
+            row_keys = [keys.row(i, row, pad) for i, (row, pad) in enumerate(zip(rows, self.pads))]
             computed: dict[int, int] = {}
             if share is not None and batch > 1:
-                result = share(reals)
+                result = share(row_keys)
                 shared, computed = result.leases, result.computed
-            for i, real in enumerate(reals):
+            for i, key in enumerate(row_keys):
                 lease = shared.pop(i, None)
                 if lease is None:
                     # Leave at least one token to compute: a fully cached prompt would be fed again.
-                    lease = self.store.acquire(real, ns, max_tokens=real.num_tokens - 1)
+                    lease = self.store.acquire(key.tokens, key.namespace, max_tokens=key.tokens.num_tokens - 1)
                 self.leases.append(lease)
             common = min(pad + lease.num_tokens for pad, lease in zip(self.pads, self.leases))
+            common = self.common = outside_barriers(common, keys.barriers)
             if common > 0:
                 self._copy_prefix(common, computed)
         finally:
@@ -178,7 +223,7 @@ class Request:
 
     def commit(self, sequences: torch.Tensor) -> int:
         """Cache each row's prompt + generated tokens (cut after the first EOS; prompt only for beams)."""
-        if self.prompt_ids is None or not self.cache.layers:
+        if self.prompt_ids is None or self.keys is None or not self.cache.layers:
             return 0
         layers = self.cache.layers
         kv_length = layers[0].get_seq_length()  # the last sampled token is never fed: no KV for it
@@ -190,7 +235,7 @@ class Request:
         rows = self.prompt_ids if prompt_only else sequences.to("cpu", torch.int64)
         generated = None if prompt_only else rows[:, prompt_length:].tolist()  # short: scanned for EOS
         eos = set(self.eos_token_ids)
-        seen: set[bytes] = set()
+        seen: set[tuple[Hashable, bytes]] = set()
         added = 0
         for i, pad in enumerate(self.pads):
             if prompt_only:
@@ -199,15 +244,15 @@ class Request:
                 new = generated[i]
                 end = prompt_length + next((j + 1 for j, t in enumerate(new) if t in eos), len(new))
             end = min(end, kv_length)
-            tokens = pack_tokens(rows[i, pad:end].numpy())
-            if tokens.num_tokens < self.store.block_size or tokens in seen:
+            key = self.keys.row(i, rows[i, :end], pad, prompt_length)
+            if key.tokens.num_tokens < self.store.block_size or (key.namespace, key.tokens) in seen:
                 continue
-            seen.add(tokens)
+            seen.add((key.namespace, key.tokens))
             added += self.store.commit(
-                tokens,
+                key.tokens,
                 [layer.keys[i : i + 1, :, pad:end] for layer in layers],
                 [layer.values[i : i + 1, :, pad:end] for layer in layers],
-                self.namespace,
+                key.namespace,
                 epoch=self.epoch,
             )
         return added

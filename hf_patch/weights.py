@@ -26,6 +26,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from hf_patch.adapters import merge_state
 from radixkv import KVStore
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,8 @@ def model_scope(model) -> int:
 
 
 def fingerprint(model) -> int:
-    return hash(tuple((p.data_ptr(), p._version) for p in model.parameters()))
+    # merge_state: a PEFT merge/unmerge writes the base weights through ``.data`` (no version bump)
+    return hash((tuple((p.data_ptr(), p._version) for p in model.parameters()), merge_state(model)))
 
 
 def flush_if_weights_changed(store: KVStore, model) -> bool:

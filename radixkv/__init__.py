@@ -5,7 +5,7 @@ Layers: ``RadixTree`` (pure Python) and ``BlockPool`` (torch storage) are combin
 pins (``radixkv.task_pins``). See docs/design.md.
 """
 
-from radixkv.manifest import CacheFileError, CacheFileMismatch, CorruptCacheFile
+from radixkv.manifest import CacheFileError, CacheFileMismatch, CorruptCacheFile, KeyedNamespace
 from radixkv.node import PackedTokens, pack_tokens
 from radixkv.persist import RestoreResult, SaveResult
 from radixkv.pool import BlockPool, LayerSpec, OutOfBlocks
@@ -19,6 +19,7 @@ __all__ = [
     "CacheFileMismatch",
     "CorruptCacheFile",
     "KVStore",
+    "KeyedNamespace",
     "LayerSpec",
     "Lease",
     "MatchResult",

@@ -13,13 +13,14 @@ manifest holds:
 - ``namespaces``: the namespaces of the saved nodes, JSON-encoded by ``encode_namespace``.
 - ``counts``: nodes, blocks, tokens; ``checksums``: sha256 of every tensor's bytes.
 
-Namespaces are limited to None, str, bytes, int and tuples of these: each has one JSON
+Namespaces are limited to None, str, bytes, int, tuples of these and KeyedNamespace: each has one JSON
 spelling, so a namespace restores equal (and hashing equal) to the one saved.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 from collections.abc import Hashable, Mapping, Sequence
@@ -45,8 +46,21 @@ class CacheFileMismatch(CacheFileError):
 
 
 # -- namespaces -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class KeyedNamespace:
+    """A namespace plus key parts the KV depends on (e.g. ``("adapter", name, weights digest)``).
+
+    Its own type, so that no user namespace (a plain tuple) can ever equal one, in the tree or
+    in a file: ``{"keyed": [namespace, parts]}``.
+    """
+
+    namespace: Hashable
+    parts: tuple
+
+
 def encode_namespace(ns: Hashable) -> object:
-    """``ns`` as JSON: null, {"str": s}, {"bytes": base64}, {"int": n}, {"tuple": [...]}.
+    """``ns`` as JSON: null, {"str": s}, {"bytes": base64}, {"int": n}, {"tuple": [...]},
+    {"keyed": [namespace, parts]}.
 
     Raises ValueError for any other type (a bool too: True == 1 would restore as 1).
     """
@@ -60,9 +74,11 @@ def encode_namespace(ns: Hashable) -> object:
         return {"int": ns}
     if type(ns) is tuple:
         return {"tuple": [encode_namespace(x) for x in ns]}
+    if type(ns) is KeyedNamespace:
+        return {"keyed": [encode_namespace(ns.namespace), encode_namespace(ns.parts)]}
     raise ValueError(
-        f"namespace {ns!r} ({type(ns).__name__}) cannot be saved: only None, str, bytes, int and "
-        "tuples of these have one unambiguous file form"
+        f"namespace {ns!r} ({type(ns).__name__}) cannot be saved: only None, str, bytes, int, "
+        "tuples of these and KeyedNamespace have one unambiguous file form"
     )
 
 
@@ -83,6 +99,10 @@ def decode_namespace(obj: object) -> Hashable:
                 pass
         if kind == "tuple" and type(value) is list:
             return tuple(decode_namespace(x) for x in value)
+        if kind == "keyed" and type(value) is list and len(value) == 2:
+            parts = decode_namespace(value[1])
+            if type(parts) is tuple:
+                return KeyedNamespace(decode_namespace(value[0]), parts)
     raise CorruptCacheFile(f"cache file: invalid namespace entry {obj!r}")
 
 

@@ -20,6 +20,8 @@ class StoreCounters:
     evicted_blocks: int = 0
     uncached_tokens: int = 0  # tokens a commit could not cache: every block pinned / pool too small
     flushes: int = 0
+    # generate() calls run without the store: their KV depends on inputs the key cannot see
+    uncacheable_requests: int = 0
     # Host tier (all zero without one). Host hits are read in place; only a task prompt pinned
     # over a demoted prefix brings that prefix back to the device (promoted_blocks).
     demoted_blocks: int = 0  # device blocks copied to the host instead of being dropped

@@ -230,6 +230,11 @@ class KVStore(StoreTierMoves, StorePersistence):
             self.counters.inserted_tokens += added
             return added
 
+    def count_uncacheable(self) -> None:
+        """Count one request served without the store (its KV depends on what no key holds)."""
+        with self._lock:
+            self.counters.uncacheable_requests += 1
+
     # -- maintenance ----------------------------------------------------------------------
     def flush(self) -> int:
         """Drop every cached prefix and task pin; returns blocks freed now (both tiers).

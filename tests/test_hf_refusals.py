@@ -229,8 +229,18 @@ def test_encoder_decoder_is_refused():
 def test_bad_constructor_arguments():
     with pytest.raises(TypeError):
         hf_patch.RadixCache(store="not a store")
+    with pytest.raises(TypeError):  # a list is one namespace per row: each must be hashable
+        hf_patch.RadixCache(namespace=[["unhashable"]])
     with pytest.raises(TypeError):
-        hf_patch.RadixCache(namespace=["unhashable"])
+        hf_patch.RadixCache(namespace={"a set"})
+    with pytest.raises(ValueError, match="extra_ids"):
+        hf_patch.RadixCache(extra_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match="extra_ids"):
+        hf_patch.RadixCache(extra_ids=torch.zeros(1, 3))
+    with pytest.raises(TypeError, match="SharedPrefix"):
+        hf_patch.RadixCache(shared_prefix=("ns", 4))
+    with pytest.raises(ValueError, match="length"):
+        hf_patch.SharedPrefix("ns", -1)
 
 
 def test_one_cache_in_two_generate_calls_at_once():

@@ -1,0 +1,146 @@
+"""Which PEFT adapter computes each row's KV: the adapter part of the cache key.
+
+A LoRA (DoRA, IA3, LoHa, LoKr, ...) adapter that is not merged changes every token's K and V, so
+the KV of one prompt differs per adapter. PEFT injects tuner layers (``BaseTunerLayer``) into the
+transformers model itself; generate() runs on that model, so the wrapper sees them here:
+
+- the active adapters (``set_adapter``), or none inside ``with model.disable_adapter():``;
+- ``adapter_names=[...]`` (mixed-adapter batches): PEFT's generate pops the argument and hands it
+  to every tuner layer through a forward pre-hook; the per-row names are read from that hook;
+- each adapter's **weights digest**: sha256 over its parameters' bytes and its plain settings
+  (rank, alpha, scaling, dora...), layer by layer. An adapter deleted and re-created under the
+  same name with other weights gets another digest. Digests are cached per parameter object and
+  autograd version, so a call costs a walk over the tuner layers, not a pass over the weights.
+
+Merging (``merge_adapter``) writes the adapter into the base weights through ``.data``, which no
+version counter sees: ``merge_state`` feeds the merged adapter lists into the weights fingerprint
+(hf_patch.weights), so a merge or unmerge flushes the store like any other weight change.
+
+Prompt learning (prompt tuning, p-tuning, prefix tuning) replaces the model's
+``prepare_inputs_for_generation``: ``unkeyable_reason`` names it, and the call then runs without
+reuse. Not seen: forward hooks or patched ``forward`` methods that change activations (steering);
+pass no RadixCache for such calls, or a namespace of their own.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import threading
+import weakref
+
+import torch
+
+try:  # peft is optional: without it no model has tuner layers
+    from peft.tuners.tuners_utils import BaseTunerLayer
+except ImportError:  # pragma: no cover - exercised only where peft is absent
+    BaseTunerLayer = None
+
+BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
+_PLAIN = (int, float, str, bool, type(None))
+_digests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tensor -> (version, ptr, digest)
+_lock = threading.Lock()
+
+
+def tuner_layers(model) -> list[tuple[str, torch.nn.Module]]:
+    """``(qualified name, layer)`` of every PEFT tuner layer in ``model``, in module order."""
+    if BaseTunerLayer is None:
+        return []
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
+
+
+def merge_state(model) -> tuple:
+    """The merged adapters of every tuner layer (part of the weights fingerprint)."""
+    return tuple(tuple(layer.merged_adapters) for _, layer in tuner_layers(model) if layer.merged_adapters)
+
+
+def _tensor_digest(t: torch.Tensor) -> bytes:
+    key = (t._version, t.data_ptr())
+    with _lock:
+        cached = _digests.get(t)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    data = t.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{data.dtype}|{tuple(data.shape)}|".encode())
+    h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    digest = h.digest()
+    with _lock:
+        _digests[t] = (key, digest)
+    return digest
+
+
+def _adapter_digest(layers: list[tuple[str, torch.nn.Module]], adapter: str) -> str:
+    """sha256 over ``adapter``'s tensors and plain settings in every tuner layer holding it."""
+    h = hashlib.sha256()
+    for name, layer in layers:
+        for tname, t in (*layer.named_parameters(), *layer.named_buffers()):
+            parts = tname.split(".")
+            if parts[0] != "base_layer" and adapter in parts:
+                h.update(f"{name}.{tname}|".encode())
+                h.update(_tensor_digest(t))
+        for attr, value in sorted(vars(layer).items()):
+            if isinstance(value, dict) and adapter in value:
+                setting = value[adapter]
+                shown = repr(setting) if isinstance(setting, _PLAIN) else type(setting).__qualname__
+                h.update(f"{name}.{attr}={shown}|".encode())
+    return h.hexdigest()[:32]
+
+
+def _hook_adapter_names(layers) -> list[str] | None:
+    """The ``adapter_names`` PEFT's generate handed its tuner layers through a pre-hook, or None."""
+    for _, layer in layers:
+        for hook in layer._forward_pre_hooks.values():
+            if isinstance(hook, functools.partial) and "adapter_names" in (hook.keywords or {}):
+                return list(hook.keywords["adapter_names"])
+    return None
+
+
+def unkeyable_reason(model) -> str | None:
+    """Why this call's KV may depend on something the key cannot see, or None."""
+    if "prepare_inputs_for_generation" in vars(model):
+        owner = type(getattr(model.prepare_inputs_for_generation, "__self__", None)).__name__
+        return (
+            f"prepare_inputs_for_generation is replaced by {owner} (PEFT prompt learning?): the inputs "
+            "the model receives cannot be seen"
+        )
+    return None
+
+
+def row_adapters(model, num_rows: int, rows_per_prompt: int = 1) -> list[tuple]:
+    """Each row's adapter key parts: ``()`` for the base model, else
+    ``("adapter", name, digest, ...)`` for the adapter(s) computing it.
+
+    Raises ValueError when ``adapter_names`` has neither one entry per row nor per prompt.
+    """
+    layers = tuner_layers(model)
+    if not layers:
+        return [()] * num_rows
+    if any(layer.disable_adapters for _, layer in layers):
+        return [()] * num_rows
+    digests: dict[str, str] = {}
+
+    def key(names) -> tuple:
+        names = [n for n in names if n != BASE]
+        if not names:
+            return ()
+        for n in names:
+            if n not in digests:
+                digests[n] = _adapter_digest(layers, n)
+        return ("adapter", *(part for n in names for part in (n, digests[n])))
+
+    per_row = _hook_adapter_names(layers)
+    if per_row is not None:
+        if len(per_row) * rows_per_prompt == num_rows:
+            per_row = [n for n in per_row for _ in range(rows_per_prompt)]
+        if len(per_row) != num_rows:
+            raise ValueError(
+                f"adapter_names has {len(per_row)} entries for {num_rows} rows "
+                f"({num_rows // max(1, rows_per_prompt)} prompts)"
+            )
+        return [key([n]) for n in per_row]
+    active = []
+    for _, layer in layers:
+        for n in layer.active_adapters:
+            if n not in active and n not in layer.merged_adapters:
+                active.append(n)
+    return [key(active)] * num_rows
