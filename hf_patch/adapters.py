@@ -38,7 +38,9 @@ except ImportError:  # pragma: no cover - exercised only where peft is absent
 
 BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
 _PLAIN = (int, float, str, bool, type(None))
-_digests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tensor -> (version, ptr, digest)
+# id(tensor) -> (weakref to it, (version, data_ptr), digest). Not a WeakKeyDictionary: tensors
+# compare elementwise, so a dictionary keyed by them cannot resolve a hash collision.
+_digests: dict[int, tuple] = {}
 _lock = threading.Lock()
 
 
@@ -54,18 +56,27 @@ def merge_state(model) -> tuple:
     return tuple(tuple(layer.merged_adapters) for _, layer in tuner_layers(model) if layer.merged_adapters)
 
 
+def _forget(ref: weakref.ref, ident: int) -> None:
+    with _lock:
+        if ident in _digests and _digests[ident][0] is ref:
+            del _digests[ident]
+
+
 def _tensor_digest(t: torch.Tensor) -> bytes:
+    """sha256 of ``t``'s dtype, shape and bytes; recomputed only after ``t`` changed."""
     key = (t._version, t.data_ptr())
     with _lock:
-        cached = _digests.get(t)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+        cached = _digests.get(id(t))
+    if cached is not None and cached[0]() is t and cached[1] == key:
+        return cached[2]
     data = t.detach().to("cpu").contiguous()
     h = hashlib.sha256(f"{data.dtype}|{tuple(data.shape)}|".encode())
     h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
     digest = h.digest()
+    ident = id(t)
+    ref = weakref.ref(t, lambda r: _forget(r, ident))
     with _lock:
-        _digests[t] = (key, digest)
+        _digests[ident] = (ref, key, digest)
     return digest
 
 
@@ -104,6 +115,13 @@ def unkeyable_reason(model) -> str | None:
             "the model receives cannot be seen"
         )
     return None
+
+
+def mixed_batch(model) -> bool:
+    """Whether PEFT runs this call with ``adapter_names`` (one adapter per row). Forwards over
+    fewer rows (in-batch sharing's one-row prefix forwards) would then fail or use the wrong
+    adapter."""
+    return _hook_adapter_names(tuner_layers(model)) is not None
 
 
 def row_adapters(model, num_rows: int, rows_per_prompt: int = 1) -> list[tuple]:

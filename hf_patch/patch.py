@@ -28,7 +28,7 @@ import threading
 import torch
 from transformers.generation.utils import GenerationMixin
 
-from hf_patch.adapters import row_adapters, unkeyable_reason
+from hf_patch.adapters import mixed_batch, row_adapters, unkeyable_reason
 from hf_patch.batch_share import can_share, compute_shared
 from hf_patch.cache import RadixCache
 from hf_patch.inputs import log_once, unkeyed_inputs
@@ -194,9 +194,11 @@ def _wrap_prefill(original):
                     "RadixCache needs use_cache=True (the generation config sets use_cache=False)"
                 )
             reuse = not (generation_config.output_hidden_states or generation_config.output_attentions)
-            rows_per_prompt = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+            rows_per_prompt = max(
+                generation_config.num_beams or 1, generation_config.num_return_sequences or 1
+            )
             share = None
-            if reuse and can_share(model_kwargs):
+            if reuse and can_share(model_kwargs) and not mixed_batch(self):
                 share = functools.partial(
                     compute_shared, self, request.store, request.specs, request.epoch,
                     chunk_size=generation_config.prefill_chunk_size,

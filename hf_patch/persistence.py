@@ -16,9 +16,14 @@ This module builds that identity from what the KV depends on:
   tell them apart; an edit of single elements between the sampled ones is not seen. Cost:
   one small gather per parameter, no pass over the weights.
 
+- ``adapter_keys``: present when the model has PEFT tuner layers (their KV is keyed per adapter
+  since this field exists; older files of such a model are refused).
+
 Namespaces: hf_patch keys the store by ``(model scope, namespace)``, where the scope is a
-per-process number (hf_patch.weights). The file holds the user's namespaces only; a restore
-puts them under the restoring model's scope, so they hit in a new process.
+per-process number (hf_patch.weights) and the namespace a ``KeyedNamespace`` when a PEFT
+adapter computed the KV (its name and weights digest ride along). The file holds those
+namespaces without the scope; a restore puts them under the restoring model's scope, so they
+hit in a new process, and an adapter's KV only for the same adapter weights.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ from collections.abc import Collection, Hashable
 
 import torch
 
+from hf_patch.adapters import tuner_layers
 from hf_patch.model_spec import check_store_fits, default_store
 from hf_patch.weights import flush_if_weights_changed, model_scope
-from radixkv import KVStore, RestoreResult, SaveResult
+from radixkv import KeyedNamespace, KVStore, RestoreResult, SaveResult
 
 WEIGHT_SAMPLE = 4096
 # Config fields that do not change what the model computes for a token.
@@ -78,11 +84,16 @@ def weights_sha256(model, sample: int = WEIGHT_SAMPLE) -> str:
 def model_identity(model) -> dict[str, str]:
     """What a saved cache of ``model`` must match to be restored into it (JSON-able)."""
     cls = type(model)
-    return {
+    identity = {
         "model_class": f"{cls.__module__}.{cls.__qualname__}",
         "config_sha256": config_sha256(model),
         "weights_sha256": weights_sha256(model),
     }
+    if tuner_layers(model):
+        # Files written before adapters were keyed hold an adapter's KV under the base key:
+        # their identity lacks this field, so a model with PEFT layers refuses them.
+        identity["adapter_keys"] = "per-row adapter digests"
+    return identity
 
 
 def _store(model, store: KVStore | None) -> KVStore:
@@ -113,7 +124,10 @@ def save_cache(
     wanted = None if namespaces is None else set(namespaces)
 
     def mine(ns: Hashable) -> bool:
-        return type(ns) is tuple and len(ns) == 2 and ns[0] == scope and (wanted is None or ns[1] in wanted)
+        if type(ns) is not tuple or len(ns) != 2 or ns[0] != scope:
+            return False
+        user = ns[1].namespace if isinstance(ns[1], KeyedNamespace) else ns[1]  # an adapter's root
+        return wanted is None or user in wanted
 
     return store.save(path, mine, identity=model_identity(model), rename=lambda ns: ns[1], epoch=epoch)
 

@@ -85,7 +85,9 @@ class KeyParts:
             extra = np.zeros(len(ids) - pad, dtype=np.uint64)
             e = self.extra_ids[i, pad:length].numpy().view(np.uint64)[: len(extra)]
             extra[: len(e)] = e
-        return row_key(ids[pad:].numpy(), extra, self.namespaces[i], self.shared[i], self.scope, self.adapters[i])
+        return row_key(
+            ids[pad:].numpy(), extra, self.namespaces[i], self.shared[i], self.scope, self.adapters[i]
+        )
 
 
 class Request:
@@ -161,7 +163,9 @@ class Request:
                 lease = shared.pop(i, None)
                 if lease is None:
                     # Leave at least one token to compute: a fully cached prompt would be fed again.
-                    lease = self.store.acquire(key.tokens, key.namespace, max_tokens=key.tokens.num_tokens - 1)
+                    lease = self.store.acquire(
+                        key.tokens, key.namespace, max_tokens=key.tokens.num_tokens - 1
+                    )
                 self.leases.append(lease)
             common = min(pad + lease.num_tokens for pad, lease in zip(self.pads, self.leases))
             common = self.common = outside_barriers(common, keys.barriers)
