@@ -47,13 +47,15 @@ _logged: set[str] = set()
 _lock = threading.Lock()
 
 
-def unkeyed_inputs(kwargs: dict) -> list[str]:
-    """Names of the model inputs in generate()'s ``kwargs`` that the key does not cover."""
+def unkeyed_inputs(kwargs: dict, also_keyed: frozenset[str] = frozenset()) -> list[str]:
+    """Names of the model inputs in generate()'s ``kwargs`` that the key does not cover
+    (``also_keyed``: inputs the caller keys for this model, e.g. hf_patch.multimodal's images)."""
     return sorted(
         name
         for name, value in kwargs.items()
         if value is not None
         and name not in KEYED_INPUTS
+        and name not in also_keyed
         and name not in _GENERATE_ARGS
         and name not in _CONFIG_FIELDS
     )

@@ -31,8 +31,17 @@ from transformers.generation.utils import GenerationMixin
 from hf_patch.adapters import mixed_batch, row_adapters, unkeyable_reason
 from hf_patch.batch_share import can_share, compute_shared
 from hf_patch.cache import RadixCache
-from hf_patch.inputs import log_once, unkeyed_inputs
+from hf_patch.inputs import unkeyed_inputs
 from hf_patch.model_spec import check_store_fits, default_store, layer_specs
+from hf_patch.multimodal import (
+    Images,
+    UnkeyableImages,
+    drop_pixels,
+    has_images,
+    image_keys,
+    keep_uncached_features,
+    keyed_inputs,
+)
 from hf_patch.request import KeyParts, Request
 from hf_patch.weights import flush_if_weights_changed, model_scope, watch_fused_optimizers
 
@@ -107,7 +116,9 @@ def _per_row(value, name: str, rows: int, rows_per_prompt: int) -> list:
     return list(value)
 
 
-def key_parts(model, cache: RadixCache, shape: torch.Size, rows_per_prompt: int) -> KeyParts:
+def key_parts(
+    model, cache: RadixCache, shape: torch.Size, rows_per_prompt: int, images: Images | None = None
+) -> KeyParts:
     """Each row's key parts for the first forward's ``input_ids`` of ``shape`` [rows, columns]."""
     rows = shape[0]
     ns = cache.namespace
@@ -123,6 +134,10 @@ def key_parts(model, cache: RadixCache, shape: torch.Size, rows_per_prompt: int)
                 f"RadixCache extra_ids is {list(cache.extra_ids.shape)}, but the prompt is "
                 f"{[rows // rows_per_prompt, shape[1]]}: give one extra id per input token"
             )
+    if images is not None:  # an image's content id wins over a user's extra id on its tokens
+        extra = (
+            images.extra_ids if extra is None else torch.where(images.extra_ids != 0, images.extra_ids, extra)
+        )
     adapters = row_adapters(model, rows, rows_per_prompt)
     return KeyParts(model_scope(model), namespaces, adapters, shared, extra)
 
@@ -151,14 +166,12 @@ def _wrap_generate(original):
             raise RuntimeError("this RadixCache is already in use by a running generate() call")
         cache.start(len(specs))
         request = cache._request = Request(cache, store, specs)
-        unkeyed = unkeyed_inputs(kwargs)
+        unkeyed = unkeyed_inputs(kwargs, keyed_inputs(self))
         reason = (
             f"generate() got {', '.join(unkeyed)}, which the cache key does not cover" if unkeyed else None
         ) or unkeyable_reason(self)
         if reason is not None:  # stock generate() with the RadixCache as a plain cache
-            request.uncacheable = True
-            store.count_uncacheable()
-            log_once(reason)
+            request.mark_uncacheable(reason)
         try:
             output = original(self, *args, **kwargs)
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
@@ -172,6 +185,43 @@ def _wrap_generate(original):
 
     setattr(generate, _MARK, True)
     return generate
+
+
+def _rows_per_prompt(generation_config) -> int:
+    return max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+
+
+def _wrap_encode(original):
+    """``_maybe_prepare_encoder_kwargs_for_generation``: key the call's images (hf_patch.multimodal)
+    while their pixels are still there, and where the rows are final (one row per prompt), match
+    now and drop the pixels of images the store serves, so they are never encoded."""
+
+    @functools.wraps(original)
+    def encode(self, inputs_tensor, model_kwargs, model_input_name, generation_config, *args, **kwargs):
+        cache = model_kwargs.get("past_key_values")
+        request = getattr(cache, "_request", None) if isinstance(cache, RadixCache) else None
+        if request is not None and not request.uncacheable and has_images(model_kwargs):
+            try:
+                request.images = image_keys(self, inputs_tensor, model_kwargs)
+            except UnkeyableImages as e:
+                request.mark_uncacheable(str(e))
+            reuse = not (generation_config.output_hidden_states or generation_config.output_attentions)
+            if (
+                request.images is not None
+                and reuse
+                and model_input_name == "input_ids"
+                and _rows_per_prompt(generation_config) == 1
+                and model_kwargs.get("inputs_embeds") is None
+            ):
+                keys = key_parts(self, cache, inputs_tensor.shape, 1, request.images)
+                request.match(inputs_tensor, model_kwargs.get("attention_mask"), keys)
+                request.dropped = drop_pixels(request.images, request.common, model_kwargs)
+        return original(
+            self, inputs_tensor, model_kwargs, model_input_name, generation_config, *args, **kwargs
+        )
+
+    setattr(encode, _MARK, True)
+    return encode
 
 
 def _wrap_prefill(original):
@@ -194,9 +244,8 @@ def _wrap_prefill(original):
                     "RadixCache needs use_cache=True (the generation config sets use_cache=False)"
                 )
             reuse = not (generation_config.output_hidden_states or generation_config.output_attentions)
-            rows_per_prompt = max(
-                generation_config.num_beams or 1, generation_config.num_return_sequences or 1
-            )
+            rows_per_prompt = _rows_per_prompt(generation_config)
+            images = None if request.images is None else request.images.expand(rows_per_prompt)
             share = None
             if reuse and can_share(model_kwargs) and not mixed_batch(self):
                 share = functools.partial(
@@ -209,13 +258,15 @@ def _wrap_prefill(original):
                 max_length=generation_config.max_length or 0,
                 eos_token_ids=_eos_ids(generation_config),
                 prompt_only=(generation_config.num_beams or 1) > 1,
-                keys=key_parts(self, cache, input_ids.shape, rows_per_prompt),
+                keys=key_parts(self, cache, input_ids.shape, rows_per_prompt, images),
                 # Per-token outputs of the prompt must cover every prompt token, as in stock
                 # generate(): compute the whole prompt then (and still commit it).
                 reuse=reuse,
                 rows_per_prompt=rows_per_prompt,
                 share=share,
             )
+            if images is not None:  # placeholders the store served need no features
+                keep_uncached_features(images, request.common, request.dropped, model_kwargs)
         return original(self, input_ids, generation_config, model_kwargs, is_first_iteration, *args, **kwargs)
 
     setattr(_prefill, _MARK, True)
@@ -230,3 +281,6 @@ def install() -> None:
             GenerationMixin.generate = _wrap_generate(GenerationMixin.generate)
         if not getattr(GenerationMixin._prefill, _MARK, False):
             GenerationMixin._prefill = _wrap_prefill(GenerationMixin._prefill)
+        encode = GenerationMixin._maybe_prepare_encoder_kwargs_for_generation
+        if not getattr(encode, _MARK, False):
+            GenerationMixin._maybe_prepare_encoder_kwargs_for_generation = _wrap_encode(encode)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from hf_patch.cache import RadixCache
+from hf_patch.inputs import log_once
 from hf_patch.keys import RowKey, SharedPrefix, row_key
 from radixkv import KVStore, LayerSpec, Lease
 
@@ -45,20 +46,6 @@ def left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> l
 MIN_HEADROOM = 256
 
 
-def outside_barriers(common: int, barriers: list[list[tuple[int, int]]] | None) -> int:
-    """The largest column count <= ``common`` that ends inside no row's barrier span.
-
-    >>> outside_barriers(10, [[(2, 6)], [(8, 12)]]), outside_barriers(10, [[(2, 9)], [(8, 12)]])
-    (8, 2)
-    """
-    while barriers:
-        cut = min((s for spans in barriers for s, e in spans if s < common < e), default=None)
-        if cut is None:
-            break
-        common = cut
-    return common
-
-
 def initial_capacity(length: int, max_length: int) -> int:
     """Tokens per layer buffer: the whole generation when short, else prompt + max(256, prompt)."""
     return max(length, min(max_length, length + max(MIN_HEADROOM, length)))
@@ -74,8 +61,6 @@ class KeyParts:
     adapters: list[tuple]  # hf_patch.adapters.row_adapters
     shared: list[SharedPrefix | None]
     extra_ids: torch.Tensor | None = None  # [B, T] int64 (uint64 bits), aligned with input_ids
-    # Per row, column spans (start, end) a reuse must never end strictly inside (an image).
-    barriers: list[list[tuple[int, int]]] | None = None
 
     def row(self, i: int, ids: torch.Tensor, pad: int, length: int | None = None) -> RowKey:
         """Row ``i``'s key over ``ids[pad:]`` (``ids``: the row's prompt, or its whole sequence;
@@ -106,13 +91,74 @@ class Request:
         self.pads: list[int] | None = None
         self.eos_token_ids: list[int] = []
         self.prompt_only = False
+        self.matched = False
         self.common = 0  # leading columns served from the store (the cache's length after preload)
+        self.computed: dict[int, int] = {}  # in-batch sharing: tokens each row computed for others
         # The KV depends on inputs the key cannot see: no read, no commit (hf_patch.inputs)
         self.uncacheable = False
+        self.images = None  # hf_patch.multimodal.Images of the unexpanded prompt rows
+        self.dropped: set = set()  # images the store serves, removed before encoding (their index)
         # generate() expands each prompt to max(num_beams, num_return_sequences) rows
         self.rows_per_prompt = 1
 
+    def mark_uncacheable(self, reason: str) -> None:
+        """Run this call as stock generate() with a plain cache: nothing read, nothing committed."""
+        self.uncacheable = True
+        self.store.count_uncacheable()
+        log_once(reason)
+
     # -- before the first forward --------------------------------------------------------------
+    def match(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        keys: KeyParts,
+        reuse: bool = True,
+        share=None,
+    ) -> None:
+        """Match every row and pin what is cached; fix ``common``, the columns to preload.
+
+        Runs once per call: from ``preload``, or earlier, before generate() encodes images, so
+        that images the store serves are never encoded (hf_patch.multimodal); ``preload`` then
+        reads exactly what was pinned here. ``reuse=False``: prepare the commit, match nothing.
+        ``share``: None, or a callable ``share(rows) -> SharedPrefixes`` that computes and commits
+        the prefixes rows share and returns their pinned matches (``batch_share.compute_shared``
+        bound to the model).
+        """
+        if self.matched:
+            return
+        self.matched = True
+        batch, length = input_ids.shape
+        self.pads = left_pads(attention_mask, batch, length)
+        if self.pads is None:
+            logger.debug("attention mask is not left padding: generating without reuse")
+            return
+        rows = self.prompt_ids = input_ids.to("cpu", torch.int64)
+        self.keys = keys
+        if not reuse:
+            return
+        shared: dict[int, Lease] = {}
+        try:
+            row_keys = [keys.row(i, row, pad) for i, (row, pad) in enumerate(zip(rows, self.pads))]
+            if share is not None and batch > 1:
+                result = share(row_keys)
+                shared, self.computed = result.leases, result.computed
+            for i, key in enumerate(row_keys):
+                lease = shared.pop(i, None)
+                if lease is None:
+                    # Leave at least one token to compute: a fully cached prompt would be fed again.
+                    lease = self.store.acquire(
+                        key.tokens, key.namespace, max_tokens=key.tokens.num_tokens - 1
+                    )
+                self.leases.append(lease)
+            self.common = min(pad + lease.num_tokens for pad, lease in zip(self.pads, self.leases))
+        except BaseException:
+            self.release()
+            raise
+        finally:
+            for lease in shared.values():  # left over only when an acquire above raised
+                lease.release()
+
     def preload(
         self,
         input_ids: torch.Tensor,
@@ -125,14 +171,12 @@ class Request:
         rows_per_prompt: int = 1,
         share=None,
     ) -> None:
-        """Match every row, copy the common reusable prefix into fresh layer buffers.
+        """Match every row (unless ``match`` ran already), copy the common reusable prefix into
+        fresh layer buffers, and unpin.
 
-        ``keys``: each row's namespace, adapter, shared prefix, extra ids and barriers.
+        ``keys``: each row's namespace, adapter, shared prefix and extra ids.
         ``prompt_only``: commit only the prompt afterwards (beam search: the cache rows are
-        reordered running beams, not the returned sequences). ``reuse=False``: prepare the
-        buffers and the commit, read nothing from the store. ``share``: None, or a callable
-        ``share(rows) -> SharedPrefixes`` that computes and commits the prefixes rows share and
-        returns their pinned matches (``batch_share.compute_shared`` bound to the model).
+        reordered running beams, not the returned sequences). ``reuse``, ``share``: see ``match``.
         """
         self.eos_token_ids = eos_token_ids
         self.prompt_only = prompt_only
@@ -144,37 +188,12 @@ class Request:
                 batch, spec.num_kv_heads, spec.k_head_dim, spec.v_head_dim, capacity, spec.dtype, spec.device
             )
         self.cache.cached_tokens = [0] * batch
-        self.pads = left_pads(attention_mask, batch, length)
-        if self.pads is None:
-            logger.debug("attention mask is not left padding: generating without reuse")
-            return
-        rows = self.prompt_ids = input_ids.to("cpu", torch.int64)
-        self.keys = keys
-        if not reuse:
-            return
-        shared: dict[int, Lease] = {}
         try:
-            row_keys = [keys.row(i, row, pad) for i, (row, pad) in enumerate(zip(rows, self.pads))]
-            computed: dict[int, int] = {}
-            if share is not None and batch > 1:
-                result = share(row_keys)
-                shared, computed = result.leases, result.computed
-            for i, key in enumerate(row_keys):
-                lease = shared.pop(i, None)
-                if lease is None:
-                    # Leave at least one token to compute: a fully cached prompt would be fed again.
-                    lease = self.store.acquire(
-                        key.tokens, key.namespace, max_tokens=key.tokens.num_tokens - 1
-                    )
-                self.leases.append(lease)
-            common = min(pad + lease.num_tokens for pad, lease in zip(self.pads, self.leases))
-            common = self.common = outside_barriers(common, keys.barriers)
-            if common > 0:
-                self._copy_prefix(common, computed)
+            self.match(input_ids, attention_mask, keys, reuse, share)
+            if self.common > 0:
+                self._copy_prefix(self.common, self.computed)
         finally:
             self.release()  # the copy is done: blocks need not stay pinned through decode
-            for lease in shared.values():  # left over only when an acquire above raised
-                lease.release()
 
     def _copy_prefix(self, common: int, computed: dict[int, int]) -> None:
         """Read each row's first ``common - pad`` tokens; ``computed[i]`` of row i's were computed

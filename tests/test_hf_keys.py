@@ -11,6 +11,8 @@ import torch
 import hf_patch
 from hf_patch import RadixCache, SharedPrefix
 from hf_patch.keys import fold
+from radixkv import KeyedNamespace
+from radixkv.manifest import decode_namespace, encode_namespace
 from tests.hf_models import (
     VOCAB,
     assert_same_as_stock,
@@ -48,6 +50,14 @@ def test_fold_keys_plain_tokens_as_themselves_and_extra_pairs_apart():
     assert a[1] != a[3] or row[1] == row[3]
     big = fold(row, np.array([0, 2**64 - 1, 0, 0], dtype=np.uint64))  # the whole uint64 range
     assert big[1] < 0 and big[1] != a[1]
+
+
+def test_an_adapter_root_has_a_file_form_no_plain_tuple_can_take():
+    keyed = KeyedNamespace("tenant", ("adapter", "x", "0" * 32))
+    assert decode_namespace(encode_namespace(keyed)) == keyed
+    plain = ("tenant", ("adapter", "x", "0" * 32))
+    assert decode_namespace(encode_namespace(plain)) == plain != keyed
+    assert hash(keyed) != hash(plain) or keyed != plain
 
 
 # -- extra ids ------------------------------------------------------------------------------
