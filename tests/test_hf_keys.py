@@ -236,3 +236,31 @@ def test_inputs_the_key_cannot_see_turn_the_store_off_for_the_call(caplog):
     assert stats["uncacheable_requests"] == 2 and stats["cached_blocks"] == cached
     cache, _ = assert_same_as_stock(model, prompt, store)  # the plain KV is intact
     assert cache.cached_tokens == [expected_full_hit(len(PROMPT), BS)]
+
+
+def test_every_key_part_saves_and_restores(tmp_path):
+    """Extra-id keys, per-row namespaces and a shared prefix's salted tails survive a cache file."""
+    model = shared("llama-sdpa")
+    store = store_for(model, BS)
+    task = tokens(8, seed=1607)
+    public = SharedPrefix("tasks", len(task))
+    rows = ids(task + PROMPT[:16], task + PROMPT[:16])
+    table = torch.zeros_like(rows)
+    table[:, 12:16] = 5
+    ref = stock(model, rows)
+
+    def call(s, expect):
+        cache = RadixCache(s, namespace=["alice", "bob"], shared_prefix=[public, public], extra_ids=table)
+        assert_same_as_stock(model, rows, cache=cache, reference=ref)
+        assert cache.cached_tokens == expect
+
+    call(store, [0, 8])  # in-batch sharing: alice's row computed the public part bob reads
+    path = tmp_path / "keys.safetensors"
+    hf_patch.save_cache(model, path, store=store)
+    fresh = store_for(model, BS)
+    assert hf_patch.restore_cache(model, path, store=fresh).restored_tokens > 0
+    call(fresh, [expected_full_hit(24, BS)] * 2)
+    # Carol, with the same prompt, reads only the public part.
+    cache = RadixCache(fresh, namespace="carol", shared_prefix=public, extra_ids=table[:1])
+    assert_same_as_stock(model, rows[:1], cache=cache, reference=stock(model, rows[:1]))
+    assert cache.cached_tokens == [8]
