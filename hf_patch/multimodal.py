@@ -38,11 +38,7 @@ import hashlib
 from dataclasses import dataclass, replace
 
 import torch
-
-try:  # transformers' own slicing of pre-encoded features (its chunked prefill uses it)
-    from transformers.generation.utils import _slice_mm_encoder_output
-except ImportError:  # pragma: no cover - another transformers: no family is keyed then
-    _slice_mm_encoder_output = None
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 FAMILIES = {
     "llava": "items",
@@ -65,6 +61,7 @@ class ImageSpan:
     start: int  # columns of input_ids
     end: int
     index: tuple[int, ...]  # where the image sits in pixel_values
+    content: int = 0  # the image's content id (its extra id)
 
 
 @dataclass(frozen=True)
@@ -96,7 +93,7 @@ def has_images(model_kwargs: dict) -> bool:
 
 
 def _family(model) -> str | None:
-    if _slice_mm_encoder_output is None or not model._supports_mm_encoder_outputs():
+    if not model._supports_mm_encoder_outputs():
         return None
     return FAMILIES.get(getattr(model.config, "model_type", None))
 
@@ -165,56 +162,89 @@ def image_keys(model, input_ids: torch.Tensor, model_kwargs: dict) -> Images | N
                     f"row {b}: a run of {end - start} image tokens is not a whole number of images"
                 )
             for s in range(start, end, size):
-                spans.append(ImageSpan(b, s, s + size, items[len(spans)]))
+                index = items[len(spans)]
+                mask = None if masks is None else masks[index]
+                spans.append(ImageSpan(b, s, s + size, index, _content_id(pixels[index], mask)))
     if per_row is not None and [sum(s.row == b for s in spans) for b in range(len(per_row))] != per_row:
         raise UnkeyableImages("the rows' image placeholders do not match their images")
     extra = torch.zeros(input_ids.shape, dtype=torch.int64)
     for span in spans:
-        mask = None if masks is None else masks[span.index]
-        extra[span.row, span.start : span.end] = _content_id(pixels[span.index], mask)
+        extra[span.row, span.start : span.end] = span.content
     return Images(layout, extra, spans)
 
 
-def drop_pixels(images: Images, common: int, model_kwargs: dict) -> set[tuple[int, ...]]:
-    """Before encoding: remove from ``model_kwargs`` the images whose spans lie within the first
-    ``common`` columns (served from the store); returns their indices."""
-    cached = [s.index for s in images.spans if s.end <= common]
-    if not cached:
-        return set()
+def drop_pixels(images: Images, drop: set[tuple[int, ...]], model_kwargs: dict) -> None:
+    """Before encoding: remove the images ``drop`` (indices into pixel_values) from ``model_kwargs``."""
+    if not drop:
+        return
     pixels = model_kwargs["pixel_values"]
-    if len(cached) == len(images.spans):  # every image cached: no vision forward at all
+    if drop >= {s.index for s in images.spans}:  # nothing left to encode: no vision forward at all
         for name in IMAGE_INPUTS:
             model_kwargs.pop(name, None)
     elif images.layout == "items":
-        gone = set(cached)
-        keep = torch.tensor([i for i in range(pixels.shape[0]) if (i,) not in gone], device=pixels.device)
+        keep = torch.tensor([i for i in range(pixels.shape[0]) if (i,) not in drop], device=pixels.device)
         model_kwargs["pixel_values"] = pixels.index_select(0, keep)
     else:  # rows: a zeroed image is padding to the model
         pixels = pixels.clone()
-        for index in cached:
+        for index in drop:
             pixels[index] = 0
         model_kwargs["pixel_values"] = pixels
-    return set(cached)
 
 
-def keep_uncached_features(images: Images, common: int, dropped: set, model_kwargs: dict) -> None:
-    """After encoding: keep in ``mm_encoder_outputs`` only the feature rows of placeholders the
-    model is fed (columns ``>= common``). ``images``: the rows' images as the prefill sees them;
-    ``dropped``: those removed before encoding (they have no feature rows)."""
+def _flat_rows(output) -> torch.Tensor | None:
+    """An image encoder output's features as ``[placeholders, hidden]``, in placeholder order."""
+    features = None if output is None else output.get("pooler_output")
+    if features is None:
+        return None
+    return torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+
+
+def remember_features(images: Images, skipped: set, model_kwargs: dict, cache) -> None:
+    """After encoding: file each encoded image's feature rows in ``cache`` by its content id.
+    ``skipped``: images not encoded (served from the store, or their features already known)."""
     outputs = model_kwargs.get("mm_encoder_outputs")
-    image = outputs.get("image") if isinstance(outputs, dict) else None
-    if common <= 0 or image is None:
+    rows = _flat_rows(outputs.get("image") if isinstance(outputs, dict) else None)
+    encoded = [s for s in images.spans if s.index not in skipped]
+    if rows is None or cache is None or rows.shape[0] != sum(s.end - s.start for s in encoded):
         return
-    keep, at = [], 0
-    for span in images.spans:  # encoded images' rows, in placeholder order over (batch, seq)
-        if span.index in dropped:
-            continue
-        first = max(span.start, common)
-        keep.extend(range(at + first - span.start, at + span.end - span.start))
+    cache.as_tensor = isinstance(outputs["image"]["pooler_output"], torch.Tensor)
+    at = 0
+    for span in encoded:
+        cache.put(span.content, rows[at : at + span.end - span.start])
         at += span.end - span.start
-    device = image["pooler_output"][0].device
-    outputs = dict(outputs)
-    outputs["image"] = (
-        None if not keep else _slice_mm_encoder_output(image, torch.tensor(keep, device=device))
-    )
+
+
+def feed_features(
+    images: Images, common: int, skipped: set, known: dict, model_kwargs: dict, as_tensor: bool
+) -> None:
+    """Before the prefill: ``mm_encoder_outputs["image"]`` holds exactly the feature rows of the
+    placeholders the model is fed (columns ``>= common``), in order, in the container the
+    model's encoder uses (``as_tensor``: a batch of one, else a one-item list), as
+    transformers' chunked prefill hands them over. Rows come from this call's encoding
+    (images not in ``skipped``) or from ``known`` (image index -> rows, not encoded)."""
+    outputs = model_kwargs.get("mm_encoder_outputs")
+    output = outputs.get("image") if isinstance(outputs, dict) else None
+    if (common <= 0 and not known) or (output is None and not known):
+        return
+    fresh = _flat_rows(output)
+    parts, at = [], 0
+    for span in images.spans:
+        length = span.end - span.start
+        if span.index in known:
+            rows = known[span.index]
+        elif span.index in skipped:  # served from the store whole: fed no placeholder
+            continue
+        else:
+            rows, at = fresh[at : at + length], at + length
+        if span.end > common:
+            parts.append(rows[max(0, common - span.start) :])
+    outputs = dict(outputs or {})
+    if not parts:
+        outputs["image"] = None
+    else:
+        make = type(output) if output is not None else BaseModelOutputWithPooling
+        rows = torch.cat(parts)
+        if output is not None:
+            as_tensor = isinstance(output["pooler_output"], torch.Tensor)
+        outputs["image"] = make(pooler_output=rows.unsqueeze(0) if as_tensor else [rows])
     model_kwargs["mm_encoder_outputs"] = outputs

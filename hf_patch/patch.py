@@ -28,6 +28,7 @@ import threading
 import torch
 from transformers.generation.utils import GenerationMixin
 
+from hf_patch import image_features
 from hf_patch.adapters import mixed_batch, row_adapters, unkeyable_reason
 from hf_patch.batch_share import can_share, compute_shared
 from hf_patch.cache import RadixCache
@@ -37,10 +38,11 @@ from hf_patch.multimodal import (
     Images,
     UnkeyableImages,
     drop_pixels,
+    feed_features,
     has_images,
     image_keys,
-    keep_uncached_features,
     keyed_inputs,
+    remember_features,
 )
 from hf_patch.request import KeyParts, Request
 from hf_patch.weights import flush_if_weights_changed, model_scope, watch_fused_optimizers
@@ -206,16 +208,32 @@ def _wrap_encode(original):
             except UnkeyableImages as e:
                 request.mark_uncacheable(str(e))
             reuse = not (generation_config.output_hidden_states or generation_config.output_attentions)
+            images = request.images
+            features = request.features = image_features.for_model(self) if images is not None else None
             if (
-                request.images is not None
+                images is not None
                 and reuse
                 and model_input_name == "input_ids"
                 and _rows_per_prompt(generation_config) == 1
                 and model_kwargs.get("inputs_embeds") is None
             ):
-                keys = key_parts(self, cache, inputs_tensor.shape, 1, request.images)
+                keys = key_parts(self, cache, inputs_tensor.shape, 1, images)
                 request.match(inputs_tensor, model_kwargs.get("attention_mask"), keys)
-                request.dropped = drop_pixels(request.images, request.common, model_kwargs)
+                # Not encoded: images the store serves whole, and images whose features are known.
+                served = {s.index for s in images.spans if s.end <= request.common}
+                if features is not None:
+                    for span in images.spans:
+                        rows = None if span.index in served else features.get(span.content)
+                        if rows is not None:
+                            request.known[span.index] = rows
+                request.skipped = served | set(request.known)
+                drop_pixels(images, request.skipped, model_kwargs)
+            model_kwargs = original(
+                self, inputs_tensor, model_kwargs, model_input_name, generation_config, *args, **kwargs
+            )
+            if images is not None:
+                remember_features(images, request.skipped, model_kwargs, features)
+            return model_kwargs
         return original(
             self, inputs_tensor, model_kwargs, model_input_name, generation_config, *args, **kwargs
         )
@@ -265,8 +283,9 @@ def _wrap_prefill(original):
                 rows_per_prompt=rows_per_prompt,
                 share=share,
             )
-            if images is not None:  # placeholders the store served need no features
-                keep_uncached_features(images, request.common, request.dropped, model_kwargs)
+            if images is not None:  # features for exactly the placeholders the model is fed
+                as_tensor = request.features is not None and request.features.as_tensor
+                feed_features(images, request.common, request.skipped, request.known, model_kwargs, as_tensor)
         return original(self, input_ids, generation_config, model_kwargs, is_first_iteration, *args, **kwargs)
 
     setattr(_prefill, _MARK, True)

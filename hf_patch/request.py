@@ -97,7 +97,11 @@ class Request:
         # The KV depends on inputs the key cannot see: no read, no commit (hf_patch.inputs)
         self.uncacheable = False
         self.images = None  # hf_patch.multimodal.Images of the unexpanded prompt rows
-        self.dropped: set = set()  # images the store serves, removed before encoding (their index)
+        # Images not encoded (their index in pixel_values): served whole by the store, or with
+        # features known from an earlier call (``known``: index -> feature rows).
+        self.skipped: set = set()
+        self.known: dict = {}
+        self.features = None  # the model's hf_patch.image_features.FeatureCache
         # generate() expands each prompt to max(num_beams, num_return_sequences) rows
         self.rows_per_prompt = 1
 

@@ -49,6 +49,8 @@ class VisionCalls:
         return result, sum(self.images[before:])
 
 
+# The model is shared by this module's tests and so is its image feature cache: each test uses
+# images of its own.
 @pytest.fixture(scope="module", params=KEYED)
 def vlm(request):
     name = request.param
@@ -77,7 +79,7 @@ def store(vlm):
     return hf_patch.build_store(model, block_size=BS, budget_tokens=2048)
 
 
-def test_the_same_image_reuses_through_it_and_skips_the_vision_tower(vlm, store):
+def test_the_same_image_reuses_through_it_and_skips_the_vision_tower(vlm, store, monkeypatch):
     name, model, n = vlm
     preamble, question = text(10, 1801), text(6, 1802)
     prompt = ids(preamble + [IMAGE] * n + question)
@@ -88,11 +90,19 @@ def test_the_same_image_reuses_through_it_and_skips_the_vision_tower(vlm, store)
     assert check(model, prompt, store, name, [[image(2)]]) == ([block_floor(10, BS)], 1)
     # Another question about the first image: whole blocks through the image. The last block
     # of the image holds question tokens, so the match ends inside the image: the model gets
-    # its remaining placeholders with their features (the tower runs for that image).
+    # its remaining placeholders with their features, known from the first call (no tower).
     other = ids(preamble + [IMAGE] * n + text(6, 1803))
     reused = block_floor(10 + n, BS)
     assert 10 < reused < 10 + n
-    assert check(model, other, store, name, [[image(1)]]) == ([reused], 1)
+    assert check(model, other, store, name, [[image(1)]]) == ([reused], 0)
+    # The same without the feature cache: the tower encodes the image, the served rows are cut.
+    monkeypatch.setenv("RADIXKV_IMAGE_FEATURES_BYTES", "0")
+    third = ids(preamble + [IMAGE] * n + text(6, 1804))
+    assert check(model, third, store, name, [[image(1)]]) == ([reused], 1)
+    monkeypatch.delenv("RADIXKV_IMAGE_FEATURES_BYTES")
+    # A known image after another preamble: no KV to reuse, but no tower either.
+    moved = ids(text(7, 1805) + [IMAGE] * n + question)
+    assert check(model, moved, store, name, [[image(2)]]) == ([0], 0)
     # Several returned sequences: the rows are expanded before the match, so the tower runs and
     # the served image's features are cut out after it; still a full hit.
     sampled = dict(num_return_sequences=2, do_sample=True, seed=4)
@@ -105,11 +115,11 @@ def test_two_images_of_which_the_second_differs(vlm, store):
     name, model, n = vlm
     a, b, c = text(5, 1811), text(3, 1812), text(4, 1813)
     prompt = ids(a + [IMAGE] * n + b + [IMAGE] * n + c)
-    assert check(model, prompt, store, name, [[image(1), image(2)]]) == ([0], 2)
+    assert check(model, prompt, store, name, [[image(11), image(12)]]) == ([0], 2)
     second = 5 + n + 3  # the second image's first column, a block boundary here
     assert second % BS == 0
-    assert check(model, prompt, store, name, [[image(1), image(3)]]) == ([second], 1)
-    assert check(model, prompt, store, name, [[image(1), image(2)]]) == (
+    assert check(model, prompt, store, name, [[image(11), image(13)]]) == ([second], 1)
+    assert check(model, prompt, store, name, [[image(11), image(12)]]) == (
         [expected_full_hit(prompt.shape[1], BS)],
         0,
     )
@@ -119,7 +129,7 @@ def test_a_left_padded_batch_mixing_images(vlm, store):
     name, model, n = vlm
     rows = [text(6, 1821) + [IMAGE] * n + text(6, 1822), [IMAGE] * n + text(4, 1823)]
     input_ids, mask = left_pad(rows)
-    images = [[image(5)], [image(6)]]
+    images = [[image(15)], [image(16)]]
     kwargs = dict(attention_mask=mask, pad_token_id=0)
     assert check(model, input_ids, store, name, images, **kwargs) == ([0, 0], 2)
     # Row 0 full hit: n + 8 columns; row 1 (8 pads) full hit: n tokens -> column n + 8 too.
@@ -129,9 +139,9 @@ def test_a_left_padded_batch_mixing_images(vlm, store):
     sampled = dict(num_return_sequences=3, do_sample=True, seed=7, **kwargs)
     assert check(model, input_ids, store, name, images, **sampled) == ([n + 8] * 3 + [n] * 3, 2)
     # The rows' images swapped: each row reuses only what precedes its image (row 0: a block of
-    # its 6 text tokens; row 1's image is its first token).
-    swapped = [[image(6)], [image(5)]]
-    assert check(model, input_ids, store, name, swapped, **kwargs) == ([4, 0], 2)
+    # its 6 text tokens; row 1's image is its first token). Both images' features are known.
+    swapped = [[image(16)], [image(15)]]
+    assert check(model, input_ids, store, name, swapped, **kwargs) == ([4, 0], 0)
 
 
 def test_a_family_the_key_does_not_know_runs_without_reuse(caplog):

@@ -1,0 +1,83 @@
+"""Encoded image features by image content: vLLM's encoder cache, for one model.
+
+The prefix store holds an image's KV only in whole blocks, and an image rarely ends on a block
+boundary: a second question about an image usually reuses its KV up to the block that also
+holds the new question, and the model still needs the features of that image's last
+placeholders. Keeping each image's features (one row per placeholder) by its content id
+(hf_patch.multimodal) lets that prefill, and any prompt that shows a known image in a new
+context, skip the vision tower entirely.
+
+One LRU per model, bounded in bytes (``RADIXKV_IMAGE_FEATURES_BYTES``, default 64 MiB; 0 turns
+it off), dropped whole when the model's weights change (hf_patch.weights.fingerprint).
+Features stay on the device they were computed on. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from hf_patch.weights import fingerprint
+
+DEFAULT_BYTES = 64 << 20
+
+
+class FeatureCache:
+    """content id -> features ``[placeholders, hidden]``, least recently used dropped first."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.entries: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.weights: int | None = None  # the fingerprint the entries were computed under
+        # How the model's encoder hands features over: one tensor [images, tokens, hidden]
+        # (True) or a list of per-image / per-row tensors (False); features fed back keep it.
+        self.as_tensor = False
+        self.lock = threading.Lock()
+
+    def get(self, content_id: int) -> torch.Tensor | None:
+        with self.lock:
+            rows = self.entries.get(content_id)
+            if rows is not None:
+                self.entries.move_to_end(content_id)
+            return rows
+
+    def put(self, content_id: int, rows: torch.Tensor) -> None:
+        size = rows.numel() * rows.element_size()
+        if size > self.max_bytes:
+            return
+        with self.lock:
+            old = self.entries.pop(content_id, None)
+            if old is not None:
+                self.bytes -= old.numel() * old.element_size()
+            self.entries[content_id] = rows.detach()
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, gone = self.entries.popitem(last=False)
+                self.bytes -= gone.numel() * gone.element_size()
+
+
+_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def for_model(model) -> FeatureCache | None:
+    """``model``'s feature cache, emptied if its weights changed since; None when turned off."""
+    max_bytes = int(os.environ.get("RADIXKV_IMAGE_FEATURES_BYTES", DEFAULT_BYTES))
+    if max_bytes <= 0:
+        return None
+    current = fingerprint(model)
+    with _lock:
+        cache = _caches.get(model)
+        if cache is None or cache.max_bytes != max_bytes:
+            cache = _caches[model] = FeatureCache(max_bytes)
+    with cache.lock:
+        if cache.weights != current:
+            cache.entries.clear()
+            cache.bytes = 0
+            cache.weights = current
+    return cache
