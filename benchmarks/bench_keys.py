@@ -22,6 +22,7 @@ Each ratio comes from one run, the two sides interleaved.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -101,8 +102,11 @@ def part_vlm(rounds: int) -> None:
         question = rand_ids(20, 200 + r, high=31990)
         prompt = torch.tensor([system + [31999] * 256 + question])
         tower_time.clear()
+        os.environ["RADIXKV_IMAGE_FEATURES_BYTES"] = "0"  # uncached: no image features kept either
         cold.append(ttft(model, prompt, RadixCache(hf_patch.build_store(model, budget_tokens=4096)),
                          pixel_values=pixel_values))  # fmt: skip
+        del os.environ["RADIXKV_IMAGE_FEATURES_BYTES"]
+        assert len(tower_time) == 1
         tower_share.append(sum(tower_time) / cold[-1])
         store = hf_patch.build_store(model, budget_tokens=4096)
         first = torch.tensor([system + [31999] * 256 + rand_ids(20, 900 + r, high=31990)])

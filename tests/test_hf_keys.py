@@ -4,6 +4,8 @@ generate(); every case that expects reuse checks cached_tokens."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,7 @@ from tests.hf_models import (
     VOCAB,
     assert_same_as_stock,
     block_floor,
+    build,
     expected_full_hit,
     ids,
     left_pad,
@@ -264,3 +267,17 @@ def test_every_key_part_saves_and_restores(tmp_path):
     cache = RadixCache(fresh, namespace="carol", shared_prefix=public, extra_ids=table[:1])
     assert_same_as_stock(model, rows[:1], cache=cache, reference=stock(model, rows[:1]))
     assert cache.cached_tokens == [8]
+
+
+def test_a_cache_file_written_before_the_key_parts_still_restores_and_hits():
+    """tests/data/format1_llama_sdpa.safetensors was saved by radixkv before this change (commit
+    e306630) from build("llama-sdpa"): a 30-token prompt + 4 greedy tokens under namespace
+    "tenant". Plain rows key as before, so it restores and serves the same prompt."""
+    model = build("llama-sdpa")
+    store = store_for(model, BS)
+    path = Path(__file__).parent / "data" / "format1_llama_sdpa.safetensors"
+    result = hf_patch.restore_cache(model, path, store=store)
+    assert result.restored_tokens == 32 and result.dropped_tokens == 0
+    prompt = ids(tokens(30, seed=1901))
+    cache, _ = assert_same_as_stock(model, prompt, store, namespace="tenant")
+    assert cache.cached_tokens == [expected_full_hit(30, BS)]
