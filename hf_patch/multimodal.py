@@ -22,7 +22,7 @@ image. The same ids with another image give other KV from the first placeholder 
 
 Supported families, by how their processor lays out ``pixel_values``:
 
-- ``items`` (LLaVA, VipLLaVA, InternVL, GOT-OCR2): ``[num_images, C, H, W]``, images in prompt
+- ``items`` (LLaVA, VipLLaVA, InternVL): ``[num_images, C, H, W]``, images in prompt
   order over the batch's rows, each with the same number of contiguous placeholders;
 - ``rows`` (Idefics3, SmolVLM): ``[batch, max_images, C, H, W]``, an all-zero image is padding
   (the model skips it), so a cached image is zeroed out.
@@ -44,7 +44,6 @@ FAMILIES = {
     "llava": "items",
     "vipllava": "items",
     "internvl": "items",
-    "got_ocr2": "items",
     "idefics3": "rows",
     "smolvlm": "rows",
 }

@@ -8,11 +8,13 @@
   sequences, and in ``finally`` release every pin (exceptions, KeyboardInterrupt, a streamer
   consumer that raises).
 
-What a row's KV is keyed by (namespace, PEFT adapter, shared prefix, extra ids) is gathered
-per row in ``key_parts`` (hf_patch.keys, hf_patch.adapters). A call whose KV depends on
-something the key cannot see (a model input outside hf_patch.inputs.KEYED_INPUTS, a replaced
-``prepare_inputs_for_generation``, forward hooks) runs with the RadixCache as a plain cache:
-nothing read, nothing committed, counted as ``uncacheable_requests``. Assisted / prompt-lookup
+What a row's KV is keyed by (namespace, PEFT adapter, shared prefix, extra ids, images) is
+gathered per row in ``key_parts`` (hf_patch.keys, adapters, multimodal). A call whose KV
+depends on something the key cannot see (a model input outside hf_patch.inputs.KEYED_INPUTS, a
+replaced ``prepare_inputs_for_generation``) runs with the RadixCache as a plain cache: nothing
+read, nothing committed, counted as ``uncacheable_requests``. A third wrapper,
+``_maybe_prepare_encoder_kwargs_for_generation``, keys a VLM call's images before generate()
+encodes them, and matches there so that served images are never encoded. Assisted / prompt-lookup
 decoding never calls ``_prefill``, and ``inputs_embeds`` prompts are reused only with
 ``RadixCache(extra_ids=...)`` and their ids: otherwise they too run as with a plain cache.
 """

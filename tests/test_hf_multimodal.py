@@ -22,7 +22,7 @@ from tests.hf_models import (
 from tests.vlm_models import IMAGE, VLMS, build_vlm, image, pixels
 
 BS = 4
-KEYED = ["llava", "vipllava", "idefics3"]
+KEYED = ["llava", "vipllava", "idefics3", "smolvlm", "internvl"]
 
 
 def text(n: int, seed: int) -> list[int]:

@@ -31,6 +31,22 @@ def _idefics3():
     )
 
 
+def _smolvlm():
+    vision = dict(model_type="smolvlm_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    return AutoConfig.for_model(
+        "smolvlm", text_config=TEXT, vision_config=vision, image_token_id=IMAGE, scale_factor=2
+    )
+
+
+def _internvl():
+    vision = dict(model_type="internvl_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=[32, 32], patch_size=[8, 8])  # fmt: skip
+    return AutoConfig.for_model(
+        "internvl", text_config=TEXT, vision_config=vision, image_token_id=IMAGE, image_seq_length=4
+    )
+
+
 def _gemma3():  # not keyed by hf_patch.multimodal: the test of a family it does not know
     text = {**BASE, "model_type": "gemma3_text", "head_dim": 16}
     vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -46,6 +62,8 @@ VLMS = {
     "llava": (_llava, "items", 16),
     "vipllava": (_vipllava, "items", 16),
     "idefics3": (_idefics3, "rows", 4),
+    "smolvlm": (_smolvlm, "rows", 4),
+    "internvl": (_internvl, "items", 4),
     "gemma3": (_gemma3, "items", 4),
 }
 
