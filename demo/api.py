@@ -72,7 +72,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     metrics = Metrics()
     tasks = TaskPrompts(load_task_prompts(config.task_prompts, config.task_prompts_json))
     if tasks and engine.store is not None:
-        tasks.pin(engine, auth.namespaces())
+        tasks.pin(engine)
     app = Flask(__name__, static_folder="static", template_folder="templates")
     # One byte over the limit: werkzeug refuses a too-long Content-Length itself, but silently
     # truncates a chunked body at the limit; reading one byte more lets body() tell (413).
@@ -225,7 +225,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         # The store's flush drops task pins (made for a weight change); the weights are the
         # same here, so the operator's prompts are pinned again, as at start-up.
         if tasks and engine.store is not None:
-            tasks.pin(engine, auth.namespaces())
+            tasks.pin(engine)
         return jsonify({"flushed": True, "reuse": engine.store is not None})
 
     # /v1/cache/save|restore|files, --cache-file; admin checks under the same throttle as flush

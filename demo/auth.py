@@ -73,10 +73,6 @@ class Auth:
             raise ApiError(401, msg, code="invalid_api_key")
         return ns
 
-    def namespaces(self) -> list[Hashable]:
-        """Every tenant's cache namespace ([None] without keys): where operator prompts are pinned."""
-        return list(self._tenants.values()) if self._tenants else [None]
-
     def check_admin(self, headers: Mapping[str, str]) -> None:
         """ApiError 403 if no admin token is configured, 401 if the request lacks it."""
         if not self._admin:

@@ -151,7 +151,7 @@ def run_batch(engine, gens: list[Generation]) -> None:
     for i, g in enumerate(gens):
         ids[i, width - len(g.prompt_ids) :] = torch.tensor(g.prompt_ids)
         mask[i, width - len(g.prompt_ids) :] = 1
-    cache = engine._cache(gens[0])
+    cache = engine._cache(gens)
     rows = Rows(gens, width, engine._eos, cache)
     logits_processor, recorder = processors.build(
         width, first.frequency_penalty, first.presence_penalty, dict(first.logit_bias), first.top_logprobs

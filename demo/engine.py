@@ -61,6 +61,9 @@ class Slot:
 # Below this temperature, sampling is greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow to
 # inf and the softmax to NaN, which made generate() raise on a valid request.
 GREEDY_BELOW = 1e-5
+# The cache namespace of the operator's task prompts: pinned once, read by every tenant (each
+# request's own text after them stays in its tenant's namespace: hf_patch.SharedPrefix).
+PUBLIC_NAMESPACE = "radixkv:task-prompts"
 
 
 class Engine:
@@ -100,6 +103,9 @@ class Engine:
         self.batch_sizes = Histogram(BATCH_SIZE_BUCKETS)
         self.queue_waits = Histogram()
         self._eos = self._eos_ids()
+        # Token prefixes pinned under PUBLIC_NAMESPACE (the operator's task prompts, longest
+        # first): a request starting with one reads it there, whatever its tenant.
+        self._public: list[list[int]] = []
         self._worker = threading.Thread(target=self._serve, name="radixkv-generate", daemon=True)
         self._worker.start()
 
@@ -231,18 +237,34 @@ class Engine:
             )
         return cfg
 
-    def _cache(self, gen: Generation):
-        """A RadixCache on the store, or None: reuse off, or the request said cache_prompt=false
-        (then plain generate(): the store is neither read nor written)."""
-        if self.store is None or not gen.params.cache_prompt:
+    def set_public_prefixes(self, prefixes: Sequence[Sequence[int]]) -> None:
+        """Token prefixes whose KV is pinned under PUBLIC_NAMESPACE (demo.task_prompts)."""
+        self._public = sorted((list(p) for p in prefixes), key=len, reverse=True)
+
+    def shared_prefix(self, prompt_ids: Sequence[int]):
+        """``hf_patch.SharedPrefix`` over the longest public prefix ``prompt_ids`` starts with,
+        or None. The rest of the prompt stays keyed by the request's own namespace."""
+        from hf_patch import SharedPrefix  # set only with reuse on: hf_patch is imported
+
+        for p in self._public:
+            if len(prompt_ids) >= len(p) and list(prompt_ids[: len(p)]) == p:
+                return SharedPrefix(PUBLIC_NAMESPACE, len(p))
+        return None
+
+    def _cache(self, gens: Sequence[Generation]):
+        """A RadixCache on the store for ``gens`` (one request, or the rows of a batch: one
+        namespace), or None: reuse off, or the request said cache_prompt=false (then plain
+        generate(): the store is neither read nor written)."""
+        if self.store is None or not gens[0].params.cache_prompt:
             return None
-        return self._radix_cache(store=self.store, namespace=gen.namespace)
+        shared = [self.shared_prefix(g.prompt_ids) for g in gens] if self._public else None
+        return self._radix_cache(store=self.store, namespace=gens[0].namespace, shared_prefix=shared)
 
     def _generate(self, gen: Generation) -> int:
         """Run generate() for the request; returns the prompt tokens read from the store."""
         p = gen.params
         ids = torch.tensor([gen.prompt_ids], device=self.model.device)
-        cache = self._cache(gen)
+        cache = self._cache([gen])
         cached = None
         rows = p.n if p.temperature >= GREEDY_BELOW else 1
         if cache is not None and rows > 1:

@@ -6,14 +6,17 @@
 A request carrying ``"task_id"`` beside the OpenAI fields gets that task's prompt prepended:
 as the system message of a chat request (before the request's own system text, if any), as a
 text prefix of a completion (token-id prompts get its token ids). The prompts' KV is computed
-at start-up and pinned for good (``hf_patch.pin_prompts``), once per tenant namespace, so
-every tenant may use every task id while tenants still never share KV.
+at start-up and pinned for good (``hf_patch.pin_prompts``), once, under the engine's
+PUBLIC_NAMESPACE: every tenant and cache_salt reads them there (any request whose token ids
+start with a pinned form, task_id or not), while the rest of each request stays keyed by its
+own namespace, so tenants still never share their own text (``hf_patch.SharedPrefix``). The
+chat and completion forms share the blocks where their tokens agree.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Sequence
 
 from demo.schema import ApiError
 
@@ -101,14 +104,15 @@ class TaskPrompts:
             return [first, *messages[1:]]
         return [{"role": "system", "content": prompt}, *messages]
 
-    def pin(self, engine, namespaces: Iterable[Hashable]) -> int:
-        """Compute and pin every task prompt's KV, chat and completion forms, per namespace.
+    def pin(self, engine) -> int:
+        """Compute and pin every task prompt's KV, chat and completion forms, once for all tenants.
 
         The pinned ids are what requests start with: the common token prefix of two requests
         that differ only after the task prompt. Returns the pinned tokens. Raises
         TaskPromptError naming blocks needed and blocks that exist when the pool cannot hold them.
         """
         import hf_patch
+        from demo.engine import PUBLIC_NAMESPACE
 
         forms: dict[tuple, list[int]] = {}
         for task_id, prompt in self.prompts.items():
@@ -116,16 +120,9 @@ class TaskPrompts:
             forms[task_id, "chat"] = _common_prefix(*chat)
             forms[task_id, "completion"] = _common_prefix(*(engine.text_ids(prompt + p) for p in _PROBES))
         forms = {key: ids for key, ids in forms.items() if len(ids) >= engine.store.block_size}
-        total = 0
-        for ns in namespaces:
-            try:
-                pinned = hf_patch.pin_prompts(
-                    engine.model,
-                    {(ns, *key): ids for key, ids in forms.items()},
-                    store=engine.store,
-                    namespace=ns,
-                )
-            except ValueError as e:
-                raise TaskPromptError(f"task prompts cannot be pinned: {e}") from None
-            total += sum(pinned.values())
-        return total
+        try:
+            pinned = hf_patch.pin_prompts(engine.model, forms, store=engine.store, namespace=PUBLIC_NAMESPACE)
+        except ValueError as e:
+            raise TaskPromptError(f"task prompts cannot be pinned: {e}") from None
+        engine.set_public_prefixes(forms.values())
+        return sum(pinned.values())

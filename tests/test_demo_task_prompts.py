@@ -9,7 +9,7 @@ import pytest
 import demo.__main__ as demo_main
 from demo.api import build_engine, create_app
 from demo.config import Config, from_args
-from demo.task_prompts import ENV, TaskPromptError, load, parse
+from demo.task_prompts import ENV, TaskPromptError, TaskPrompts, load, parse
 
 BLOCK = 16
 SUPPORT = "You are the support desk of Example Corp. " + " ".join(f"Rule {i}: be kind." for i in range(12))
@@ -89,11 +89,43 @@ def test_an_unknown_or_malformed_task_id_is_a_400_naming_it(client, task_id, mes
     assert error["message"].startswith(message) and error["param"] == "task_id"
 
 
-def test_every_tenant_gets_the_task_prompts_pinned_in_its_own_namespace(engine):
+def pinned_chat_tokens(engine) -> int:
+    """Tokens of the support task's chat form in whole pinned blocks: what any tenant reads."""
+    probes = [engine.chat_ids(TaskPrompts.chat(SUPPORT, [{"role": "user", "content": p}])) for p in "ab"]
+    common = next(i for i, (x, y) in enumerate(zip(*probes)) if x != y)
+    return common // BLOCK * BLOCK
+
+
+def test_the_task_prompts_are_pinned_once_for_all_tenants():
+    """Three tenants pin what one does (issue 17: 398 blocks for two tenants where 100 do)."""
+    counts = []
+    for keys in ((), ("key-a", "key-b", "key-c")):
+        engine = build_engine(Config(model="builtin-tiny", block_size=BLOCK, cache_tokens=1 << 14))
+        app_for(engine, api_keys=keys)
+        stats = engine.stats()
+        counts.append((stats["task_prompts"], stats["task_pinned_blocks"]))
+    assert counts[0] == counts[1] and counts[0][1] > 0
+
+
+def test_tenants_read_the_task_prompt_and_nothing_of_each_other(engine):
+    """Every tenant reads the pinned task prompt on its first request; the same question from
+    another tenant reads exactly the task prompt's blocks, not the first tenant's text (and the
+    first tenant reads its own text on its second ask)."""
     client = app_for(engine, api_keys=("key-a", "key-b"))
-    for key in ("key-a", "key-b"):
-        r = chat(client, "a new question", headers={"Authorization": f"Bearer {key}"}, task_id="support")
-        assert r.get_json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
+    pinned = pinned_chat_tokens(engine)
+    assert pinned >= 48
+    question = "a new question about my parcel and its long journey across the sea " * 3
+
+    def cached(key):
+        r = chat(client, question, headers={"Authorization": f"Bearer {key}"}, task_id="support")
+        assert r.status_code == 200, r.get_json()
+        return r.get_json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("key-a") == pinned
+    assert cached("key-b") == pinned
+    assert cached("key-a") > pinned + BLOCK
+    assert cached("key-b") > pinned + BLOCK
+    engine.check_invariants()
 
 
 def test_an_admin_flush_keeps_the_task_prompts_pinned():
@@ -111,19 +143,24 @@ def test_an_admin_flush_keeps_the_task_prompts_pinned():
     engine.check_invariants()
 
 
-def test_a_salted_task_request_reads_only_its_salts_prefixes(engine):
-    """The pins are in the tenant's namespace; a salt narrows to (tenant, salt), where the task
-    prompt is cached like any prefix: not read on the salt's first request, read on its next."""
+def test_a_salted_task_request_reads_the_task_prompt_and_only_its_salts_text(engine):
+    """A salt narrows sharing to (tenant, salt) for the request's own text; the operator's task
+    prompt is public and pinned, so every salt reads it (it says nothing about anyone's traffic)."""
     client = app_for(engine, api_keys=("key-s",))
     headers = {"Authorization": "Bearer key-s"}
-    first = chat(client, "salted one", headers=headers, task_id="support", cache_salt="team-1")
-    assert first.get_json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    second = chat(client, "salted two", headers=headers, task_id="support", cache_salt="team-1")
-    assert second.get_json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
-    other = chat(client, "salted three", headers=headers, task_id="support", cache_salt="team-2")
-    assert other.get_json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    off = chat(client, "not cached", headers=headers, task_id="support", cache_prompt=False)
-    assert off.get_json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    pinned = pinned_chat_tokens(engine)
+    question = "salted question that runs on for a good number of tokens " * 3
+
+    def cached(**kw):
+        r = chat(client, question, headers=headers, task_id="support", **kw)
+        assert r.status_code == 200, r.get_json()
+        return r.get_json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="team-1") == pinned
+    assert cached(cache_salt="team-1") > pinned + BLOCK
+    assert cached(cache_salt="team-2") == pinned
+    assert cached() == pinned  # the tenant without a salt is a namespace of its own too
+    assert cached(cache_prompt=False) == 0
 
 
 def test_metrics_show_task_pins_and_host_tier_gauges(monkeypatch):
