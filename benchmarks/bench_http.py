@@ -13,6 +13,12 @@ shared-prefix (the table + a question) and unrelated short prompts, streaming an
 prints requests/s, p50/p99 latency and TTFT (streaming requests) and the 503 count.
 
     python benchmarks/bench_http.py --load           # ~2 minutes
+
+Tenants mode: `--tenants 8` runs the batched server of load mode twice, with one API key and
+with 8 (client c sends key c % 8), and prints req/s of each: tenants share batches (per-row
+cache namespaces), so 8 keys should serve about what 1 does.
+
+    python benchmarks/bench_http.py --load --tenants 8
 """
 
 from __future__ import annotations
@@ -130,7 +136,7 @@ def run_mode(reuse: bool, args) -> tuple[list[dict], list[dict], float]:
         proc.wait(timeout=30)
 
 
-def load_request(url: str, content: str, max_tokens: int, stream: bool) -> dict:
+def load_request(url: str, content: str, max_tokens: int, stream: bool, key: str | None = None) -> dict:
     """One chat request under load: status, latency, TTFT (streaming only)."""
     body = {
         "messages": [{"role": "user", "content": content}],
@@ -140,7 +146,10 @@ def load_request(url: str, content: str, max_tokens: int, stream: bool) -> dict:
     }
     t0 = time.perf_counter()
     ttft = None
-    with requests.post(url + "/v1/chat/completions", json=body, stream=stream, timeout=300) as r:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with requests.post(
+        url + "/v1/chat/completions", json=body, stream=stream, timeout=300, headers=headers
+    ) as r:
         if r.status_code != 200:
             _ = r.content  # read the error body so the connection is reusable
             return {
@@ -163,13 +172,17 @@ def load_request(url: str, content: str, max_tokens: int, stream: bool) -> dict:
     return {"status": 200, "total": time.perf_counter() - t0, "ttft": ttft}
 
 
-def run_load(batch_size: int, args) -> tuple[list[dict], float, float]:
-    """`args.clients` clients, each sending requests back to back for `args.seconds`."""
+def run_load(batch_size: int, args, keys: int = 0) -> tuple[list[dict], float, float]:
+    """`args.clients` clients, each sending requests back to back for `args.seconds`; with
+    `keys`, the server takes that many API keys and client c sends key c % keys."""
     extra = ["--max-batch-size", str(batch_size), "--max-queue", str(args.max_queue)]
+    names = [f"key-{i}" for i in range(keys)]
+    extra += ["--api-keys", ",".join(names)] if keys else []
     proc, url = start_server(True, args.model, args.threads, extra)
     try:
         doc = table(args.load_rows)
-        load_request(url, doc + "warm-up", 2, False)  # the shared prefix is cached, as in steady state
+        for key in names or [None]:  # the shared prefix is cached (per tenant), as in steady state
+            load_request(url, doc + "warm-up", 2, False, key)
         results: list[dict] = []
         deadline = time.perf_counter() + args.seconds
 
@@ -184,7 +197,8 @@ def run_load(batch_size: int, args) -> tuple[list[dict], float, float]:
                         f"Client {c} asks unrelated question {k}: tell me about {CITIES[(c + k) % len(CITIES)]}."
                     )
                 )
-                results.append(load_request(url, content, args.max_tokens, stream=(c + k) % 4 < 2))
+                key = names[c % keys] if keys else None
+                results.append(load_request(url, content, args.max_tokens, (c + k) % 4 < 2, key))
                 time.sleep(results[-1].get("retry_after", 0))  # a polite client honours a 503's Retry-After
                 k += 1
 
@@ -212,27 +226,33 @@ def pct(values: list[float], q: float) -> float:
 
 def load_main(args) -> None:
     rows = {}
-    for batch_size in (1, args.max_batch_size):
-        rows[batch_size] = run_load(batch_size, args)
+    if args.tenants:
+        for keys in (1, args.tenants):
+            rows[f"{keys} key{'s' if keys > 1 else ''}"] = run_load(args.max_batch_size, args, keys)
+    else:
+        for batch_size in (1, args.max_batch_size):
+            rows[f"batch {batch_size}"] = run_load(batch_size, args)
     print(
         f"\nload: {args.clients} clients for {args.seconds:.0f} s each, max_tokens {args.max_tokens}, "
         f"--max-queue {args.max_queue}; half shared-prefix (~{args.load_rows}-row table), half unrelated; "
         "half streaming\n"
     )
     print(
-        f"{'batch':>5} {'done':>5} {'req/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'503':>4} {'mean batch':>10}"
+        f"{'server':>8} {'done':>5} {'req/s':>6} {'p50 ms':>8} {'p99 ms':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'503':>4} {'mean batch':>10}"
     )
     rates = {}
-    for batch_size, (results, wall, mean_batch) in rows.items():
+    for name, (results, wall, mean_batch) in rows.items():
         ok = [r for r in results if r["status"] == 200]
         ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
-        rates[batch_size] = len(ok) / wall
+        rates[name] = len(ok) / wall
         print(
-            f"{batch_size:>5} {len(ok):>5} {rates[batch_size]:>6.2f} {pct([r['total'] for r in ok], 0.5) * 1e3:>8.0f} "
+            f"{name:>8} {len(ok):>5} {rates[name]:>6.2f} {pct([r['total'] for r in ok], 0.5) * 1e3:>8.0f} "
             f"{pct([r['total'] for r in ok], 0.99) * 1e3:>8.0f} {pct(ttfts, 0.5) * 1e3:>9.0f} "
             f"{pct(ttfts, 0.99) * 1e3:>9.0f} {sum(r['status'] == 503 for r in results):>4} {mean_batch:>10.2f}"
         )
-    print(f"\nrequests/s, batched / one at a time: {rates[args.max_batch_size] / rates[1]:.2f}x")
+    first, last = rows
+    what = f"{args.tenants} keys / 1 key" if args.tenants else "batched / one at a time"
+    print(f"\nrequests/s, {what}: {rates[last] / rates[first]:.2f}x")
 
 
 def main() -> None:
@@ -253,6 +273,7 @@ def main() -> None:
     p.add_argument("--load-rows", type=int, default=25, help="load mode: rows of the shared table")
     p.add_argument("--max-batch-size", type=int, default=8, help="load mode: the batched server's size")
     p.add_argument("--max-queue", type=int, default=32, help="load mode: the servers' --max-queue")
+    p.add_argument("--tenants", type=int, default=0, help="load mode: 1 API key vs this many (batched server)")
     args = p.parse_args()
     if args.load:
         load_main(args)

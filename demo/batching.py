@@ -4,18 +4,21 @@
     run_batch(engine, gens)               # gens: >= 2 requests with one key
 
 Which requests share a batch (`batch_key`): n == 1, no seed (a seed must own the global RNG
-for its whole generation), and equal namespace (one RadixCache per call), equal
-cache_prompt, equal sampling (greedy, or the same temperature and top_p), penalties,
+for its whole generation), equal cache_prompt, equal sampling (greedy, or the same temperature and top_p), penalties,
 logit_bias and logprobs setting: generate() applies its warpers and our processors to every
 row alike. Everything else about a row is its own: prompt (left-padded to the longest),
-max_tokens, stop strings, EOS, its client.
+max_tokens, stop strings, EOS, its client, and its cache namespace (tenant, cache_salt): the
+RadixCache takes one namespace per row, so tenants share a batch but never a prefix (only the
+operator's pinned task prompts, through a SharedPrefix).
 
 Rows finish on their own: `RowStop` (a StoppingCriteria returning one bool per row) stops a
 row at its max_tokens, its EOS, its stop string or its client's hang-up; generate() then
 feeds that row pad tokens, which `RowStreamer` does not forward, and the row's request is
 told it is done at once, while the others go on. generate()'s max_new_tokens is the batch's
 largest. Reuse per row: the cache preloads the common column count min_i(pad_i + match_i)
-(hf_patch.request), so a row's `cached_tokens` is what it read in this batch.
+(hf_patch.request), and rows that match less get their own prefix computed alone first
+(hf_patch.batch_share), so a row's `cached_tokens` is what its own namespace held, whatever
+the other rows' tenants had cached.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ def batch_key(gen: Generation, greedy_below: float) -> tuple | None:
         return None
     sampling = ("sample", p.temperature, p.top_p) if p.temperature >= greedy_below else ("greedy",)
     return (
-        gen.namespace,
         p.cache_prompt,
         sampling,
         p.frequency_penalty,

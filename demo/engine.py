@@ -4,7 +4,7 @@ Concurrency model: HTTP handling is concurrent (threaded server); one worker thr
 generate() at a time. Every request becomes a `Generation` (demo.generation) in a FIFO queue
 of at most `max_queue`; the worker takes the oldest and, if its options allow
 (demo.batching.batch_key), up to `max_batch_size` - 1 more queued requests with the same
-options, within `max_batch_tokens` (rows x padded prompt length), and runs them as rows of
+options (of any tenant), within `max_batch_tokens` (rows x padded prompt length), and runs them as rows of
 one left-padded generate() (demo.batching). A request with a seed runs alone (the global RNG
 is seeded right before its generate, so its output is exact). The request's own thread reads
 token ids from the worker through a queue and turns them into text.
@@ -252,13 +252,14 @@ class Engine:
         return None
 
     def _cache(self, gens: Sequence[Generation]):
-        """A RadixCache on the store for ``gens`` (one request, or the rows of a batch: one
-        namespace), or None: reuse off, or the request said cache_prompt=false (then plain
-        generate(): the store is neither read nor written)."""
+        """A RadixCache on the store for ``gens`` (one request, or the rows of a batch, each
+        with its own namespace), or None: reuse off, or the request said cache_prompt=false
+        (then plain generate(): the store is neither read nor written)."""
         if self.store is None or not gens[0].params.cache_prompt:
             return None
+        namespace = gens[0].namespace if len(gens) == 1 else [g.namespace for g in gens]
         shared = [self.shared_prefix(g.prompt_ids) for g in gens] if self._public else None
-        return self._radix_cache(store=self.store, namespace=gens[0].namespace, shared_prefix=shared)
+        return self._radix_cache(store=self.store, namespace=namespace, shared_prefix=shared)
 
     def _generate(self, gen: Generation) -> int:
         """Run generate() for the request; returns the prompt tokens read from the store."""

@@ -119,6 +119,44 @@ def test_batched_rows_equal_alone_and_stock_with_exact_cached_tokens(engine, mon
     assert engine.stats()["pinned_blocks"] == 0
 
 
+def test_rows_of_different_tenants_share_a_batch_but_never_a_prefix(engine, monkeypatch):
+    """Issue 17: tenants (and cache_salts) are rows of one generate(); each row reads what its
+    own namespace holds and nothing else, even beside a row of another tenant with the same
+    prompt, and its cached_tokens does not depend on what the other rows' tenants had cached."""
+    bs = engine.store.block_size
+
+    def question(i):
+        return engine.chat_ids([{"role": "user", "content": TABLE + f"\nTenant question {i}: who?"}])
+
+    warm = engine.chat_ids([{"role": "user", "content": TABLE + "\nwarm it for tenant a"}])
+    engine.submit(warm, Params(2, temperature=0.0), namespace="tenant-a").collect()
+    common = next(i for i, (x, y) in enumerate(zip(warm, question(0))) if x != y)
+    prompts = [question(0), question(0), question(1), question(2)]  # one length: no padding
+    namespaces = ["tenant-a", "tenant-b", ("tenant-b", "salt"), "tenant-a"]
+    maxes = [5, 7, 4, 6]
+    sizes = spy_batches(monkeypatch)
+    hits_before = engine.stats()["hit_tokens"]
+    held = Held(engine, monkeypatch)
+    gens = [engine.submit(p, Params(m, temperature=0.0), namespace=ns) for p, m, ns in zip(prompts, maxes, namespaces)]
+    held.go()
+    batched = collect_all(gens)
+    assert sizes == [4]
+    for p, m, r in zip(prompts, maxes, batched):
+        assert r.text == stock(engine, p, m)
+    cached = [r.cached_tokens for r in batched]
+    # tenant b's rows read nothing of the table tenant a cached, nor of row 0's equal prompt;
+    # row 3 also reads what row 0 computed for the batch (in-batch sharing within tenant a)
+    assert cached[:3] == [common // bs * bs, 0, 0] and cached[3] >= cached[0]
+    assert sum(r.cached_tokens for r in batched) == engine.stats()["hit_tokens"] - hits_before
+    # each row committed under its own namespace: tenant b reads its own copy now, tenant c nothing
+    again = engine.submit(question(0), Params(3, temperature=0.0), namespace="tenant-b").collect()
+    assert again.cached_tokens >= len(question(0)) // bs * bs - bs
+    other = engine.submit(question(0), Params(3, temperature=0.0), namespace="tenant-c").collect()
+    assert other.cached_tokens == 0
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0
+
+
 def test_rows_stop_at_their_own_stop_string_eos_and_hang_up(engine, monkeypatch):
     prompts = [engine.text_ids(f"row {i} of the batch: {TABLE[: 40 * (i + 1)]}") for i in range(4)]
     ref = [stock(engine, p, 12) for p in prompts]
