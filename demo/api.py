@@ -20,7 +20,7 @@ import time
 from flask import Flask, Response, jsonify, render_template, request
 from werkzeug.exceptions import HTTPException
 
-from demo import cache_files, options, schema
+from demo import cache_files, gateway, options, schema
 from demo.auth import Auth, tenant_secret
 from demo.auth_throttle import Throttle
 from demo.completions import responder
@@ -230,6 +230,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
 
     # /v1/cache/save|restore|files, --cache-file; admin checks under the same throttle as flush
     cache_files.install(app, engine, config, lambda: authenticated(auth.check_admin))
+    gateway.install(app, engine, config)  # /server_info, /model_info, /get_load (SGLang gateway)
 
     @app.get("/metrics")
     def prometheus():

@@ -99,6 +99,7 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: deque[Generation] = deque()
         self._reserved = 0  # slots handed out, not yet submitted
+        self._running: list[Generation] = []  # the worker's current batch (read by /get_load)
         # Observed by the worker, rendered by /metrics.
         self.batch_sizes = Histogram(BATCH_SIZE_BUCKETS)
         self.queue_waits = Histogram()
@@ -201,17 +202,36 @@ class Engine:
             if not batch:
                 continue
             self.batch_sizes.observe(len(batch))
-            if len(batch) > 1:
-                batching.run_batch(self, batch)
-                continue
-            gen = batch[0]
+            self._running = batch
             try:
-                gen._events.put(("done", self._generate(gen)))
-            except Exception as e:  # report to the request; the worker keeps serving
-                log.exception("generate failed")
-                gen._events.put(("error", e))
+                self._run(batch)
             finally:
-                gen.finished.set()
+                self._running = []
+
+    def _run(self, batch: list[Generation]) -> None:
+        if len(batch) > 1:
+            batching.run_batch(self, batch)
+            return
+        gen = batch[0]
+        try:
+            gen._events.put(("done", self._generate(gen)))
+        except Exception as e:  # report to the request; the worker keeps serving
+            log.exception("generate failed")
+            gen._events.put(("error", e))
+        finally:
+            gen.finished.set()
+
+    @property
+    def running(self) -> int:
+        """Requests in the generate() call now running (0 when idle)."""
+        return len(self._running)
+
+    @property
+    def load_tokens(self) -> int:
+        """Tokens the worker holds or has queued: prompt plus generated tokens of the requests
+        now running, prompt tokens of the queued ones (the SGLang gateway's load signal)."""
+        running = sum(len(g.prompt_ids) + g.generated for g in self._running)
+        return running + sum(len(g.prompt_ids) for g in list(self._waiting))
 
     def _config(self, p: Params):
         cfg = copy.deepcopy(self.model.generation_config)
