@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             config.host,
             config.port,
             lambda url: print(f"radixkv demo: serving on {url}", flush=True),
-            Limits.for_engine(config.max_queue, config.max_batch_size),
+            Limits.for_engine(config.max_queue, config.max_batch_size, config.connections_per_address),
         )
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the save kills

@@ -35,6 +35,9 @@ class Config:
     max_queue: int = 32  # requests waiting for the generation worker before 503
     max_batch_size: int = 8  # queued requests generated together in one generate() call
     max_batch_tokens: int = 16384  # cap on rows x padded prompt length of one batch
+    # open connections one client address may hold; None: half of the server's connection
+    # limit, 0: no cap (behind a trusted proxy or gateway, which is one address for everyone)
+    connections_per_address: int | None = None
     served_name: str | None = None  # model id in responses; default: basename of `model`
     tenant_secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
     cache_file: str | None = None  # restored at start, saved at shutdown (and every cache_save_every s)
@@ -65,6 +68,8 @@ class Config:
                 f"max_batch_size and max_batch_tokens must be >= 1, got {self.max_batch_size} "
                 f"and {self.max_batch_tokens}"
             )
+        if self.connections_per_address is not None and self.connections_per_address < 0:
+            raise ValueError(f"connections_per_address must be >= 0, got {self.connections_per_address}")
         if any(not k for k in self.api_keys):
             raise ValueError("api_keys must be non-empty strings")
         if self.device_map is not None and self.model in ("builtin", "builtin-tiny"):
@@ -138,6 +143,7 @@ _ENV = {
     "task_prompts_json": ("RADIXKV_TASK_PROMPTS", str),
     "max_batch_size": ("RADIXKV_MAX_BATCH_SIZE", int),
     "max_batch_tokens": ("RADIXKV_MAX_BATCH_TOKENS", int),
+    "connections_per_address": ("RADIXKV_CONNECTIONS_PER_ADDRESS", int),
 }
 
 
@@ -192,6 +198,12 @@ def parser() -> argparse.ArgumentParser:
         "--max-batch-size",
         type=int,
         help="queued requests generated together (default 8; 1 = one at a time; env RADIXKV_MAX_BATCH_SIZE)",
+    )
+    p.add_argument(
+        "--connections-per-address",
+        type=int,
+        help="open connections one client address may hold (default: half of the server's limit; "
+        "0 = no cap, e.g. behind a gateway; env RADIXKV_CONNECTIONS_PER_ADDRESS)",
     )
     p.add_argument(
         "--max-batch-tokens",
