@@ -5,7 +5,6 @@ about one document land on the replica that cached it (cache_aware)."""
 from __future__ import annotations
 
 import os
-import select
 import socket
 import subprocess
 import sys
@@ -17,8 +16,8 @@ from transformers import AutoTokenizer
 
 from demo.api import build_engine, create_app
 from demo.config import Config
+from tests.demo_process import start_demo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [
     f"Document {d}: a staff list.\n" + "\n".join(f"| Name {d}-{i} | {20 + i} | City {d} |" for i in range(20))
     for d in range(2)
@@ -73,26 +72,7 @@ def free_port() -> int:
 
 
 def start_replica(log_path: str) -> tuple[subprocess.Popen, str]:
-    args = ["--model", "builtin-tiny", "--block-size", "16", "--cache-tokens", "8192", "--port", "0"]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "demo", *args],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": ROOT},
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-        )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 1.0)[0]:
-            line = proc.stdout.readline()
-            if "serving on " in line:
-                return proc, line.split("serving on ", 1)[1].strip()
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError("replica did not start:\n" + open(log_path).read()[-3000:])
+    return start_demo(["--model", "builtin-tiny", "--block-size", "16", "--cache-tokens", "8192", "--port", "0"], log_path)
 
 
 def start_router(urls: list[str], policy: str, log_path: str) -> tuple[subprocess.Popen, str]:

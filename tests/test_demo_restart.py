@@ -9,19 +9,16 @@ key does not.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
-import sys
-import time
 
 import requests
 
 from demo.api import build_engine, create_app
 from demo.config import Config
+from tests.demo_process import start_demo
 
 BLOCK = 16
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = "A staff list:\n" + "\n".join(f"| Greta {i} | {20 + i} | Porto | nurse |" for i in range(24)) + "\n"
 Q1, Q2 = "How old is Greta 4?", "Where does Greta 17 live?"
 ARGS = ["--model", "builtin-tiny", "--block-size", str(BLOCK), "--cache-tokens", "16384", "--port", "0"]
@@ -29,27 +26,7 @@ ARGS += ["--api-keys", "key-a,key-b"]  # the tenant secret must survive the rest
 
 
 def start(cache_file: str, log_path: str) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "demo", *ARGS, "--cache-file", cache_file],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-        )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-        if ready:
-            line = proc.stdout.readline()
-            if "serving on " in line:
-                return proc, line.split("serving on ", 1)[1].strip()
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError("server did not start:\n" + open(log_path).read()[-3000:])
+    return start_demo([*ARGS, "--cache-file", cache_file], log_path)
 
 
 def ask(url: str, content: str, key: str = "key-a") -> dict:
