@@ -4,9 +4,9 @@
     run_batch(engine, gens)               # gens: >= 2 requests with one key
 
 Which requests share a batch (`batch_key`): n == 1, no seed (a seed must own the global RNG
-for its whole generation), equal cache_prompt, equal sampling (greedy, or the same temperature and top_p), penalties,
-logit_bias and logprobs setting: generate() applies its warpers and our processors to every
-row alike. Everything else about a row is its own: prompt (left-padded to the longest),
+for its whole generation), equal cache_prompt, equal sampling (greedy, or the same
+temperature and top_p), penalties, logit_bias and logprobs setting: generate() applies its
+warpers and our processors to every row alike. Everything else about a row is its own: prompt (left-padded to the longest),
 max_tokens, stop strings, EOS, its client, and its cache namespace (tenant, cache_salt): the
 RadixCache takes one namespace per row, so tenants share a batch but never a prefix (only the
 operator's pinned task prompts, through a SharedPrefix).

@@ -4,8 +4,8 @@ Concurrency model: HTTP handling is concurrent (threaded server); one worker thr
 generate() at a time. Every request becomes a `Generation` (demo.generation) in a FIFO queue
 of at most `max_queue`; the worker takes the oldest and, if its options allow
 (demo.batching.batch_key), up to `max_batch_size` - 1 more queued requests with the same
-options (of any tenant), within `max_batch_tokens` (rows x padded prompt length), and runs them as rows of
-one left-padded generate() (demo.batching). A request with a seed runs alone (the global RNG
+options (of any tenant), within `max_batch_tokens` (rows x padded prompt length), and runs
+them as rows of one left-padded generate() (demo.batching). A request with a seed runs alone (the global RNG
 is seeded right before its generate, so its output is exact). The request's own thread reads
 token ids from the worker through a queue and turns them into text.
 

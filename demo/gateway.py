@@ -23,12 +23,13 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 
 from flask import Blueprint, jsonify
 
 from demo.model import BUILTIN
 
-_saved: dict[int, str] = {}  # id(tokenizer) -> the directory it was saved to
+_saved: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its directory
 _lock = threading.Lock()
 
 
@@ -38,22 +39,22 @@ def tokenizer_path(config, tokenizer) -> str:
     if config.model not in BUILTIN:
         return os.path.abspath(config.model) if os.path.isdir(config.model) else config.model
     with _lock:
-        path = _saved.get(id(tokenizer))
+        path = _saved.get(tokenizer)
         if path is None:
             path = tempfile.mkdtemp(prefix=f"radixkv-{config.model}-tokenizer-")
             atexit.register(shutil.rmtree, path, ignore_errors=True)
             tokenizer.save_pretrained(path)
-            _saved[id(tokenizer)] = path
+            _saved[tokenizer] = path
         return path
 
 
 def install(app, engine, config) -> None:
     bp = Blueprint("gateway", __name__)
-    path = tokenizer_path(config, engine.tokenizer)
     model_id = config.model_id
     architectures = list(getattr(engine.model.config, "architectures", None) or [type(engine.model).__name__])
 
     def model_info() -> dict:
+        path = tokenizer_path(config, engine.tokenizer)  # saved on the first ask, not at start
         return {
             "model_path": path,
             "tokenizer_path": path,
