@@ -19,6 +19,13 @@ with 8 (client c sends key c % 8), and prints req/s of each: tenants share batch
 cache namespaces), so 8 keys should serve about what 1 does.
 
     python benchmarks/bench_http.py --load --tenants 8
+
+Mixed mode: `--mixed` runs the batched server with `--decode-chunk 0` (a batch runs to its
+end: head-of-line blocking) and with the default chunk, 32 streaming clients for `--seconds`:
+half ask for 16 tokens, a quarter for 256, a quarter for 1,024 (short unrelated prompts).
+It prints the short requests' TTFT p50/p99 against an idle server's, and req/s.
+
+    python benchmarks/bench_http.py --mixed --model builtin --seconds 60
 """
 
 from __future__ import annotations
@@ -219,6 +226,55 @@ def run_load(batch_size: int, args, keys: int = 0) -> tuple[list[dict], float, f
         proc.wait(timeout=30)
 
 
+def run_mixed(decode_chunk: int, args) -> tuple[list[dict], float, list[float]]:
+    """Mixed lengths under load; returns (results tagged with max_tokens, wall, idle TTFTs)."""
+    extra = ["--max-queue", str(args.max_queue), "--decode-chunk", str(decode_chunk)]
+    extra += ["--max-batch-size", str(args.max_batch_size)]
+    proc, url = start_server(True, args.model, args.threads, extra)
+    try:
+        idle = []
+        for i in range(5):  # a short request on the idle server: the reference TTFT
+            idle.append(load_request(url, f"Idle probe {i}: tell me about Lima.", 16, True)["ttft"])
+        results: list[dict] = []
+        deadline = time.perf_counter() + args.seconds
+        lengths = (16, 16, 256, 1024)
+
+        def client(c: int) -> None:
+            k = 0
+            while time.perf_counter() < deadline:
+                max_tokens = lengths[c % 4]
+                content = f"Client {c} asks question {k}: tell me about {CITIES[(c + k) % len(CITIES)]}."
+                r = load_request(url, content, max_tokens, True)
+                results.append({**r, "max_tokens": max_tokens})
+                time.sleep(r.get("retry_after", 0))
+                k += 1
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.clients) as pool:
+            list(pool.map(client, range(args.clients)))
+        return results, time.perf_counter() - t0, idle
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def mixed_main(args) -> None:
+    rows = {chunk: run_mixed(chunk, args) for chunk in (0, args.decode_chunk)}
+    print(
+        f"\nmixed: {args.clients} streaming clients for {args.seconds:.0f} s each, --max-batch-size "
+        f"{args.max_batch_size}; half ask for 16 tokens, a quarter 256, a quarter 1,024\n"
+    )
+    print(f"{'decode chunk':>12} {'done':>5} {'req/s':>6} {'short TTFT p50':>15} {'p99':>7} {'idle TTFT':>10} {'503':>4}")
+    for chunk, (results, wall, idle) in rows.items():
+        ok = [r for r in results if r["status"] == 200]
+        short = [r["ttft"] for r in ok if r["max_tokens"] == 16 and r["ttft"] is not None]
+        print(
+            f"{chunk if chunk else 'off (0)':>12} {len(ok):>5} {len(ok) / wall:>6.2f} "
+            f"{pct(short, 0.5) * 1e3:>12.0f} ms {pct(short, 0.99) * 1e3:>4.0f} ms "
+            f"{statistics.median(idle) * 1e3:>7.0f} ms {sum(r['status'] == 503 for r in results):>4}"
+        )
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
@@ -274,7 +330,12 @@ def main() -> None:
     p.add_argument("--max-batch-size", type=int, default=8, help="load mode: the batched server's size")
     p.add_argument("--max-queue", type=int, default=32, help="load mode: the servers' --max-queue")
     p.add_argument("--tenants", type=int, default=0, help="load mode: 1 API key vs this many (batched server)")
+    p.add_argument("--mixed", action="store_true", help="mixed lengths: --decode-chunk 0 vs the chunked server")
+    p.add_argument("--decode-chunk", type=int, default=16, help="mixed mode: the chunked server's --decode-chunk")
     args = p.parse_args()
+    if args.mixed:
+        mixed_main(args)
+        return
     if args.load:
         load_main(args)
         return

@@ -62,6 +62,7 @@ def build_engine(config: Config) -> Engine:
         max_queue=config.max_queue,
         max_batch_size=config.max_batch_size,
         max_batch_tokens=config.max_batch_tokens,
+        decode_chunk=config.decode_chunk,
     )
 
 

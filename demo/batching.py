@@ -53,12 +53,28 @@ def batch_key(gen: Generation, greedy_below: float) -> tuple | None:
     )
 
 
+def chunkable(gen: Generation, greedy_below: float) -> bool:
+    """Whether the request may pause between decode chunks and resume in a re-formed batch:
+    batchable, on the prefix cache (it resumes from its own committed KV), no penalties (they
+    count the reply from the prompt's end, which a resumed context moves)."""
+    p = gen.params
+    return (
+        batch_key(gen, greedy_below) is not None
+        and p.cache_prompt
+        and not (p.frequency_penalty or p.presence_penalty)
+    )
+
+
 class Rows:
     """The batch's requests and which of them are still generating. Row i = gens[i]."""
 
-    def __init__(self, gens: list[Generation], width: int, eos: set[int], cache):
+    def __init__(self, gens: list[Generation], width: int, eos: set[int], cache, pause=None):
         self.gens, self.width, self.eos, self.cache = gens, width, eos, cache
+        self.pause = pause  # pause(generated) -> True: every open row pauses at this step
         self.open = [True] * len(gens)
+        self.paused = [False] * len(gens)  # stopped for now, to resume in a later batch
+        self.before = [len(g.context_ids) - len(g.prompt_ids) for g in gens]  # earlier chunks' tokens
+        self.new_ids: list[list[int]] = [[] for _ in gens]  # this call's forwarded tokens
         # Per row: tokens forwarded, and the sequence length at which RowStop ended it. Which
         # of put() and the stopping criteria comes first in a step differs between
         # transformers releases (5.23: criteria first), so a row is closed once both agree.
@@ -67,6 +83,10 @@ class Rows:
         self._lock = threading.Lock()  # close() from the worker, close_all() after an error
 
     def cached(self, i: int) -> int:
+        """What row i's prompt read from the store: in its first chunk (later chunks read the
+        request's own reply back, which is no prompt reuse)."""
+        if self.gens[i].cached is not None:
+            return self.gens[i].cached
         return self.cache.cached_tokens[i] if self.cache is not None and self.cache.cached_tokens else 0
 
     def close(self, i: int, event: tuple | None = None) -> None:
@@ -84,9 +104,14 @@ class Rows:
         return self.open[i] and (self.ended[i] is None or self.width + self.sent[i] < self.ended[i])
 
     def settle(self, i: int) -> None:
-        """Close row i once it has ended and every token up to its end was forwarded."""
+        """Close row i once it has ended and every token up to its end was forwarded (a paused
+        row stops forwarding; its request stays open)."""
         if self.ended[i] is not None and self.width + self.sent[i] >= self.ended[i]:
-            self.close(i)
+            if self.paused[i]:
+                with self._lock:
+                    self.open[i] = False
+            elif len(self.gens) > 1:  # a lone request is answered after its commit, as before
+                self.close(i)
 
     def close_all(self, event: tuple | None = None) -> None:
         for i in range(len(self.gens)):
@@ -109,6 +134,7 @@ class RowStreamer(BaseStreamer):
         for i, (gen, token) in enumerate(zip(self.rows.gens, tokens.tolist())):
             if self.rows.wants(i):
                 self.rows.sent[i] += 1
+                self.rows.new_ids[i].append(token)
                 gen.generated += 1
                 gen._events.put(("ids", [[token]], [logprobs[i]] if logprobs is not None else None))
             self.rows.settle(i)
@@ -128,33 +154,41 @@ class RowStop(StoppingCriteria):
         rows, length = self.rows, input_ids.shape[1]
         generated = length - rows.width
         last = input_ids[:, -1].tolist()
+        pause = rows.pause is not None and generated > 0 and rows.pause(generated)
         for i, gen in enumerate(rows.gens):
-            if rows.ended[i] is None and (
+            if rows.ended[i] is not None:
+                continue
+            if (
                 gen.cancelled.is_set()
                 or gen.stopped[0]
-                or generated >= gen.params.max_new_tokens
+                or rows.before[i] + generated >= gen.params.max_new_tokens
                 or (generated > 0 and last[i] in rows.eos)
             ):
                 rows.ended[i] = length
                 rows.settle(i)
+            elif pause:
+                rows.ended[i], rows.paused[i] = length, True
+                rows.settle(i)
         return torch.tensor([e is not None for e in rows.ended], dtype=torch.bool, device=input_ids.device)
 
 
-def run_batch(engine, gens: list[Generation]) -> None:
-    """One left-padded generate() for `gens` (all with one batch_key). Every request gets its
-    ("done", cached) or ("error", exc) event; never raises for a generation failure."""
-    width = max(len(g.prompt_ids) for g in gens)
+def run_batch(engine, gens: list[Generation], pause=None) -> list[Generation]:
+    """One left-padded generate() for `gens` (all with one batch_key) over each request's
+    context (its prompt, then what earlier chunks generated). Every request gets its ("done",
+    cached) or ("error", exc) event, except those paused by ``pause(generated)`` (see Rows),
+    which are returned to be queued again: they resume from their committed KV. Never raises
+    for a generation failure."""
+    width = max(len(g.context_ids) for g in gens)
     first = gens[0].params
-    config = engine._config(
-        dataclasses.replace(first, max_new_tokens=max(g.params.max_new_tokens for g in gens))
-    )
+    remaining = max(g.params.max_new_tokens - (len(g.context_ids) - len(g.prompt_ids)) for g in gens)
+    config = engine._config(dataclasses.replace(first, max_new_tokens=remaining))
     ids = torch.full((len(gens), width), config.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(gens), width), dtype=torch.long)
     for i, g in enumerate(gens):
-        ids[i, width - len(g.prompt_ids) :] = torch.tensor(g.prompt_ids)
-        mask[i, width - len(g.prompt_ids) :] = 1
+        ids[i, width - len(g.context_ids) :] = torch.tensor(g.context_ids)
+        mask[i, width - len(g.context_ids) :] = 1
     cache = engine._cache(gens)
-    rows = Rows(gens, width, engine._eos, cache)
+    rows = Rows(gens, width, engine._eos, cache, pause)
     logits_processor, recorder = processors.build(
         width, first.frequency_penalty, first.presence_penalty, dict(first.logit_bias), first.top_logprobs
     )
@@ -170,5 +204,16 @@ def run_batch(engine, gens: list[Generation]) -> None:
         )
     except Exception as e:  # report to every row still waiting; the worker keeps serving
         log.exception("batched generate failed")
+        for i in range(len(gens)):
+            if rows.paused[i]:  # reopened so that they hear of the error too
+                rows.paused[i], rows.open[i] = False, True
         rows.close_all(("error", e))
+        return []
+    paused = []
+    for i, g in enumerate(gens):
+        if rows.paused[i]:
+            g.cached = rows.cached(i)
+            g.context_ids = g.context_ids + rows.new_ids[i]
+            paused.append(g)
     rows.close_all()
+    return paused

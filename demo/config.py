@@ -35,6 +35,9 @@ class Config:
     max_queue: int = 32  # requests waiting for the generation worker before 503
     max_batch_size: int = 8  # queued requests generated together in one generate() call
     max_batch_tokens: int = 16384  # cap on rows x padded prompt length of one batch
+    # decode steps after which a running batch pauses for a waiting request that can join it
+    # (continuous batching in chunks); 0: a batch runs to its end
+    decode_chunk: int = 16
     # open connections one client address may hold; None: half of the server's connection
     # limit, 0: no cap (behind a trusted proxy or gateway, which is one address for everyone)
     connections_per_address: int | None = None
@@ -68,6 +71,8 @@ class Config:
                 f"max_batch_size and max_batch_tokens must be >= 1, got {self.max_batch_size} "
                 f"and {self.max_batch_tokens}"
             )
+        if self.decode_chunk < 0:
+            raise ValueError(f"decode_chunk must be >= 0, got {self.decode_chunk}")
         if self.connections_per_address is not None and self.connections_per_address < 0:
             raise ValueError(f"connections_per_address must be >= 0, got {self.connections_per_address}")
         if any(not k for k in self.api_keys):
@@ -144,6 +149,7 @@ _ENV = {
     "max_batch_size": ("RADIXKV_MAX_BATCH_SIZE", int),
     "max_batch_tokens": ("RADIXKV_MAX_BATCH_TOKENS", int),
     "connections_per_address": ("RADIXKV_CONNECTIONS_PER_ADDRESS", int),
+    "decode_chunk": ("RADIXKV_DECODE_CHUNK", int),
 }
 
 
@@ -198,6 +204,12 @@ def parser() -> argparse.ArgumentParser:
         "--max-batch-size",
         type=int,
         help="queued requests generated together (default 8; 1 = one at a time; env RADIXKV_MAX_BATCH_SIZE)",
+    )
+    p.add_argument(
+        "--decode-chunk",
+        type=int,
+        help="decode steps after which a running batch lets waiting requests join (default 16; "
+        "0 = never; env RADIXKV_DECODE_CHUNK)",
     )
     p.add_argument(
         "--connections-per-address",

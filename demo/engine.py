@@ -5,9 +5,12 @@ generate() at a time. Every request becomes a `Generation` (demo.generation) in 
 of at most `max_queue`; the worker takes the oldest and, if its options allow
 (demo.batching.batch_key), up to `max_batch_size` - 1 more queued requests with the same
 options (of any tenant), within `max_batch_tokens` (rows x padded prompt length), and runs
-them as rows of one left-padded generate() (demo.batching). A request with a seed runs alone (the global RNG
-is seeded right before its generate, so its output is exact). The request's own thread reads
-token ids from the worker through a queue and turns them into text.
+them as rows of one left-padded generate() (demo.batching). A request with a seed runs
+alone (the global RNG is seeded right before its generate, so its output is exact). After
+`decode_chunk` steps a batch pauses if a request that could join it waits: its requests queue
+again behind that one, carrying what they generated, and resume from their committed KV
+(continuous batching in chunks, `_pause_for`). The request's own thread reads token ids from
+the worker through a queue and turns them into text.
 
 A queue place is taken with `reserve()` before the prompt is tokenised, so a full queue
 refuses at no cost; `submit(..., slot)` then fills it.
@@ -81,6 +84,7 @@ class Engine:
         max_queue: int = 32,
         max_batch_size: int = 8,
         max_batch_tokens: int = 16384,
+        decode_chunk: int = 16,
     ):
         self.model, self.tokenizer, self.context = model, tokenizer, context
         self.store = None
@@ -91,6 +95,9 @@ class Engine:
             self.store = hf_patch.build_store(model, block_size=block_size, budget_tokens=cache_tokens)
         if max_queue < 1 or max_batch_size < 1 or max_batch_tokens < 1:
             raise ValueError("max_queue, max_batch_size and max_batch_tokens must be >= 1")
+        if decode_chunk < 0:
+            raise ValueError(f"decode_chunk must be >= 0 (0: never pause), got {decode_chunk}")
+        self.decode_chunk = decode_chunk
         self.max_queue, self.max_batch_size, self.max_batch_tokens = (
             max_queue,
             max_batch_size,
@@ -164,13 +171,13 @@ class Engine:
         (oldest first, within max_batch_size and max_batch_tokens). Call holding _cond."""
         first = self._waiting.popleft()
         key = batching.batch_key(first, GREEDY_BELOW)
-        batch, width = [first], len(first.prompt_ids)
+        batch, width = [first], len(first.context_ids)
         if key is None or self.max_batch_size == 1:
             return batch
         rest: deque[Generation] = deque()  # one pass, O(queue): no deque.remove
         while self._waiting:
             gen = self._waiting.popleft()
-            new_width = max(width, len(gen.prompt_ids))
+            new_width = max(width, len(gen.context_ids))
             if (
                 len(batch) < self.max_batch_size
                 and new_width * (len(batch) + 1) <= self.max_batch_tokens
@@ -192,10 +199,11 @@ class Engine:
             now = time.perf_counter()
             batch = []
             for gen in taken:
-                gen.started = now
-                self.queue_waits.observe(now - gen.submitted)
+                if gen.started is None:  # a resumed request waited once, at its start
+                    gen.started = now
+                    self.queue_waits.observe(now - gen.submitted)
                 if gen.cancelled.is_set():  # its client left while it waited
-                    gen._events.put(("done", 0))
+                    gen._events.put(("done", gen.cached or 0))
                     gen.finished.set()
                 else:
                     batch.append(gen)
@@ -209,8 +217,13 @@ class Engine:
                 self._running = []
 
     def _run(self, batch: list[Generation]) -> None:
-        if len(batch) > 1:
-            batching.run_batch(self, batch)
+        chunked = self.decode_chunk > 0 and self.store is not None
+        chunked = chunked and batching.chunkable(batch[0], GREEDY_BELOW)
+        if len(batch) > 1 or chunked:
+            paused = batching.run_batch(self, batch, self._pause_for(batch) if chunked else None)
+            if paused:  # behind the requests that waited for them: time slices of a chunk
+                with self._cond:
+                    self._waiting.extend(paused)
             return
         gen = batch[0]
         try:
@@ -220,6 +233,22 @@ class Engine:
             gen._events.put(("error", e))
         finally:
             gen.finished.set()
+
+    def _pause_for(self, batch: list[Generation]):
+        """pause(generated): True once the batch has made `decode_chunk` steps while a request
+        that could share its generate() call waits, so that the request starts within a chunk
+        instead of after the batch (continuous batching in chunks). The paused rows queue
+        behind it and resume from their committed KV (whole blocks hit, at most a partial
+        block recomputed), so long replies take turns with new requests in a full batch."""
+        key = batching.batch_key(batch[0], GREEDY_BELOW)
+
+        def pause(generated: int) -> bool:
+            if generated < self.decode_chunk:
+                return False
+            with self._cond:
+                return any(batching.batch_key(g, GREEDY_BELOW) == key for g in self._waiting)
+
+        return pause
 
     @property
     def running(self) -> int:

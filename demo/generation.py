@@ -97,6 +97,10 @@ class Generation:
 
     def __init__(self, prompt_ids: list[int], params: Params, namespace: Hashable, decode, eos: set[int]):
         self.prompt_ids, self.params, self.namespace = prompt_ids, params, namespace
+        # What the next generate() of this request feeds: the prompt, then what earlier decode
+        # chunks generated (demo.batching: a paused request resumes in a re-formed batch).
+        self.context_ids = prompt_ids
+        self.cached: int | None = None  # the prompt's cached tokens, fixed by its first chunk
         self.submitted = time.perf_counter()
         self.started: float | None = None
         self.cancelled = threading.Event()

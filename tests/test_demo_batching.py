@@ -53,10 +53,16 @@ class Held:
 
 
 def spy_batches(monkeypatch) -> list[int]:
+    """Sizes of the batches of two or more requests (a lone request may run through run_batch
+    too, to be pausable: not a batch)."""
     sizes, run = [], batching.run_batch
-    monkeypatch.setattr(
-        batching, "run_batch", lambda engine, gens: sizes.append(len(gens)) or run(engine, gens)
-    )
+
+    def spy(engine, gens, *args):
+        if len(gens) > 1:
+            sizes.append(len(gens))
+        return run(engine, gens, *args)
+
+    monkeypatch.setattr(batching, "run_batch", spy)
     return sizes
 
 
@@ -289,3 +295,47 @@ def test_a_row_that_ends_early_caches_no_padding(engine, monkeypatch):
     most = (len(short) + 3) // bs * bs + (len(long_) + 39) // bs * bs
     assert inserted <= most, (inserted, most)
     engine.check_invariants()
+
+
+def test_a_short_request_joins_a_running_batch_between_decode_chunks(engine, monkeypatch):
+    """Issue 17, continuous batching: a request that arrives while a long one generates starts
+    at the next chunk boundary and is answered while the long one goes on; the long one pauses,
+    resumes from its committed KV (whole blocks hit, a partial block recomputed) and its reply,
+    stop string included, equals stock generate() of it alone. cached_tokens is the prompt's."""
+    monkeypatch.setattr(engine, "decode_chunk", 4)
+    long_prompt = engine.text_ids("a long answer about " + TABLE[:300])
+    ref = stock(engine, long_prompt, 120)
+    stop = ref[len(ref) // 2 : len(ref) // 2 + 4]  # found only after several chunks
+    assert ref.index(stop) > 20
+    short_prompt = engine.text_ids("a short question")
+    sizes = spy_batches(monkeypatch)
+    long_gen = engine.submit(long_prompt, Params(120, temperature=0.0, stop=(stop,)))
+    deadline = time.monotonic() + 30
+    while engine.running == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    short = engine.submit(short_prompt, Params(2, temperature=0.0)).collect()
+    long_was_running = not long_gen.finished.is_set()
+    long_result = long_gen.collect()
+    assert long_was_running  # the short one did not wait for the long one's end
+    assert 2 in sizes  # it ran as a row beside the long one
+    assert short.text == stock(engine, short_prompt, 2)
+    assert long_result.text == ref[: ref.index(stop)] and long_result.finish_reason == "stop"
+    assert long_result.cached_tokens == 0  # its prompt was cold; resumed chunks are not prompt reuse
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0
+
+
+def test_without_a_waiting_request_or_with_decode_chunk_0_a_batch_never_pauses(engine, monkeypatch):
+    sizes = spy_batches(monkeypatch)
+    calls = []
+    run = batching.run_batch
+    monkeypatch.setattr(batching, "run_batch", lambda e, gens, *a: calls.append(len(gens)) or run(e, gens, *a))
+    monkeypatch.setattr(engine, "decode_chunk", 2)
+    prompt = engine.text_ids("nobody else is waiting")
+    alone = engine.submit(prompt, Params(30, temperature=0.0)).collect()
+    assert calls == [1] and sizes == []  # one generate() call for the whole reply
+    assert alone.text == stock(engine, prompt, 30)
+    monkeypatch.setattr(engine, "decode_chunk", 0)
+    calls.clear()
+    engine.submit(prompt, Params(3, temperature=0.0)).collect()
+    assert calls == []  # decode_chunk 0: the single path, as before
