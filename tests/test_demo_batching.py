@@ -339,3 +339,38 @@ def test_without_a_waiting_request_or_with_decode_chunk_0_a_batch_never_pauses(e
     calls.clear()
     engine.submit(prompt, Params(3, temperature=0.0)).collect()
     assert calls == []  # decode_chunk 0: the single path, as before
+
+
+def test_over_http_a_short_request_is_answered_while_a_long_stream_runs(engine, monkeypatch):
+    """The head-of-line case where a user meets it: the real server (waitress) and the openai
+    client. A 4-token request sent while a 300-token stream runs is answered before that
+    stream ends; both replies equal stock generate()."""
+    import openai
+
+    from demo.server import serving
+
+    monkeypatch.setattr(engine, "decode_chunk", 8)
+    app = create_app(Config(model="builtin-tiny"), engine)
+    long_text, short_text = "tell me everything about " + TABLE[:200], "and briefly?"
+    with serving(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        pieces, started, done = [], threading.Event(), threading.Event()
+
+        def stream_long():
+            stream = client.completions.create(
+                model="builtin-tiny", prompt=long_text, max_tokens=300, temperature=0, stream=True
+            )
+            for chunk in stream:
+                pieces.append(chunk.choices[0].text)
+                started.set()
+            done.set()
+
+        thread = threading.Thread(target=stream_long)
+        thread.start()
+        assert started.wait(60)
+        short = client.completions.create(model="builtin-tiny", prompt=short_text, max_tokens=4, temperature=0)
+        long_still_running = not done.is_set()
+        thread.join(120)
+    assert long_still_running
+    assert short.choices[0].text == stock(engine, engine.text_ids(short_text), 4)
+    assert "".join(pieces) == stock(engine, engine.text_ids(long_text), 300)
