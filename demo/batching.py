@@ -73,7 +73,7 @@ class Rows:
         self.pause = pause  # pause(generated) -> True: every open row pauses at this step
         self.open = [True] * len(gens)
         self.paused = [False] * len(gens)  # stopped for now, to resume in a later batch
-        self.before = [len(g.context_ids) - len(g.prompt_ids) for g in gens]  # earlier chunks' tokens
+        self.before = [g.replied for g in gens]  # reply tokens of earlier chunks
         self.new_ids: list[list[int]] = [[] for _ in gens]  # this call's forwarded tokens
         # Per row: tokens forwarded, and the sequence length at which RowStop ended it. Which
         # of put() and the stopping criteria comes first in a step differs between
@@ -180,7 +180,7 @@ def run_batch(engine, gens: list[Generation], pause=None) -> list[Generation]:
     for a generation failure."""
     width = max(len(g.context_ids) for g in gens)
     first = gens[0].params
-    remaining = max(g.params.max_new_tokens - (len(g.context_ids) - len(g.prompt_ids)) for g in gens)
+    remaining = max(g.params.max_new_tokens - g.replied for g in gens)
     config = engine._config(dataclasses.replace(first, max_new_tokens=remaining))
     ids = torch.full((len(gens), width), config.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(gens), width), dtype=torch.long)

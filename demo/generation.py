@@ -118,6 +118,11 @@ class Generation:
         self.finished = threading.Event()  # the worker is done with this request
         self._checked = time.monotonic()  # last `alive` poll
 
+    @property
+    def replied(self) -> int:
+        """Tokens of the reply already in ``context_ids`` (earlier decode chunks)."""
+        return len(self.context_ids) - len(self.prompt_ids)
+
     def cancel(self) -> None:
         self.cancelled.set()
 
