@@ -195,6 +195,12 @@ def _rows_per_prompt(generation_config) -> int:
     return max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
 
 
+def _reuse_allowed(generation_config) -> bool:
+    """Per-token outputs of the prompt (hidden states, attentions) must cover every prompt
+    token, as in stock generate(): then nothing is read from the store (nor images skipped)."""
+    return not (generation_config.output_hidden_states or generation_config.output_attentions)
+
+
 def _wrap_encode(original):
     """``_maybe_prepare_encoder_kwargs_for_generation``: key the call's images (hf_patch.multimodal)
     while their pixels are still there, and where the rows are final (one row per prompt), match
@@ -209,7 +215,7 @@ def _wrap_encode(original):
                 request.images = image_keys(self, inputs_tensor, model_kwargs)
             except UnkeyableImages as e:
                 request.mark_uncacheable(str(e))
-            reuse = not (generation_config.output_hidden_states or generation_config.output_attentions)
+            reuse = _reuse_allowed(generation_config)
             images = request.images
             features = request.features = image_features.for_model(self) if images is not None else None
             if (
@@ -263,7 +269,7 @@ def _wrap_prefill(original):
                 raise ValueError(
                     "RadixCache needs use_cache=True (the generation config sets use_cache=False)"
                 )
-            reuse = not (generation_config.output_hidden_states or generation_config.output_attentions)
+            reuse = _reuse_allowed(generation_config)
             rows_per_prompt = _rows_per_prompt(generation_config)
             images = None if request.images is None else request.images.expand(rows_per_prompt)
             share = None
