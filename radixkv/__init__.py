@@ -5,6 +5,7 @@ Layers: ``RadixTree`` (pure Python) and ``BlockPool`` (torch storage) are combin
 pins (``radixkv.task_pins``). See docs/design.md.
 """
 
+from radixkv.cache_write import SaveAborted
 from radixkv.manifest import CacheFileError, CacheFileMismatch, CorruptCacheFile, KeyedNamespace
 from radixkv.node import PackedTokens, pack_tokens
 from radixkv.persist import RestoreResult, SaveResult
@@ -27,6 +28,7 @@ __all__ = [
     "PackedTokens",
     "RadixTree",
     "RestoreResult",
+    "SaveAborted",
     "SaveResult",
     "Tier",
     "host_pool_for",

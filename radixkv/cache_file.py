@@ -1,177 +1,82 @@
-"""One cache file on disk: the atomic write, and a read that checks every byte before use.
+"""Opening a cache file: its header, manifest and tree checked before anything uses them.
 
-The file is a plain safetensors file (see radixkv.persist for its tensors, radixkv.manifest
-for its manifest): any safetensors reader opens it. Both directions stream the KV through
-sha256 in 4 MiB chunks, so checksums cost no extra pass over memory: the writer hashes each
-chunk as it writes it (the header, written first, is rewritten with the checksums at the
-end); the reader reads each tensor into private memory (no memory map) and hashes it as it
-arrives, so the bytes checked are the bytes used.
+The file is a plain safetensors file (radixkv.persist lists its tensors, radixkv.manifest its
+manifest; radixkv.cache_write writes it). ``open_cache_file`` reads the header and the
+manifest, checks them against the store (format version, identity, layout, every tensor's
+dtype, shape and place), reads the small tree tensors (node table, token ids), checks their
+checksums and the tree's structure, and returns a ``CacheFileHead``. The KV, nearly all of the
+file, is read and checked by radixkv.cache_read straight into the blocks a restore chose
+for it; nothing reaches a store's tree before every byte has passed.
+
+Reads go into private memory (no memory map): the bytes checked are the bytes used, even if
+someone rewrites the file in place meanwhile (a mapped file cut short under a reader would
+also kill the process with SIGBUS).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
+import io
 import json
-import math
 import os
-import tempfile
-from collections.abc import Hashable, Iterator, Sequence
+import time
+from collections.abc import Hashable
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from radixkv.cache_write import ST_DTYPES
+from radixkv.checksum import algorithm_of, new_hasher
+from radixkv.file_io import IoTimes
 from radixkv.manifest import (
     CorruptCacheFile,
     check_compatible,
     count_field,
     decode_namespaces,
-    dtype_name,
     expected_tensors,
     from_metadata,
-    to_metadata,
 )
 
-_ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
 _MAX_HEADER = 100 << 20  # safetensors' own limit
-_CHUNK = 4 << 20
 
 
-class Gathered:
-    """Blocks ``ids`` of per-tier pool tensors ``[num_blocks, bs, H, D]``, read at write time.
-
-    ``storages[t]`` is tier t's tensor (device pool, host pool); block i is
-    ``storages[tiers[i]][ids[i]]``. ``chunks()`` copies ~4 MiB of blocks at a time into one
-    small CPU buffer (kept in the CPU cache for the hash and the write that follow), so a save
-    never holds a second copy of the cache. The caller keeps the blocks from being evicted,
-    demoted or rewritten meanwhile (pins).
-    """
-
-    def __init__(self, storages: Sequence[torch.Tensor], ids: list[int], tiers: list[int]) -> None:
-        self.storages, self.ids, self.tiers = tuple(storages), ids, tiers
-        self.shape = (len(ids), *storages[0].shape[1:])
-        self.dtype = storages[0].dtype
-
-    def chunks(self) -> Iterator[memoryview]:
-        per_block = max(1, nbytes(self) // max(1, len(self.ids)))
-        n = max(1, _CHUNK // per_block)
-        buf = torch.empty((min(n, len(self.ids)), *self.shape[1:]), dtype=self.dtype)
-        ids = torch.tensor(self.ids, dtype=torch.int64)
-        tiers = torch.tensor(self.tiers, dtype=torch.int64)
-        for start in range(0, len(self.ids), n):
-            part, where = ids[start : start + n], tiers[start : start + n]
-            out = buf[: len(part)]
-            for tier, storage in enumerate(self.storages):
-                rows = (where == tier).nonzero().flatten()
-                if len(rows) == len(part):  # one tier: straight into the buffer
-                    self._select(storage, part, out)
-                elif len(rows):
-                    out[rows] = storage.index_select(0, part[rows].to(storage.device)).cpu()
-            yield memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B")
-
-    @staticmethod
-    def _select(storage: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
-        if storage.device.type == "cpu":
-            torch.index_select(storage, 0, ids, out=out)
-        else:
-            out.copy_(storage.index_select(0, ids.to(storage.device)))
-
-
-def nbytes(t: torch.Tensor | Gathered) -> int:
-    return math.prod(t.shape) * torch.empty((), dtype=t.dtype).element_size()
-
-
-def _chunks(t: torch.Tensor | Gathered) -> Iterator[memoryview]:
-    if isinstance(t, Gathered):
-        yield from t.chunks()
-        return
-    view = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()).cast("B")
-    for at in range(0, len(view), _CHUNK):
-        yield view[at : at + _CHUNK]
-
-
-def _header(tensors: dict[str, torch.Tensor | Gathered], manifest: dict) -> bytes:
-    """The safetensors header (JSON, space-padded to 8 bytes) for ``tensors`` in order."""
-    entries: dict[str, object] = {"__metadata__": to_metadata(manifest)}
-    at = 0
-    for name, t in tensors.items():
-        size = nbytes(t)
-        entries[name] = {
-            "dtype": _ST_DTYPES[dtype_name(t.dtype)],
-            "shape": list(t.shape),
-            "data_offsets": [at, at + size],
-        }
-        at += size
-    text = json.dumps(entries, separators=(",", ":")).encode()
-    return text + b" " * (-len(text) % 8)
-
-
-def _write_tensors(tensors: dict[str, torch.Tensor | Gathered], manifest: dict, path: str) -> None:
-    """Write ``tensors`` as safetensors, filling ``manifest["checksums"]`` on the way.
-
-    One pass over the KV: each chunk is hashed and written while it is in the CPU cache
-    (``safetensors.torch.save_file`` would need the checksums, hence a hashing pass, first).
-    The header is written with placeholder checksums of the same length, then rewritten.
-    """
-    manifest["checksums"] = {name: "0" * 64 for name in tensors}
-    header = _header(tensors, manifest)
-    with open(path, "wb") as f:
-        f.write(len(header).to_bytes(8, "little"))
-        f.write(header)
-        for name, t in tensors.items():
-            digest = hashlib.sha256()
-            for chunk in _chunks(t):
-                digest.update(chunk)
-                f.write(chunk)
-            manifest["checksums"][name] = digest.hexdigest()
-        final = _header(tensors, manifest)
-        if len(final) != len(header):  # cannot happen: hex digests have one length
-            raise RuntimeError("cache file header changed length")
-        f.seek(8)
-        f.write(final)
-
-
-def atomic_save(tensors: dict[str, torch.Tensor | Gathered], manifest: dict, path: str) -> None:
-    """Write a cache file so ``path`` holds either its old content or the whole new one.
-
-    Temporary file in the same directory (a rename across file systems is not atomic),
-    fsync, ``os.replace``, fsync of the directory (so the rename itself survives a power
-    loss). The file is created owner-only (0600): it holds users' token ids.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        _write_tensors(tensors, manifest, tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# -- read and check -------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class CacheFile:
-    """A checked cache file in memory (CPU tensors); ``restore_store`` inserts it."""
+class KvTensor:
+    """Where one KV tensor ``[blocks, bs, H, D]`` lies in the file, and its checksum."""
 
+    name: str  # kv.{layer}.k / kv.{layer}.v
+    offset: int  # of its first byte in the file
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    checksum: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheFileHead:
+    """A cache file whose manifest, node table and token ids are checked; its KV is not read yet.
+
+    Holds the file open (the KV is read from the file checked here, even if the path is
+    replaced meanwhile): use it as a context manager, or ``close()`` it.
+    """
+
+    file: io.RawIOBase
+    path: str
     manifest: dict
+    algorithm: str  # of the checksums (radixkv.checksum)
     namespaces: list[Hashable]
-    nodes: list[list[int]]  # rows of tree.nodes
+    nodes: list[list[int]]  # rows of tree.nodes: (parent, namespace, blocks, recency)
     tokens: bytes  # tree.tokens, packed like the tree's edges
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
+    kv: list[KvTensor]  # in file order
+    times: IoTimes  # filled on by the KV read and the restore
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> CacheFileHead:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
@@ -187,80 +92,92 @@ def read_manifest(path: str | os.PathLike) -> dict:
         ) from None
 
 
-def read_cache_file(path: str | os.PathLike, pool, identity: object = None) -> CacheFile:
-    """Read and check all of ``path`` against ``pool``'s layout and ``identity``. Changes nothing.
+def open_cache_file(path: str | os.PathLike, pool, identity: object = None) -> CacheFileHead:
+    """Check ``path``'s header, manifest and tree against ``pool``'s layout and ``identity``.
 
-    The tensors are read (not memory-mapped) into private memory and hashed there: the bytes
-    checked are the bytes inserted, even if someone rewrites the file in place meanwhile (a
-    mapped file cut short under a reader would also kill the process with SIGBUS).
-
-    Raises CorruptCacheFile (empty, truncated, altered, not a cache file), CacheFileMismatch
-    (another format version, identity or layout), FileNotFoundError.
+    Reads the header and the tree tensors (a few bytes per block), not the KV. Raises
+    CorruptCacheFile (empty, truncated, altered, not a cache file), CacheFileMismatch (another
+    format version, identity, layout or an unknown checksum), FileNotFoundError.
     """
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            raise CorruptCacheFile(f"cache file {path} is empty")
-        header = _read_header(f, size, path)
-        manifest = from_metadata(header.pop("__metadata__", None))
-        check_compatible(manifest, pool, identity)
-        counts = manifest.get("counts")
-        n, nb = count_field(counts, "nodes"), count_field(counts, "blocks")
-        if count_field(counts, "tokens") != nb * pool.block_size:
-            raise CorruptCacheFile("cache file manifest: counts.tokens is not blocks * block_size")
-        expected = expected_tensors(manifest["layout"], {"nodes": n, "blocks": nb})
-        if set(header) != set(expected):
-            raise CorruptCacheFile(f"cache file holds tensors {sorted(header)}, expected {sorted(expected)}")
-        checksums = manifest.get("checksums")
-        if not isinstance(checksums, dict):
-            raise CorruptCacheFile("cache file manifest has no checksums")
-        data_start = f.tell()
-        tensors = {}
-        for name, (shape, dtype) in expected.items():
-            entry = header[name]
-            t = torch.empty(shape, dtype=getattr(torch, dtype))
-            buf = t.view(-1).view(torch.uint8).numpy()
-            begin, end = _offsets(entry)
-            if (
-                entry.get("dtype") != _ST_DTYPES.get(dtype)
-                or entry.get("shape") != list(shape)
-                or end - begin != buf.nbytes
-            ):
-                raise CorruptCacheFile(
-                    f"cache file tensor {name} is {entry.get('dtype')} {entry.get('shape')} "
-                    f"({end - begin} bytes), expected {dtype} {list(shape)}"
-                )
-            f.seek(data_start + begin)
-            if _read_hashing(f, buf) != checksums.get(name):
-                raise CorruptCacheFile(
-                    f"cache file tensor {name} does not match its checksum (the file was altered)"
-                )
-            tensors[name] = t
+    f = open(path, "rb", buffering=0)  # unbuffered: readinto() lands in our buffers; the head owns it
+    try:
+        return _open(f, path, pool, identity)
+    except BaseException:
+        f.close()
+        raise
+
+
+def _open(f, path: str, pool, identity: object) -> CacheFileHead:
+    times, started = IoTimes(), time.perf_counter()
+    size = os.fstat(f.fileno()).st_size
+    if size == 0:
+        raise CorruptCacheFile(f"cache file {path} is empty")
+    header = _read_header(f, size, path)
+    manifest = from_metadata(header.pop("__metadata__", None))
+    check_compatible(manifest, pool, identity)
+    algorithm = algorithm_of(manifest)
+    counts = manifest.get("counts")
+    n, nb = count_field(counts, "nodes"), count_field(counts, "blocks")
+    if count_field(counts, "tokens") != nb * pool.block_size:
+        raise CorruptCacheFile("cache file manifest: counts.tokens is not blocks * block_size")
+    expected = expected_tensors(manifest["layout"], {"nodes": n, "blocks": nb})
+    if set(header) != set(expected):
+        raise CorruptCacheFile(f"cache file holds tensors {sorted(header)}, expected {sorted(expected)}")
+    checksums = manifest.get("checksums")
+    if not isinstance(checksums, dict):
+        raise CorruptCacheFile("cache file manifest has no checksums")
+    data_start = f.tell()
+    tree, kv = {}, []
+    for name, (shape, dtype_name) in expected.items():
+        dtype = getattr(torch, dtype_name)
+        begin = _checked_entry(name, header[name], shape, dtype_name, dtype) + data_start
+        if name.startswith("kv."):
+            kv.append(KvTensor(name, begin, shape, dtype, checksums.get(name)))
+            continue
+        t = torch.empty(shape, dtype=dtype)
+        f.seek(begin)
+        view = memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
+        if f.readinto(view) != len(view):  # a few bytes per block: one read
+            raise CorruptCacheFile(f"cache file {path} ended inside a tensor (truncated while read?)")
+        hasher = new_hasher(algorithm)
+        hasher.update(view)
+        if hasher.hexdigest() != checksums.get(name):
+            raise CorruptCacheFile(
+                f"cache file tensor {name} does not match its checksum (the file was altered)"
+            )
+        tree[name] = t
     namespaces = decode_namespaces(manifest.get("namespaces"))
-    nodes = tensors["tree.nodes"].tolist()
+    nodes = tree["tree.nodes"].tolist()
     _check_structure(nodes, len(namespaces), nb)
-    layers = range(len(pool.layers))
-    return CacheFile(
+    times.read += time.perf_counter() - started
+    return CacheFileHead(
+        f,
+        path,
         manifest,
+        algorithm,
         list(namespaces),
         nodes,
-        tensors["tree.tokens"].numpy().tobytes(),
-        [tensors[f"kv.{i}.k"] for i in layers],
-        [tensors[f"kv.{i}.v"] for i in layers],
+        tree["tree.tokens"].numpy().tobytes(),
+        sorted(kv, key=lambda t: t.offset),
+        times,
     )
 
 
-def _read_hashing(f, buf) -> str:
-    """Fill ``buf`` from ``f``, hashing each chunk while it is still in the CPU cache; its sha256."""
-    digest, view, done = hashlib.sha256(), memoryview(buf).cast("B"), 0
-    while done < len(view):
-        got = f.readinto(view[done : done + _CHUNK])
-        if not got:
-            raise CorruptCacheFile(f"cache file {f.name} ended inside a tensor (truncated while read?)")
-        digest.update(view[done : done + got])
-        done += got
-    return digest.hexdigest()
+def _checked_entry(name: str, entry: dict, shape: tuple[int, ...], dtype_name: str, dtype) -> int:
+    """The tensor's start in the data section; CorruptCacheFile unless its entry is as expected."""
+    begin, end = _offsets(entry)
+    size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if (
+        entry.get("dtype") != ST_DTYPES.get(dtype_name)
+        or entry.get("shape") != list(shape)
+        or end - begin != size
+    ):
+        raise CorruptCacheFile(
+            f"cache file tensor {name} is {entry.get('dtype')} {entry.get('shape')} "
+            f"({end - begin} bytes), expected {dtype_name} {list(shape)}"
+        )
+    return begin
 
 
 def _read_header(f, size: int, path: str) -> dict:
@@ -314,6 +231,3 @@ def _check_structure(nodes: list[list[int]], num_namespaces: int, num_blocks: in
         total += blocks
     if total != num_blocks:
         raise CorruptCacheFile(f"cache file nodes hold {total} blocks, the manifest says {num_blocks}")
-
-
-# -- restore --------------------------------------------------------------------------------

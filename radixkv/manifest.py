@@ -5,13 +5,15 @@ strings: ``radixkv.manifest`` (this JSON document) and ``radixkv.manifest_sha256
 hash, so a flipped bit in a namespace or a count is caught, not silently obeyed). The
 manifest holds:
 
-- ``format`` / ``version``: ``FORMAT`` and ``FORMAT_VERSION``; anything else is refused.
+- ``format`` / ``version``: ``FORMAT`` and a version in ``READABLE_VERSIONS``; anything else
+  is refused. Version 2 (this radixkv writes it) adds ``checksum``, the algorithm of the
+  tensors' checksums (radixkv.checksum: "blake3"); version 1 files used sha256 and still restore.
 - ``identity``: an opaque JSON object from the caller (hf_patch puts the model class, a
   config hash and a weights fingerprint there); a restore requires it to be equal.
 - ``layout``: block size and every layer's KV heads, head dims and dtype (not the device:
   a file saved on one GPU restores on another, or on the CPU).
 - ``namespaces``: the namespaces of the saved nodes, JSON-encoded by ``encode_namespace``.
-- ``counts``: nodes, blocks, tokens; ``checksums``: sha256 of every tensor's bytes.
+- ``counts``: nodes, blocks, tokens; ``checksums``: the hex digest of every tensor's bytes.
 
 Namespaces are limited to None, str, bytes, int, tuples of these and KeyedNamespace: each has one JSON
 spelling, so a namespace restores equal (and hashing equal) to the one saved.
@@ -28,7 +30,8 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 
 FORMAT = "radixkv-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # written; version 1 (sha256 checksums) is still read
+READABLE_VERSIONS = (1, 2)
 MANIFEST_KEY = "radixkv.manifest"
 MANIFEST_HASH_KEY = "radixkv.manifest_sha256"
 
@@ -158,9 +161,10 @@ def check_compatible(manifest: Mapping, pool, identity: object) -> None:
     """Raise CacheFileMismatch naming every difference of format, identity or layout."""
     if manifest.get("format") != FORMAT:
         raise CorruptCacheFile(f"not a radixkv cache file (format {manifest.get('format')!r})")
-    if manifest.get("version") != FORMAT_VERSION:
+    if manifest.get("version") not in READABLE_VERSIONS:
         raise CacheFileMismatch(
-            f"cache file format version {manifest.get('version')!r}; this radixkv reads version {FORMAT_VERSION}"
+            f"cache file format version {manifest.get('version')!r}; this radixkv reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
     problems = _differences("identity", manifest.get("identity"), canonical(identity))
     problems += _differences("layout", manifest.get("layout"), layout_of(pool))
@@ -169,11 +173,6 @@ def check_compatible(manifest: Mapping, pool, identity: object) -> None:
 
 
 # -- the manifest text ------------------------------------------------------------------------
-def tensor_sha256(t: torch.Tensor) -> str:
-    """sha256 of a CPU tensor's bytes in memory order (contiguous copy if needed)."""
-    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
-
-
 def to_metadata(manifest: Mapping) -> dict[str, str]:
     text = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
     return {MANIFEST_KEY: text, MANIFEST_HASH_KEY: hashlib.sha256(text.encode()).hexdigest()}

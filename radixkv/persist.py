@@ -10,16 +10,20 @@ File layout (one safetensors file; manifest in its header metadata, see radixkv.
 
 One file rather than a manifest beside a data file: one ``os.replace`` publishes both
 atomically, and the manifest can be read without the data
-(``radixkv.cache_file.read_manifest``, one header). The file I/O is in radixkv/cache_file.py.
+(``radixkv.cache_file.read_manifest``, one header).
 
 Saving snapshots the tree and pins its leaves under the store's lock (no copy: requests
-wait microseconds), then, outside it, streams the pinned blocks ~4 MiB at a time through
-sha256 into a temporary file in the same directory, fsyncs, renames and fsyncs the
-directory (a crash or a full disk leaves the previous file as it was), and unpins. While a
-save runs, commits that need the pinned blocks' room cache less (they degrade, as always). Restoring reads and checks everything first (manifest checksum,
-format version, identity, layout, every tensor's shape, dtype and sha256, the tree's
-structure); only then, under the lock, copies the blocks into free blocks and inserts the
-paths. A refused file changes nothing.
+wait microseconds), then, outside it, streams the pinned blocks through the checksum into a
+temporary file (radixkv.cache_write), fsyncs, renames and fsyncs the directory (a crash, a
+full disk or a deadline leaves the previous file as it was), and unpins. ``max_bytes`` keeps
+the most recently used prefixes that fit. While a save runs, commits that need the pinned
+blocks' room cache less (they degrade, as always).
+
+Restoring reads and checks everything first (radixkv.cache_file: manifest checksum, format
+version, identity, layout, every tensor's shape, dtype and checksum, the tree's structure)
+into a staging buffer; only then, under the lock, places the nodes (radixkv.restore_plan),
+makes room if asked to (``evict``), copies the blocks into the pools and inserts the paths.
+A refused file changes nothing.
 """
 
 from __future__ import annotations
@@ -28,26 +32,20 @@ import dataclasses
 import json
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable, Collection, Hashable
 
 import torch
 
-from radixkv.cache_file import CacheFile, Gathered, atomic_save, nbytes, read_cache_file
-from radixkv.manifest import (
-    FORMAT,
-    FORMAT_VERSION,
-    CacheFileError,
-    canonical,
-    encode_namespace,
-    layout_of,
-)
-from radixkv.node import HOST, TOKEN_BYTES, PackedTokens
-from radixkv.tree import TierOrderError
+from radixkv.cache_write import MIN_RUN_BYTES, Gathered, atomic_save, nbytes, pieces_of
+from radixkv.file_io import IoTimes
+from radixkv.manifest import FORMAT, FORMAT_VERSION, canonical, encode_namespace, layout_of
+from radixkv.node import DEVICE
 
 logger = logging.getLogger(__name__)
 
 Rename = Callable[[Hashable], Hashable]
-_CACHED = -1  # restore: the id of a file block the store holds already (never copied nor inserted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,18 +56,29 @@ class SaveResult:
     num_tokens: int
     kv_bytes: int  # K and V bytes of the saved blocks
     file_bytes: int  # the file's size: kv_bytes plus token ids, node table and header
+    skipped_nodes: int = 0  # cached but left out by ``max_bytes`` (the least recently used)
+    skipped_blocks: int = 0
+    skipped_tokens: int = 0
+    seconds: float = 0.0  # the whole save, snapshot to directory fsync
+    times: IoTimes = dataclasses.field(default_factory=IoTimes)  # where the time went
 
 
 @dataclasses.dataclass(frozen=True)
 class RestoreResult:
-    """What a restore did. Tokens are whole blocks; every saved block is in exactly one count."""
+    """What a restore did. Tokens are whole blocks; every saved block is in exactly one of
+    restored / duplicate / dropped."""
 
     restored_tokens: int  # newly cached
     duplicate_tokens: int  # saved, but the store held them already (kept as they were)
-    dropped_tokens: int  # did not fit in the free blocks: the least recently used part of the file
+    dropped_tokens: int  # did not fit: the least recently used part of the file
     restored_blocks: int
     dropped_blocks: int
     num_nodes: int  # nodes in the file
+    host_blocks: int = 0  # of restored_blocks, those placed on the host tier
+    evicted_blocks: int = 0  # store blocks dropped to make room (evict=True)
+    demoted_blocks: int = 0  # store blocks moved to the host tier to make room (evict=True)
+    seconds: float = 0.0  # read, check, place and copy
+    times: IoTimes = dataclasses.field(default_factory=IoTimes)
 
 
 # -- save -----------------------------------------------------------------------------------
@@ -95,224 +104,166 @@ def save_store(
     identity: object = None,
     rename: Rename | None = None,
     epoch: int | None = None,
+    max_bytes: int | None = None,
+    deadline: float | None = None,
+    cancel: threading.Event | None = None,
 ) -> SaveResult:
     """Write ``store``'s cached prefixes (those of ``namespaces``: all when None) to ``path``.
 
     ``identity``: JSON-able; a restore must present an equal one. ``rename``: maps a store
-    namespace to the one written (hf_patch drops its per-process model scope). Raises
-    ValueError, writing nothing, for a namespace that has no file form (see
+    namespace to the one written (hf_patch drops its per-process model scope). ``max_bytes``:
+    at most this many KV bytes, the most recently used prefixes first (a prefix always with
+    the path above it). ``deadline`` (``time.monotonic()``) / ``cancel``: stop writing once
+    passed / set, raising radixkv.SaveAborted, the previous file intact.
+
+    Raises ValueError, writing nothing, for a namespace that has no file form (see
     ``encode_namespace``); OSError from the file system, leaving any previous file intact.
     ``epoch``: ``store.epoch`` read before ``identity`` was computed; RuntimeError, writing
     nothing, if the store was flushed since (its KV may be of other weights than ``identity``).
     """
+    started = time.perf_counter()
     identity = canonical(identity)
     keep = _namespace_filter(namespaces)
     path = os.fspath(path)
-    with store._exclusive() as (tree, pool, _):
+    with store._exclusive() as locked:
+        tree, pool = locked.tree, locked.pools[DEVICE]
         if epoch is not None and epoch != store.epoch:
             raise RuntimeError(
                 f"save to {path}: the store was flushed (weights changed?) after the identity was "
                 "computed; nothing was written"
             )
-        rows, ns_list, tokens, ids, tiers, leaves = _snapshot(tree, pool, keep, rename)
-        pools = [tier.pool for tier in store.tiers]  # a node's blocks index its tier's pool
-        for leaf in leaves:  # the saved blocks can be neither evicted nor reused until written
+        max_blocks = (
+            None if max_bytes is None else max(0, max_bytes) // (pool.block_size * pool.bytes_per_token)
+        )
+        snap = _snapshot(tree, keep, rename, max_blocks)
+        for leaf in snap.leaves:  # the saved blocks can be neither evicted nor reused until written
             tree.pin(leaf)
     try:
-        nodes = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
-        tensors: dict[str, torch.Tensor | Gathered] = {"tree.nodes": nodes, "tree.tokens": tokens}
+        nodes = torch.tensor(snap.rows, dtype=torch.int64).reshape(len(snap.rows), 4)
+        tensors: dict[str, torch.Tensor | Gathered] = {"tree.nodes": nodes, "tree.tokens": snap.tokens}
+        per_block = min(s.bytes_per_token for s in pool.layers) * pool.block_size // 2  # K or V of a layer
+        pieces = pieces_of(snap.ids, snap.tiers, max(1, MIN_RUN_BYTES // max(1, per_block)))
         for i in range(len(pool.layers)):
-            tensors[f"kv.{i}.k"] = Gathered([p.k[i] for p in pools], ids, tiers)
-            tensors[f"kv.{i}.v"] = Gathered([p.v[i] for p in pools], ids, tiers)
-        num_blocks = len(ids)
+            tensors[f"kv.{i}.k"] = Gathered([p.k[i] for p in locked.pools], pieces, len(snap.ids))
+            tensors[f"kv.{i}.v"] = Gathered([p.v[i] for p in locked.pools], pieces, len(snap.ids))
+        num_blocks = len(snap.ids)
         manifest = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
             "identity": identity,
             "layout": layout_of(pool),
-            "namespaces": ns_list,
-            "counts": {"nodes": len(rows), "blocks": num_blocks, "tokens": num_blocks * pool.block_size},
-            # "checksums": filled in by the writer as it streams each tensor
+            "namespaces": snap.namespaces,
+            "counts": {"nodes": len(snap.rows), "blocks": num_blocks, "tokens": num_blocks * pool.block_size},
+            # "checksum", "checksums": filled in by the writer as it streams each tensor
         }
-        atomic_save(tensors, manifest, path)
+        times = atomic_save(tensors, manifest, path, deadline=deadline, cancel=cancel)
     finally:
-        with store._exclusive() as (_, _, unpin):
-            for leaf in leaves:
-                unpin(tree, leaf)  # also right if the store was flushed meanwhile
-    kv_bytes = sum(nbytes(t) for name, t in tensors.items() if name.startswith("kv."))
+        with store._exclusive() as again:
+            for leaf in snap.leaves:
+                again.unpin(tree, leaf)  # also right if the store was flushed meanwhile
+    bs = pool.block_size
     result = SaveResult(
-        path, len(rows), num_blocks, num_blocks * pool.block_size, kv_bytes, os.path.getsize(path)
+        path,
+        len(snap.rows),
+        num_blocks,
+        num_blocks * bs,
+        sum(nbytes(t) for name, t in tensors.items() if name.startswith("kv.")),
+        os.path.getsize(path),
+        snap.skipped_nodes,
+        snap.skipped_blocks,
+        snap.skipped_blocks * bs,
+        time.perf_counter() - started,
+        times,
     )
-    logger.info("saved %d tokens (%d nodes) to %s", result.num_tokens, result.num_nodes, path)
+    logger.info(
+        "saved %d tokens (%d nodes) to %s in %.2fs%s",
+        result.num_tokens,
+        result.num_nodes,
+        path,
+        result.seconds,
+        f", skipped {result.skipped_tokens} less recently used tokens" if result.skipped_blocks else "",
+    )
     return result
 
 
-def _snapshot(tree, pool, keep, rename):
-    """Node rows, encoded namespaces, token ids, block ids, each block's tier and the leaves to
-    pin. Under the lock."""
+@dataclasses.dataclass
+class _Snapshot:
+    rows: list[tuple[int, int, int, int]]  # the file's node table
+    namespaces: list[object]  # encoded
+    tokens: torch.Tensor  # int64, the edges in row order
+    ids: list[int]  # block ids in file order
+    tiers: list[int]  # each block's tier
+    leaves: list  # nodes to pin: that pins every saved node
+    skipped_nodes: int
+    skipped_blocks: int
+
+
+def _snapshot(tree, keep, rename, max_blocks: int | None) -> _Snapshot:
+    """The nodes of the kept namespaces (the most recent ``max_blocks`` worth). Under the lock."""
+    candidates: list[tuple[object, int]] = []  # (node, parent's index or -1), parents first
+    index: dict[int, int] = {}  # id(node) -> candidate index
+    for node in tree.iter_nodes():
+        parent = node.parent
+        if parent.is_root:
+            if not keep(parent.key):
+                continue
+            up = -1
+        elif id(parent) in index:
+            up = index[id(parent)]
+        else:
+            continue  # under a namespace left out
+        index[id(node)] = len(candidates)
+        candidates.append((node, up))
+    chosen = _most_recent(candidates, max_blocks)
     rows: list[tuple[int, int, int, int]] = []
-    index: dict[int, int] = {}  # id(node) -> row
+    row_of: dict[int, int] = {}  # candidate index -> row
     ns_index: dict[str, int] = {}  # encoded namespace (its JSON text) -> position in ns_list
     ns_list: list[object] = []
     data: list[bytes] = []
     ids: list[int] = []
     tiers: list[int] = []
-    leaves = []  # pinning them pins every saved node (a pin holds the path to the root)
-    for node in tree.iter_nodes():  # parents before children
-        parent = node.parent
-        if parent.is_root:
-            if not keep(parent.key):
-                continue
-            encoded = encode_namespace(rename(parent.key) if rename else parent.key)
+    has_child: set[int] = set()
+    for c, (node, up) in enumerate(candidates):
+        if c not in chosen:
+            continue
+        if up == -1:
+            key = node.parent.key
+            encoded = encode_namespace(rename(key) if rename else key)
             ns = ns_index.setdefault(json.dumps(encoded, sort_keys=True), len(ns_list))
             if ns == len(ns_list):
                 ns_list.append(encoded)
             parent_row = -1
-        elif id(parent) in index:
-            parent_row = index[id(parent)]
-            ns = rows[parent_row][1]
         else:
-            continue  # under a namespace left out
-        index[id(node)] = len(rows)
+            parent_row = row_of[up]
+            ns = rows[parent_row][1]
+            has_child.add(up)
+        row_of[c] = len(rows)
         rows.append((parent_row, ns, len(node.block_ids), node.last_access))
         data.append(node.data)
         ids.extend(node.block_ids)
         tiers.extend([node.tier] * len(node.block_ids))
-        if not node.children:
-            leaves.append(node)
+    leaves = [candidates[c][0] for c in row_of if c not in has_child]  # pinning them pins the rest
     tokens = (
         torch.frombuffer(bytearray(b"".join(data)), dtype=torch.int64)
         if data
         else torch.zeros(0, dtype=torch.int64)
     )
-    return rows, ns_list, tokens, ids, tiers, leaves
+    skipped = sum(len(node.block_ids) for c, (node, _) in enumerate(candidates) if c not in chosen)
+    return _Snapshot(rows, ns_list, tokens, ids, tiers, leaves, len(candidates) - len(chosen), skipped)
 
 
-def restore_store(
-    store,
-    path: str | os.PathLike,
-    *,
-    identity: object = None,
-    rename: Rename | None = None,
-    epoch: int | None = None,
-) -> RestoreResult:
-    """Merge the prefixes saved in ``path`` into ``store``; see ``KVStore.restore``."""
-    data = read_cache_file(path, store.pool, identity)
-    try:
-        namespaces = [rename(ns) if rename else ns for ns in data.namespaces]
-        for ns in namespaces:
-            hash(ns)
-    except Exception as e:
-        raise CacheFileError(f"restore: cannot map the file's namespaces: {e}") from e
-    bs = store.block_size
-    width = bs * TOKEN_BYTES
-    nodes = data.nodes
-    # Each node's first block in the file, and its full path from the root, packed.
-    start, paths, at = [], [], 0
-    for parent, _ns, blocks, _last in nodes:
-        start.append(at)
-        edge = data.tokens[at * width : (at + blocks) * width]
-        paths.append(edge if parent == -1 else paths[parent] + edge)
-        at += blocks
-    # Most recently used first; at equal recency a parent (earlier row) before its children.
-    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][3], i))
-    with store._exclusive() as (tree, pool, _):
-        if epoch is not None and epoch != store.epoch:
-            raise RuntimeError(
-                f"restore from {os.fspath(path)}: the store was flushed (weights changed?) after the "
-                "file was checked against the model; nothing was restored"
-            )
-        # Blocks the store holds already need no free block: only each node's uncached tail is
-        # copied. Its leading ids are placeholders the tree never takes: nothing is evicted under
-        # this lock, so every insert below finds at least that much cached and keeps it. A tail
-        # that would hang below a prefix the store holds on its host tier is dropped up front.
-        fresh: dict[int, int] = {}  # node -> how many of its last blocks are not cached
-        chosen: set[int] = set()
-        used = cached_below_host = 0
-        for i in order:
-            parent, ns, blocks, _last = nodes[i]
-            if parent == -1 or parent in chosen:
-                first = len(paths[i]) // width - blocks  # the node's first block in its path
-                cached, tier = tree.cached_prefix(PackedTokens(paths[i]), namespaces[ns])
-                have = min(blocks, max(0, cached // bs - first))
-                need = blocks - have
-                if need and tier == HOST:  # device blocks never hang below host ones
-                    cached_below_host += have
-                    continue
-                if used + need <= pool.num_free:
-                    chosen.add(i)
-                    fresh[i] = need
-                    used += need
-        selected = sorted(chosen)  # file order: when everything fits, the file's tensors copy as they are
-        ids = pool.allocate(used)
-        try:
-            own: dict[int, list[int]] = {}
-            rows: list[int] = []
-            for i in selected:
-                blocks, need = nodes[i][2], fresh[i]
-                own[i] = [_CACHED] * (blocks - need) + ids[len(rows) : len(rows) + need]
-                rows.extend(range(start[i] + blocks - need, start[i] + blocks))
-            if rows:
-                _copy_in(pool, data, rows, ids)
-        except BaseException:
-            pool.free(ids)
-            raise
-        # Insert oldest first, so the tree's clock keeps the saved recency order; at equal
-        # recency children before parents (a parent's path is then already cached: no split).
-        full: dict[int, list[int]] = {}
-        taken: set[int] = set()
-        for i in selected:
-            parent = nodes[i][0]
-            full[i] = (full[parent] if parent != -1 else []) + own[i]
-        below_host: set[int] = set()
-        try:
-            for i in sorted(selected, key=lambda i: (nodes[i][3], -i)):
-                path_ids = full[i]
-                tokens, ns = PackedTokens(paths[i]), namespaces[nodes[i][1]]
-                try:
-                    already = tree.insert(tokens, path_ids, ns)
-                except TierOrderError:
-                    # The store holds part of this path demoted to its host tier, and device
-                    # blocks never hang below host ones: keep the store's copy, drop ours below it.
-                    below_host.update(path_ids[tree.match(tokens, ns).num_tokens // bs :])
-                    continue
-                taken.update(path_ids[already // bs :])
-        finally:
-            # Every block is the tree's or free again, even if an insert was interrupted (the
-            # paths inserted by then are whole and correct: their blocks were all copied).
-            unused = [b for b in ids if b not in taken]
-            pool.free(unused)
-    total = sum(row[2] for row in nodes)
-    dropped = total - sum(nodes[i][2] for i in selected) - cached_below_host + len(below_host - taken)
-    result = RestoreResult(
-        restored_tokens=len(taken) * bs,
-        duplicate_tokens=(total - dropped - len(taken)) * bs,
-        dropped_tokens=dropped * bs,
-        restored_blocks=len(taken),
-        dropped_blocks=dropped,
-        num_nodes=len(nodes),
-    )
-    if result.dropped_blocks:
-        logger.warning(
-            "restore from %s: %d blocks did not fit in the free pool (or sat below a prefix held on the "
-            "host tier) and were dropped",
-            path,
-            dropped,
-        )
-    return result
-
-
-def _copy_in(pool, data: CacheFile, rows: list[int], ids: list[int]) -> None:
-    """Copy file blocks ``rows`` into pool blocks ``ids`` (same order), every layer."""
-    everything = rows == list(range(data.k[0].shape[0]))
-    pick = None if everything else torch.tensor(rows, dtype=torch.int64)
-    n = len(rows) * pool.block_size
-
-    def as_source(t: torch.Tensor, device) -> torch.Tensor:
-        t = t if pick is None else t.index_select(0, pick)
-        # [blocks, bs, H, D] -> [1, H, blocks * bs, D], a view: what scatter takes.
-        return t.to(device).reshape(1, n, t.shape[2], t.shape[3]).permute(0, 2, 1, 3)
-
-    ks = [as_source(k, s.device) for k, s in zip(data.k, pool.layers)]
-    vs = [as_source(v, s.device) for v, s in zip(data.v, pool.layers)]
-    pool.scatter(torch.tensor([ids], dtype=torch.int64), ks, vs)
+def _most_recent(candidates: list[tuple[object, int]], max_blocks: int | None) -> set[int]:
+    """Indices of the most recently used candidates whose blocks fit ``max_blocks`` (all when
+    None), each with its parent. A parent is never less recent than its child, and at equal
+    recency comes first (a lower index): it is always considered before it."""
+    if max_blocks is None:
+        return set(range(len(candidates)))
+    order = sorted(range(len(candidates)), key=lambda c: (-candidates[c][0].last_access, c))
+    chosen: set[int] = set()
+    used = 0
+    for c in order:
+        node, up = candidates[c]
+        if (up == -1 or up in chosen) and used + len(node.block_ids) <= max_blocks:
+            chosen.add(c)
+            used += len(node.block_ids)
+    return chosen

@@ -33,12 +33,18 @@ class TierOps(TreeState):
         Unlike ``match`` it neither splits a node nor moves recency (a restore sizing what it
         must copy). O(n) to pack, one dict lookup and memcmp per node, O(edge blocks) on the last.
         """
+        return self.cached_node(tokens, namespace)[1:]
+
+    def cached_node(self, tokens: Tokens, namespace: Hashable = None) -> tuple[Node | None, int, int]:
+        """``cached_prefix`` plus the deepest node holding that prefix (None when it is empty):
+        pinning it keeps the whole prefix cached (its edge may reach past the prefix). Changes
+        nothing. Cost as ``cached_prefix``."""
         bs, width = self._block_size, self._width
         n = _node.num_tokens_of(tokens)
         query = pack(tokens, n - n % bs)
         node, pos = self._roots.get(namespace), 0
         if node is None:
-            return 0, DEVICE
+            return None, 0, DEVICE
         while pos < len(query):
             child = node.children.get(query[pos : pos + width])
             if child is None:
@@ -51,8 +57,8 @@ class TierOps(TreeState):
                 blocks * width : (blocks + 1) * width
             ] and pos + (blocks + 1) * width <= len(query):
                 blocks += 1
-            return (pos + blocks * width) // TOKEN_BYTES, child.tier
-        return pos // TOKEN_BYTES, node.tier
+            return child, (pos + blocks * width) // TOKEN_BYTES, child.tier
+        return (None if node.is_root else node), pos // TOKEN_BYTES, node.tier
 
     def evict_host(self, num_blocks: int) -> list[int]:
         """As ``evict``, for host-resident leaves: returns freed host block ids. O(log L) per node."""

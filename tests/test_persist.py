@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import radixkv.cache_file as cache_file
+import radixkv.cache_write as cache_write
 import radixkv.persist as persist
 from radixkv import BlockPool, CacheFileError, CacheFileMismatch, CorruptCacheFile, KVStore, LayerSpec
 from radixkv.manifest import MANIFEST_KEY
@@ -64,18 +65,23 @@ def cached_prefix(store: KVStore, tokens: list[int], namespace=None) -> int:
 
 
 def state(store: KVStore) -> tuple:
-    """Everything a failed restore must leave unchanged."""
+    """Everything a failed restore must leave unchanged: the tree, the stats, the blocks in use
+    and the free list in its order, and every byte of the blocks the store holds. (A restore
+    reads the file straight into free blocks it holds privately until every byte is checked:
+    the bytes of free blocks, which nothing reads before writing them, may change.)"""
     nodes = sorted(
         (repr(n.parent.key) if n.parent.is_root else "", n.data, tuple(n.block_ids), n.last_access)
         for n in store.tree.iter_nodes()
     )
-    pool_bytes = [t.view(torch.uint8).clone() for t in store.pool.k + store.pool.v]
-    return nodes, store.stats(), sorted(store.pool.used_blocks()), pool_bytes
+    used = sorted(store.pool.used_blocks())
+    held = torch.tensor(used, dtype=torch.int64)
+    pool_bytes = [t.index_select(0, held).view(torch.uint8).clone() for t in store.pool.k + store.pool.v]
+    return nodes, store.stats(), used, list(store.pool._free), pool_bytes
 
 
 def assert_same_state(a: tuple, b: tuple) -> None:
-    assert a[:3] == b[:3]
-    assert all(torch.equal(x, y) for x, y in zip(a[3], b[3]))
+    assert a[:4] == b[:4]
+    assert all(torch.equal(x, y) for x, y in zip(a[4], b[4]))
 
 
 SEQS = {
@@ -339,12 +345,12 @@ def test_a_file_for_another_model_or_layout_is_refused(saved, case):
 
 
 def test_another_format_version_is_refused(full_store, tmp_path, monkeypatch):
-    path = tmp_path / "v2.safetensors"
-    monkeypatch.setattr(persist, "FORMAT_VERSION", 2)
+    path = tmp_path / "v3.safetensors"
+    monkeypatch.setattr(persist, "FORMAT_VERSION", 3)
     full_store.save(path, identity=IDENTITY)
     monkeypatch.undo()
     store = make_store()
-    with pytest.raises(CacheFileMismatch, match="format version 2"):
+    with pytest.raises(CacheFileMismatch, match="format version 3; this radixkv reads versions 1, 2"):
         store.restore(path, identity=IDENTITY)
     assert store.stats()["cached_blocks"] == 0
     store.check_invariants()
@@ -370,13 +376,14 @@ def test_a_forged_structure_with_valid_checksums_is_refused(full_store, tmp_path
     full_store.save(path)
     from safetensors import safe_open
 
-    from radixkv.manifest import from_metadata, tensor_sha256, to_metadata
+    from radixkv.checksum import tensor_digest
+    from radixkv.manifest import from_metadata, to_metadata
 
     with safe_open(path, "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
         manifest = from_metadata(f.metadata())
     tensors["tree.nodes"][1, 0] = 5  # a parent that comes later
-    manifest["checksums"]["tree.nodes"] = tensor_sha256(tensors["tree.nodes"])
+    manifest["checksums"]["tree.nodes"] = tensor_digest(tensors["tree.nodes"])
     save_file(tensors, path, metadata=to_metadata(manifest))
     store = make_store()
     with pytest.raises(CorruptCacheFile, match="parent"):
@@ -389,12 +396,12 @@ def test_a_forged_structure_with_valid_checksums_is_refused(full_store, tmp_path
 def test_a_crash_mid_save_leaves_the_previous_file(full_store, saved, monkeypatch):
     before = open(saved, "rb").read()
 
-    def half_write(tensors, metadata, path):
+    def half_write(tensors, metadata, path, *args):
         with open(path, "wb") as f:
             f.write(before[: len(before) // 2])
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(cache_file, "_write_tensors", half_write)
+    monkeypatch.setattr(cache_write, "_write_tensors", half_write)
     put(full_store, list(range(500, 520)))
     with pytest.raises(OSError, match="No space"):
         full_store.save(saved, identity=IDENTITY)
@@ -412,7 +419,7 @@ def test_a_failed_fsync_leaves_the_previous_file(full_store, saved, monkeypatch)
     def fail(fd):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(cache_file.os, "fsync", fail)
+    monkeypatch.setattr(cache_write.os, "fsync", fail)
     with pytest.raises(OSError, match="Input/output"):
         full_store.save(saved)
     monkeypatch.undo()
@@ -452,11 +459,11 @@ def test_an_interrupted_insert_leaks_no_block(saved, monkeypatch):
     calls = []
     insert = store.tree.insert
 
-    def interrupted(tokens, block_ids, namespace=None):
+    def interrupted(tokens, block_ids, namespace=None, *tier):
         if len(calls) == 2:
             raise KeyboardInterrupt
         calls.append(namespace)
-        return insert(tokens, block_ids, namespace)
+        return insert(tokens, block_ids, namespace, *tier)
 
     monkeypatch.setattr(store.tree, "insert", interrupted)
     with pytest.raises(KeyboardInterrupt):
@@ -472,18 +479,18 @@ def test_the_store_changing_during_a_save_neither_corrupts_the_file_nor_leaks(
     full_store, tmp_path, monkeypatch, meanwhile
 ):
     """The blocks are written after the lock is released: pins must keep them as they were."""
-    write = cache_file._write_tensors
+    write = cache_write._write_tensors
     before = {b for n in full_store.tree.iter_nodes() for b in n.block_ids}
 
-    def busy_write(tensors, manifest, path):
+    def busy_write(tensors, manifest, path, *args):
         if meanwhile == "flush":
             full_store.flush()
         for i in range(40):  # new prefixes want every free block and then some
             put(full_store, [5000 + 100 * i + j for j in range(12)])
         assert before <= full_store.pool.used_blocks()  # nothing saved was evicted or reused
-        write(tensors, manifest, path)
+        write(tensors, manifest, path, *args)
 
-    monkeypatch.setattr(cache_file, "_write_tensors", busy_write)
+    monkeypatch.setattr(cache_write, "_write_tensors", busy_write)
     path = tmp_path / "busy.safetensors"
     full_store.save(path, identity=IDENTITY)
     monkeypatch.undo()

@@ -1,0 +1,152 @@
+"""Disk I/O overlapped with hashing: a writer thread behind a save, a reader thread ahead of a restore.
+
+A cache file's bytes go through three steps each way (save: gather from the pool, hash,
+write; restore: read, hash, copy into the pool). One thread doing them in turn made a save
+about half as fast as ``cp`` + fsync. Here the file I/O runs in its own thread and the
+caller's thread gathers and hashes: ``write()`` and ``readinto()`` release the GIL, and so do
+torch's copies and the hashers of radixkv.checksum, so the two threads use both cores.
+
+``IoTimes`` records how long each step was busy (steps of two threads overlap, so they may
+sum to more than ``total``): what benchmarks/bench_persist.py prints as "where the time goes",
+and what the demo's shutdown save uses to estimate how much it can write in time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+@dataclasses.dataclass
+class IoTimes:
+    """Seconds each step of one save or restore was busy; filled in as it runs."""
+
+    gather: float = 0.0  # save: pool blocks copied into write buffers (none for runs written in place)
+    hash: float = 0.0  # checksums (save and restore)
+    write: float = 0.0  # save: write() into the page cache (writer thread)
+    fsync: float = 0.0  # save: fsync of the file and of its directory
+    read: float = 0.0  # restore: readinto() from the file (reader thread)
+    copy: float = 0.0  # restore: checked blocks copied into the pools (under the store's lock)
+    total: float = 0.0  # wall-clock seconds of the whole save or restore
+
+
+class Writer:
+    """Writes views to a file, in order, from its own thread.
+
+    ``put(view, buffer)`` queues ``view`` (at most ``len(buffers)`` wait); ``buffer``, one of the
+    tensors ``take()`` handed out (or None for memory the caller keeps stable itself, e.g. pinned
+    pool blocks), comes back from ``take()`` once written. A write error is raised by the next
+    ``put`` or by ``close``; buffers keep coming back after one, so no caller waits forever.
+    """
+
+    def __init__(self, f, times: IoTimes, num_buffers: int = 3, buffer_bytes: int = 4 << 20) -> None:
+        self._f, self._times = f, times
+        self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        for _ in range(num_buffers):
+            self._free.put(torch.empty(buffer_bytes, dtype=torch.uint8))
+        self._todo: queue.Queue = queue.Queue(maxsize=num_buffers)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="radixkv-cache-write", daemon=True)
+        self._thread.start()
+
+    def take(self) -> torch.Tensor:
+        """A free uint8 buffer (blocks until the writer hands one back)."""
+        return self._free.get()
+
+    def put(self, view: memoryview, buffer: torch.Tensor | None = None) -> None:
+        if self._error is not None:
+            raise self._error
+        self._todo.put((view, buffer))
+
+    def close(self, *, raise_error: bool = True) -> None:
+        """Wait until everything queued is written (or failed); re-raise a write error."""
+        self._todo.put(None)
+        self._thread.join()
+        if raise_error and self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while (item := self._todo.get()) is not None:
+            view, buffer = item
+            if self._error is None:
+                started = time.perf_counter()
+                try:
+                    self._f.write(view)
+                except BaseException as e:  # reported to the caller's thread
+                    self._error = e
+                self._times.write += time.perf_counter() - started
+            if buffer is not None:
+                self._free.put(buffer)
+
+
+def read_overlapped(
+    f,
+    pieces: Sequence[tuple[int, int, memoryview | None]],
+    consume: Callable[[int, memoryview, torch.Tensor | None], None],
+    times: IoTimes,
+    buffer_bytes: int,
+    num_buffers: int = 3,
+) -> None:
+    """Read ``pieces`` of ``f`` from a reader thread; ``consume`` each in this thread, in order.
+
+    A piece ``(offset, nbytes, view)`` is read into ``view`` (``nbytes`` long) or, when it is
+    None, into one of ``num_buffers`` reused uint8 buffers of ``buffer_bytes``;
+    ``consume(index, data, buffer)`` gets the bytes read and that buffer (None for a view),
+    which is reused only after ``consume`` returns. The reader runs ahead by up to the buffers
+    in use. Raises EOFError naming the offset when the file ends early (cut short while read),
+    whatever the reader or ``consume`` raised, after the reader has stopped.
+    """
+    ready: queue.Queue = queue.Queue()
+    free: queue.Queue = queue.Queue()
+    for _ in range(num_buffers):
+        free.put(torch.empty(buffer_bytes, dtype=torch.uint8))
+    stop = threading.Event()
+
+    def reader() -> None:
+        try:
+            position = None
+            for index, (offset, nbytes, view) in enumerate(pieces):
+                buffer = None
+                if view is None:
+                    buffer = free.get()
+                    if buffer is None:  # stopped: this thread's caller is gone
+                        return
+                    view = memoryview(buffer.numpy()).cast("B")[:nbytes]
+                if position != offset:
+                    f.seek(offset)
+                done = 0
+                started = time.perf_counter()
+                while done < nbytes and not stop.is_set():
+                    got = f.readinto(view[done:])
+                    if not got:
+                        raise EOFError(f"the file ended at byte {offset + done}, inside a tensor")
+                    done += got
+                times.read += time.perf_counter() - started
+                if stop.is_set():
+                    return
+                position = offset + nbytes
+                ready.put((index, view, buffer))
+            ready.put(None)
+        except BaseException as e:
+            ready.put(e)
+
+    thread = threading.Thread(target=reader, name="radixkv-cache-read", daemon=True)
+    thread.start()
+    try:
+        while (item := ready.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            index, data, buffer = item
+            consume(index, data, buffer)
+            if buffer is not None:
+                free.put(buffer)
+    finally:
+        stop.set()
+        for _ in range(num_buffers):
+            free.put(None)  # a reader waiting for a buffer wakes up and stops
+        thread.join()
