@@ -2,11 +2,24 @@
 
     --cache-file PATH      restored at start when present; saved on SIGTERM / Ctrl-C and,
                            with --cache-save-every S, every S seconds
+    --cache-save-timeout S on SIGTERM, exit within S seconds: the most recently used prefixes
+                           that fit are saved (demo.shutdown_save)
     --cache-dir DIR        named files for the admin endpoints below
 
 POST /v1/cache/save    {"name": optional}  -> the file written (default: --cache-file)
-POST /v1/cache/restore {"name": optional}  -> what was restored, dropped, already cached
+POST /v1/cache/restore {"name": optional, "evict": optional bool, default false}
+                                           -> what was restored, dropped, already cached, evicted
 GET  /v1/cache/files                       -> files in --cache-dir (and --cache-file): size, manifest
+
+Restores: the start-up restore runs with ``evict=True``: the store then holds nothing a
+request warmed (only pinned task prompts, which are never evicted), so the file's prefixes
+may take all the room there is, the device's and then the host tier's. The admin restore
+runs into a store that is serving: by default it takes free blocks only (never evicts);
+``"evict": true`` lets the file's prefixes displace the least recently used unpinned ones.
+
+Periodic saves run in a thread at a lower CPU priority (Linux: nice 10), so requests keep
+their latency while one runs (README "The cache on disk"); a save in progress when the
+server shuts down is cancelled at its next chunk, its temporary file removed.
 
 All three need the admin token, like /v1/cache/flush. A name is a plain file name inside
 --cache-dir (letters, digits, '.', '_', '-'; no separators, no '..'): anything else is a 400.
@@ -18,6 +31,7 @@ moved aside (``PATH.rejected-<time>``), the reason is logged, and the server sta
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import logging
 import os
@@ -30,12 +44,14 @@ from flask import Blueprint, jsonify, request
 
 import hf_patch
 from demo.schema import ApiError
-from radixkv import CacheFileError, CacheFileMismatch
+from radixkv import CacheFileError, CacheFileMismatch, SaveAborted
 from radixkv.cache_file import read_manifest
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+RATE_MIN_BYTES = 32 << 20  # smaller saves are mostly fixed costs: no throughput measured from them
+PERIODIC_NICE = 10  # niceness of the periodic save thread (Linux: per thread)
 
 
 class CacheFiles:
@@ -46,8 +62,12 @@ class CacheFiles:
         self.cache_file = config.cache_file
         self.cache_dir = config.cache_dir
         self.every = config.cache_save_every
+        self.timeout = config.cache_save_timeout
+        # bytes/s of the last save of >= RATE_MIN_BYTES, fsync included: sizes the shutdown save
+        self.rate: float | None = None
         self._lock = threading.Lock()  # one save or restore at a time: no two writers of one file
         self._stop = threading.Event()
+        self._cancel = threading.Event()  # set at shutdown: a periodic or admin save stops
         self._thread: threading.Thread | None = None
 
     # -- paths -------------------------------------------------------------------------------
@@ -74,33 +94,58 @@ class CacheFiles:
             raise ApiError(409, "prefix reuse is off on this server: there is no cache to save or restore")
         return self.engine.store
 
-    def save(self, path: str | None = None) -> dict:
+    def save(
+        self,
+        path: str | None = None,
+        *,
+        max_bytes: int | None = None,
+        deadline: float | None = None,
+        final: bool = False,
+    ) -> dict:
+        """Save to ``path`` (default --cache-file); ``max_bytes`` / ``deadline``: see
+        ``hf_patch.save_cache``. Saves but the ``final`` one stop once shutdown begins
+        (radixkv.SaveAborted). Returns the SaveResult as a dict (``seconds`` rounded)."""
         store = self._store()
         path = path or self.path_for(None)
-        with self._lock:
+        wait = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._lock.acquire(timeout=wait):
+            raise SaveAborted("another save or restore of the cache was still running at the deadline")
+        try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            started = time.perf_counter()
-            result = hf_patch.save_cache(self.engine.model, path, store)
+            result = hf_patch.save_cache(
+                self.engine.model,
+                path,
+                store,
+                max_bytes=max_bytes,
+                deadline=deadline,
+                cancel=None if final else self._cancel,
+            )
+        finally:
+            self._lock.release()
+        if result.file_bytes >= RATE_MIN_BYTES:
+            self.rate = result.file_bytes / result.seconds
         out = dataclasses.asdict(result)
-        out["seconds"] = round(time.perf_counter() - started, 3)
+        out["seconds"] = round(result.seconds, 3)
         return out
 
-    def restore(self, path: str) -> dict:
+    def restore(self, path: str, *, evict: bool = False) -> dict:
         store = self._store()
         with self._lock:
-            started = time.perf_counter()
-            result = hf_patch.restore_cache(self.engine.model, path, store)
+            result = hf_patch.restore_cache(self.engine.model, path, store, evict=evict)
         out = dataclasses.asdict(result)
-        out["seconds"] = round(time.perf_counter() - started, 3)
+        out["seconds"] = round(result.seconds, 3)
         return out
 
     def restore_at_start(self) -> dict | None:
         """Restore --cache-file if it exists; a bad file is moved aside and logged, never raised."""
         path = self.cache_file
-        if not path or self.engine.store is None or not os.path.exists(path):
+        if not path or self.engine.store is None:
+            return None
+        self._remove_stale_temporaries()
+        if not os.path.exists(path):
             return None
         try:
-            result = self.restore(path)
+            result = self.restore(path, evict=True)  # nothing a request warmed is in the store yet
         except (CacheFileError, OSError) as e:
             aside = f"{path}.rejected-{time.strftime('%Y%m%dT%H%M%S')}"
             try:
@@ -115,30 +160,38 @@ class CacheFiles:
             log.exception("restoring %s failed; starting cold (the file is left in place)", path)
             return None
         log.info(
-            "restored %d cached tokens from %s in %.2fs (%d already cached, %d dropped for room)",
+            "restored %d cached tokens from %s in %.2fs (%d on the host tier, %d already cached, "
+            "%d dropped for room)",
             result["restored_tokens"],
             path,
             result["seconds"],
+            result["host_blocks"] * self.engine.store.block_size,
             result["duplicate_tokens"],
             result["dropped_tokens"],
         )
         return result
 
-    def save_at_exit(self) -> None:
-        """Final save to --cache-file (SIGTERM / Ctrl-C); errors are logged, the old file kept."""
-        self.stop()
+    def _remove_stale_temporaries(self) -> None:
+        """A save killed mid-write (SIGKILL past the grace period) leaves its temporary file."""
+        directory, name = os.path.split(os.path.abspath(self.cache_file))
+        for stale in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.*.tmp")):
+            try:
+                os.unlink(stale)
+                log.info("removed %s, left by a save that did not finish", stale)
+            except OSError:
+                pass
+
+    def save_at_exit(self, deadline: float | None = None) -> None:
+        """Final save to --cache-file (SIGTERM / Ctrl-C), done by ``deadline`` (``time.monotonic()``;
+        default: --cache-save-timeout from now); errors are logged, the old file kept."""
+        from demo.shutdown_save import save_before  # it imports this module
+
+        deadline = time.monotonic() + self.timeout if deadline is None else deadline
+        self._cancel.set()  # a periodic or admin save stops at its next chunk
+        self.stop(timeout=max(0.0, deadline - time.monotonic()))
         if not self.cache_file or self.engine.store is None:
             return
-        try:
-            result = self.save(self.cache_file)
-            log.info(
-                "saved %d cached tokens to %s in %.2fs",
-                result["num_tokens"],
-                self.cache_file,
-                result["seconds"],
-            )
-        except Exception:
-            log.exception("saving the cache to %s failed; the previous file is unchanged", self.cache_file)
+        save_before(self, deadline)
 
     # -- periodic saves ------------------------------------------------------------------------
     def start_periodic(self) -> None:
@@ -148,16 +201,22 @@ class CacheFiles:
         self._thread.start()
 
     def _periodic(self) -> None:
+        try:  # below the request threads; the writer thread it starts inherits it
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PERIODIC_NICE)
+        except (AttributeError, OSError):  # not Linux: same priority, still correct
+            pass
         while not self._stop.wait(self.every):
             try:
                 self.save(self.cache_file)
+            except SaveAborted:
+                return  # shutting down
             except Exception:  # a full disk must not kill the thread: the next period retries
                 log.exception("periodic save to %s failed; the previous file is unchanged", self.cache_file)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 60) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=timeout)
 
     # -- listing -------------------------------------------------------------------------------
     def files(self) -> list[dict]:
@@ -181,19 +240,21 @@ class CacheFiles:
         return out
 
 
-def _name_from_body() -> object:
+def _body(fields: tuple[str, ...]) -> dict:
+    """The request's JSON object ({} for an empty body); a 400 for anything but ``fields``."""
     data = request.get_data(cache=False)
     if not data.strip():
-        return None
+        return {}
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):
         raise ApiError(400, "the request body is not valid JSON") from None
     if body is None:
-        return None
-    if not isinstance(body, dict) or set(body) - {"name"}:
-        raise ApiError(400, 'the body must be a JSON object with at most a "name" field')
-    return body.get("name")
+        return {}
+    if not isinstance(body, dict) or set(body) - set(fields):
+        named = " and ".join(f'"{f}"' for f in fields)
+        raise ApiError(400, f"the body must be a JSON object with at most the fields {named}")
+    return body
 
 
 def blueprint(files: CacheFiles, check_admin: Callable[[], None]) -> Blueprint:
@@ -204,9 +265,13 @@ def blueprint(files: CacheFiles, check_admin: Callable[[], None]) -> Blueprint:
     @bp.post("/v1/cache/save")
     def save():
         check_admin()
-        path = files.path_for(_name_from_body())
+        path = files.path_for(_body(("name",)).get("name"))
         try:
             return jsonify({"saved": True, **files.save(path)})
+        except SaveAborted as e:
+            raise ApiError(
+                503, f"{e}: the server is shutting down; the previous file is unchanged", type="server_error"
+            ) from None
         except OSError as e:
             raise ApiError(
                 500, f"saving failed ({e.strerror or e}); the previous file is unchanged", type="server_error"
@@ -215,13 +280,17 @@ def blueprint(files: CacheFiles, check_admin: Callable[[], None]) -> Blueprint:
     @bp.post("/v1/cache/restore")
     def restore():
         check_admin()
-        path = files.path_for(_name_from_body())
+        body = _body(("name", "evict"))
+        path = files.path_for(body.get("name"))
+        evict = body.get("evict", False)
+        if type(evict) is not bool:
+            raise ApiError(400, f"evict must be true or false, got {evict!r}", "evict")
         if not os.path.isfile(path):
             raise ApiError(
                 404, f"no cache file {os.path.basename(path)}", "name", code="cache_file_not_found"
             )
         try:
-            return jsonify({"restored": True, **files.restore(path)})
+            return jsonify({"restored": True, **files.restore(path, evict=evict)})
         except CacheFileMismatch as e:
             raise ApiError(409, f"{e}; nothing was restored", code="cache_file_mismatch") from None
         except CacheFileError as e:

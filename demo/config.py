@@ -46,6 +46,9 @@ class Config:
     cache_file: str | None = None  # restored at start, saved at shutdown (and every cache_save_every s)
     cache_dir: str | None = None  # where POST /v1/cache/save|restore {"name"} files live
     cache_save_every: float | None = None  # seconds between periodic saves to cache_file
+    # seconds from SIGTERM to exit, the shutdown save included (Kubernetes' default grace
+    # period is 30 s: 25 leaves room for the rest of the pod's shutdown)
+    cache_save_timeout: float = 25.0
     # Where the tenant HMAC secret persists (owner-only); default with a cache_file: beside it.
     tenant_secret_file: str | None = None
     task_prompts: str | None = None  # a JSON file of [{"task_id", "prompt"}] (demo.task_prompts)
@@ -85,6 +88,8 @@ class Config:
             )
         if self.cache_save_every is not None and (self.cache_save_every <= 0 or not self.cache_file):
             raise ValueError("cache_save_every must be > 0 seconds and needs a cache_file")
+        if not self.cache_save_timeout > 0:  # also refuses NaN
+            raise ValueError(f"cache_save_timeout must be > 0 seconds, got {self.cache_save_timeout}")
 
     @property
     def model_id(self) -> str:
@@ -144,6 +149,7 @@ _ENV = {
     "cache_file": ("RADIXKV_CACHE_FILE", str),
     "cache_dir": ("RADIXKV_CACHE_DIR", str),
     "cache_save_every": ("RADIXKV_CACHE_SAVE_EVERY", float),
+    "cache_save_timeout": ("RADIXKV_CACHE_SAVE_TIMEOUT", float),
     "tenant_secret_file": ("RADIXKV_TENANT_SECRET_FILE", str),
     "task_prompts_json": ("RADIXKV_TASK_PROMPTS", str),
     "max_batch_size": ("RADIXKV_MAX_BATCH_SIZE", int),
@@ -234,6 +240,13 @@ def parser() -> argparse.ArgumentParser:
         "--cache-save-every",
         type=float,
         help="also save the cache file every SECONDS (env RADIXKV_CACHE_SAVE_EVERY)",
+    )
+    p.add_argument(
+        "--cache-save-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="on SIGTERM, exit within SECONDS, saving the most recently used prefixes that fit "
+        "(default 25, inside Kubernetes' 30 s grace period; env RADIXKV_CACHE_SAVE_TIMEOUT)",
     )
     p.add_argument(
         "--tenant-secret-file",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Collection, Hashable
 
 import torch
@@ -108,6 +109,10 @@ def save_cache(
     path: str | os.PathLike,
     store: KVStore | None = None,
     namespaces: Collection[Hashable] | None = None,
+    *,
+    max_bytes: int | None = None,
+    deadline: float | None = None,
+    cancel: threading.Event | None = None,
 ) -> SaveResult:
     """Write ``model``'s prefixes in ``store`` (default: its default store) to ``path``, atomically.
 
@@ -115,7 +120,8 @@ def save_cache(
     model's. Another model's prefixes in a shared store are never written. KV cached under
     weights that have changed since is flushed first, never saved under the new identity.
     Raises RuntimeError, writing nothing, if the weights change (the store is flushed) while
-    their identity is computed.
+    their identity is computed. ``max_bytes``, ``deadline``, ``cancel``: see ``KVStore.save``
+    (the most recent prefixes that fit; radixkv.SaveAborted once the deadline passes).
     """
     store = _store(model, store)
     flush_if_weights_changed(store, model)
@@ -129,16 +135,28 @@ def save_cache(
         user = ns[1].namespace if isinstance(ns[1], KeyedNamespace) else ns[1]  # an adapter's root
         return wanted is None or user in wanted
 
-    return store.save(path, mine, identity=model_identity(model), rename=lambda ns: ns[1], epoch=epoch)
+    return store.save(
+        path,
+        mine,
+        identity=model_identity(model),
+        rename=lambda ns: ns[1],
+        epoch=epoch,
+        max_bytes=max_bytes,
+        deadline=deadline,
+        cancel=cancel,
+    )
 
 
-def restore_cache(model, path: str | os.PathLike, store: KVStore | None = None) -> RestoreResult:
+def restore_cache(
+    model, path: str | os.PathLike, store: KVStore | None = None, *, evict: bool = False
+) -> RestoreResult:
     """Merge the prefixes saved in ``path`` into ``store`` (default: ``model``'s default store).
 
     Raises radixkv.CacheFileMismatch when the file was saved for another model class, config,
     weights or KV layout, radixkv.CorruptCacheFile when it is damaged, RuntimeError when the
     weights changed (the store was flushed) while the file was read; the store is then
-    unchanged. See ``KVStore.restore`` for merging and a pool too small.
+    unchanged. See ``KVStore.restore`` for merging, a pool too small and ``evict`` (the file's
+    prefixes may evict or demote the store's least recently used unpinned blocks).
     """
     store = _store(model, store)
     # Record the current weights first: KV cached under older ones goes now, and the first
@@ -148,4 +166,6 @@ def restore_cache(model, path: str | os.PathLike, store: KVStore | None = None) 
     # the file's KV stale, and the store then refuses it.
     epoch = store.epoch
     scope = model_scope(model)
-    return store.restore(path, identity=model_identity(model), rename=lambda ns: (scope, ns), epoch=epoch)
+    return store.restore(
+        path, identity=model_identity(model), rename=lambda ns: (scope, ns), epoch=epoch, evict=evict
+    )

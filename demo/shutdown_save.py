@@ -1,0 +1,100 @@
+"""The save at shutdown: the most recently used prefixes that fit the time left, then exit.
+
+On SIGTERM (``docker stop``, Kubernetes) the server has ``--cache-save-timeout`` seconds
+(default 25, inside Kubernetes' default 30 s grace period) before it must be gone; the
+listener is closed first, so no request is taken meanwhile. Then ``save_before``:
+
+- a periodic or admin save still running is cancelled (demo.cache_files: it stops at its
+  next chunk and removes its temporary file);
+- the bytes that fit are estimated from the throughput of the last large save of this
+  process (file bytes over its whole time, fsync included), times ``SAFETY``; with none
+  measured yet, a first save sized for ``PROBE_RATE`` over a quarter of the time left measures
+  it, and a second save of the rest follows when prefixes were left out and time remains;
+- each save has the deadline minus ``EXIT_MARGIN``: a disk slower than measured stops it at a
+  chunk boundary and the file keeps its previous content (the rename is atomic), or the
+  whole first save when the second one is stopped;
+- a watchdog ends the process just before the deadline if the file system hangs (an fsync
+  cannot be interrupted); the next start removes the temporary file left behind.
+
+One log line says how much was saved and how much was skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from radixkv import SaveAborted
+
+log = logging.getLogger(__name__)
+
+EXIT_MARGIN = 1.0  # seconds left for the process to exit after the save
+SAFETY = 0.8  # of the bytes the measured throughput allows: disk speed varies
+PROBE_RATE = 100e6  # bytes/s assumed before any save was measured (a network volume's order)
+PROBE_SHARE = 0.25  # of the time left, for that first save
+
+
+def save_before(files, deadline: float) -> dict | None:
+    """Save ``files.cache_file`` (a demo.cache_files.CacheFiles) so that it is done by
+    ``deadline`` (``time.monotonic()``); returns the last save's result, or None when nothing
+    was saved (the previous file stays). Never raises for a failed save: it is logged."""
+    stop_by = deadline - EXIT_MARGIN
+    watchdog = threading.Timer(max(0.0, deadline - 0.2 - time.monotonic()), _give_up, (files.cache_file,))
+    watchdog.daemon = True
+    watchdog.start()
+    started, result, measured = time.monotonic(), None, files.rate is not None
+    try:
+        for _ in range(2):
+            left = stop_by - time.monotonic()
+            if left <= 0:
+                break
+            rate = files.rate if files.rate is not None else PROBE_RATE
+            share = SAFETY if files.rate is not None else PROBE_SHARE
+            try:
+                result = files.save(
+                    files.cache_file, max_bytes=int(rate * left * share), deadline=stop_by, final=True
+                )
+            except SaveAborted as e:
+                log.warning(
+                    "shutdown save to %s %s; the file keeps its previous content", files.cache_file, e
+                )
+                break
+            if measured or not result["skipped_blocks"]:
+                break
+            measured = True  # the first save measured the disk: size a second one with it
+    except Exception:
+        log.exception("shutdown save to %s failed; the file keeps its previous content", files.cache_file)
+        return None
+    finally:
+        watchdog.cancel()
+    if result is None:
+        log.warning(
+            "shutdown save: nothing saved to %s (%.1fs before the deadline)",
+            files.cache_file,
+            deadline - time.monotonic(),
+        )
+        return None
+    log.info(
+        "shutdown save to %s: saved %d tokens (%d nodes, %.1f MiB) in %.2fs, skipped %d less recently "
+        "used tokens (%d nodes); exiting %.1fs before the deadline",
+        files.cache_file,
+        result["num_tokens"],
+        result["num_nodes"],
+        result["file_bytes"] / 2**20,
+        time.monotonic() - started,
+        result["skipped_tokens"],
+        result["skipped_nodes"],
+        deadline - time.monotonic(),
+    )
+    return result
+
+
+def _give_up(path: str) -> None:
+    log.error(
+        "shutdown save to %s still running at the deadline: exiting; the file keeps its previous content",
+        path,
+    )
+    logging.shutdown()
+    os._exit(1)
