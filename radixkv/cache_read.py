@@ -52,6 +52,11 @@ def runs_of(targets: Sequence[tuple[int | None, int]]) -> list[Run]:
     return out
 
 
+def _in_place(into: torch.Tensor) -> bool:
+    """Whether the file's bytes can be read straight into ``into`` (CPU memory), not bounced."""
+    return into.device.type == "cpu"
+
+
 def read_kv(head: CacheFileHead, runs: Sequence[Run], dests: Sequence) -> None:
     """Read every KV tensor of ``head``'s file into ``dests`` along ``runs`` and check it.
 
@@ -78,7 +83,7 @@ def read_kv(head: CacheFileHead, runs: Sequence[Run], dests: Sequence) -> None:
                     continue
                 first = run.start + at
                 into = getattr(dests[run.dest], kind)[int(layer)][first : first + n]
-                if into.device.type == "cpu":
+                if _in_place(into):
                     pieces.append(
                         (offset, nbytes, memoryview(into.view(-1).view(torch.uint8).numpy()).cast("B"))
                     )

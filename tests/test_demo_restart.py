@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 import requests
 
@@ -22,6 +23,7 @@ BLOCK = 16
 DOC = "A staff list:\n" + "\n".join(f"| Greta {i} | {20 + i} | Porto | nurse |" for i in range(24)) + "\n"
 Q1, Q2 = "How old is Greta 4?", "Where does Greta 17 live?"
 ARGS = ["--model", "builtin-tiny", "--block-size", str(BLOCK), "--cache-tokens", "16384", "--port", "0"]
+ARGS += ["--cache-save-timeout", "20"]
 ARGS += ["--api-keys", "key-a,key-b"]  # the tenant secret must survive the restart too
 
 
@@ -46,14 +48,24 @@ def stop(proc: subprocess.Popen) -> int:
             proc.kill()
 
 
+def stop_in_time(proc: subprocess.Popen, log: str) -> None:
+    """SIGTERM: the server saves and exits within --cache-save-timeout, saying what it saved."""
+    started = time.monotonic()
+    assert stop(proc) == 0, open(log).read()[-3000:]
+    assert time.monotonic() - started < 20
+    text = open(log).read()
+    assert "shutdown save to" in text and "skipped 0 less recently used tokens" in text, text[-3000:]
+
+
 def test_a_restarted_server_answers_from_the_saved_cache_like_a_cold_one(tmp_path):
     cache_file, log = str(tmp_path / "kv.safetensors"), str(tmp_path / "server.log")
     proc, url = start(cache_file, log)
     try:
         assert ask(url, DOC + Q1)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     finally:
-        assert stop(proc) == 0, open(log).read()[-3000:]
+        stop_in_time(proc, log)
     assert os.path.getsize(cache_file) > 0, open(log).read()[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["kv.safetensors", "kv.safetensors.secret", "server.log"]
     assert oct(os.stat(cache_file + ".secret").st_mode & 0o777) == "0o600"
 
     proc, url = start(cache_file, log)

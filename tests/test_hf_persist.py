@@ -14,6 +14,7 @@ import torch
 
 import hf_patch
 from radixkv import CacheFileMismatch, CorruptCacheFile
+from radixkv.cache_file import read_manifest
 from tests.hf_models import (
     assert_same_as_stock,
     block_floor,
@@ -214,3 +215,20 @@ def test_a_bit_flipped_file_leaves_a_warm_store_serving_as_before(saved, tmp_pat
     assert cache.cached_tokens == [block_floor(len(prompt), BS)]
     cache, _ = assert_same_as_stock(model, ids(DOC + Q2), store)
     assert cache.cached_tokens == [0]  # nothing of the refused file got in
+
+
+def test_a_format_1_file_is_checked_with_sha256(tmp_path):
+    """tests/data's format-1 file (saved before this format existed) restores (test_hf_keys.py);
+    damaged, it is refused by its sha256 checksums."""
+    data = os.path.join(os.path.dirname(__file__), "data", "format1_llama_sdpa.safetensors")
+    assert read_manifest(data)["version"] == 1 and "checksum" not in read_manifest(data)
+    path = tmp_path / "format1.safetensors"
+    raw = bytearray(open(data, "rb").read())
+    raw[-1] ^= 0x10
+    path.write_bytes(bytes(raw))
+    model = shared("llama-sdpa")
+    store = store_for(model, 4)
+    with pytest.raises(CorruptCacheFile, match="kv.1.v does not match its checksum"):
+        hf_patch.restore_cache(model, path, store)
+    assert store.stats()["cached_blocks"] == 0
+    assert hf_patch.restore_cache(model, data, store).restored_tokens == 32
