@@ -1,17 +1,22 @@
-"""The cache on disk: warm-restart time to first token, save/restore throughput, file overhead.
+"""The cache on disk: warm-restart time to first token, save/restore throughput, checksums.
 
-Run by hand (CPU, fp32, bench_hf's random Llama: hidden 512, 8 layers, 4 KV heads):
+Run by hand (CPU, fp32, bench_hf's random Llama: hidden 512, 8 layers, 4 KV heads: 16 KiB of
+KV per token):
 
-    python -m benchmarks.bench_persist                    # both parts
-    python -m benchmarks.bench_persist --parts restart    # or: throughput
+    python -m benchmarks.bench_persist                        # all three parts
+    python -m benchmarks.bench_persist --parts throughput --sizes 256,2048 --rounds 5
 
 1. restart: a 2,000-token document + 30-token questions (bench_hf's QA shape). The first
    request after a "restart" (a new store) with the saved file restored vs without it,
    interleaved. Restoring happens at start-up, before the first request; its time is
    printed too, and the total (restore + first answer) against the cold first answer.
-2. throughput: save and restore of a store holding ``--tokens`` tokens of KV, in MB/s,
-   against ``cp`` (and ``cp`` + fsync) of the same file in the same run; the file's size
-   against the KV bytes it holds. The file is read back from the page cache in both cases.
+2. throughput: for each size (MiB of KV), save and restore of a store holding that much, in
+   MB/s, against ``cp`` + fsync (for the save) and ``cp`` (for the restore) of the same file,
+   in the same run, the four interleaved per round; medians. A restore goes into a new store
+   (as at start-up: its pool's pages are first touched by the restore); the file is read back
+   from the page cache, as ``cp`` reads it. Then where the time went (radixkv.file_io.IoTimes:
+   steps on two threads overlap).
+3. hashes: the checksum candidates over 256 MiB in memory, in GB/s, on this machine.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 import hf_patch
 from benchmarks.bench_hf import build_model, document, ids, timed, ttft
 from hf_patch import RadixCache
+from hf_patch.model_spec import layer_specs
 from hf_patch.weights import model_scope
 from radixkv.cache_file import read_manifest
 
@@ -87,6 +93,8 @@ def _timed(fn) -> float:
 
 
 def _cp(src: str, dst: str, sync: bool) -> None:
+    if os.path.exists(dst):
+        os.unlink(dst)  # as a save writes a new file: no overwrite in place
     subprocess.run(["cp", src, dst], check=True)
     if sync:
         fd = os.open(dst, os.O_RDONLY)
@@ -94,42 +102,98 @@ def _cp(src: str, dst: str, sync: bool) -> None:
         os.close(fd)
 
 
+def _split(times, fields: tuple[str, ...]) -> str:
+    return ", ".join(f"{f} {statistics.median(getattr(t, f) for t in times):.3f}" for f in fields)
+
+
 def part_throughput(model, args, directory: str) -> None:
-    store = new_store(model, args.tokens)
-    _fill(model, store, args.tokens)
+    for mib in (int(x) for x in args.sizes.split(",")):
+        _throughput(model, args, directory, mib)
+
+
+def _throughput(model, args, directory: str, mib: int) -> None:
+    per_token = sum(spec.bytes_per_token for spec in layer_specs(model))
+    tokens = (mib << 20) // per_token // 1024 * 1024
+    store = new_store(model, tokens)
+    _fill(model, store, tokens)
     path = os.path.join(directory, "big.safetensors")
     copy = os.path.join(directory, "copy.safetensors")
     hf_patch.save_cache(model, path, store)  # warm-up (and the page cache)
-    save, restore, cp, cp_sync = [], [], [], []
-    for _ in range(args.rounds):
-        save.append(_timed(lambda: hf_patch.save_cache(model, path, store)))
-        target = new_store(model, args.tokens)
-        restore.append(_timed(lambda t=target: hf_patch.restore_cache(model, path, t)))
-        cp.append(_timed(lambda: _cp(path, copy, sync=False)))
+    save, restore, cp, cp_sync, save_times, restore_times = [], [], [], [], [], []
+    for _ in range(args.rounds):  # wall-clock times of the whole calls (the model's identity included)
+        started = time.perf_counter()
+        result = hf_patch.save_cache(model, path, store)
+        save.append(time.perf_counter() - started)
+        save_times.append(result.times)
         cp_sync.append(_timed(lambda: _cp(path, copy, sync=True)))
-        del target
+        target = new_store(model, tokens)
+        started = time.perf_counter()
+        restored = hf_patch.restore_cache(model, path, target)
+        restore.append(time.perf_counter() - started)
+        assert restored.restored_tokens == tokens and restored.dropped_tokens == 0
+        restore_times.append(restored.times)
+        del target, restored
+        cp.append(_timed(lambda: _cp(path, copy, sync=False)))
     size = os.path.getsize(path)
     manifest = read_manifest(path)
     kv = manifest["counts"]["tokens"] * store.pool.bytes_per_token
     mb = size / 1e6
     s, r, c, cs = (statistics.median(x) for x in (save, restore, cp, cp_sync))
-    print(f"\n2. throughput: {manifest['counts']['tokens']} tokens, median of {args.rounds} rounds")
     print(
-        f"   file {size / 2**20:.1f} MiB for {kv / 2**20:.1f} MiB of KV: overhead {100 * (size - kv) / kv:.3f}%"
+        f"\n2. throughput: {mib} MiB of KV ({manifest['counts']['tokens']} tokens), median of {args.rounds} rounds"
     )
-    print(f"   cp                 {mb / c:8.0f} MB/s")
+    print(
+        f"   file {size / 2**20:.1f} MiB, overhead {100 * (size - kv) / kv:.3f}%, checksum {manifest['checksum']}"
+    )
     print(f"   cp + fsync         {mb / cs:8.0f} MB/s")
-    print(f"   save (with fsync)  {mb / s:8.0f} MB/s   = {c / s:4.2f}x cp, {cs / s:4.2f}x cp+fsync")
+    print(f"   save (with fsync)  {mb / s:8.0f} MB/s   = {cs / s:4.2f}x cp + fsync")
+    print(f"   cp                 {mb / c:8.0f} MB/s")
     print(f"   restore            {mb / r:8.0f} MB/s   = {c / r:4.2f}x cp")
+    print(f"   save, seconds:    total {s:.3f}; {_split(save_times, ('gather', 'hash', 'write', 'fsync'))}")
+    print(f"   restore, seconds: total {r:.3f}; {_split(restore_times, ('read', 'hash', 'copy'))}")
+    for name in (path, copy):
+        os.unlink(name)
+    del store
+
+
+def part_hashes(args) -> None:
+    import concurrent.futures
+    import hashlib
+
+    import blake3
+
+    data = torch.randint(0, 256, (256 << 20,), dtype=torch.uint8).numpy()
+    chunk = 4 << 20
+    pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count())
+
+    def sha256_chunks() -> None:
+        list(pool.map(lambda at: hashlib.sha256(data[at : at + chunk]).digest(), range(0, len(data), chunk)))
+
+    candidates = {
+        "sha256, one thread": lambda: hashlib.sha256(data).digest(),
+        f"sha256 of 4 MiB chunks, {os.cpu_count()} threads": sha256_chunks,
+        "blake3, one thread": lambda: blake3.blake3(data).digest(),
+        "blake3, max_threads=AUTO": lambda: blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest(),
+    }
+    try:
+        import xxhash  # not a dependency: measured where installed, for scale (not cryptographic)
+
+        candidates["xxh3_128 (non-cryptographic), one thread"] = lambda: xxhash.xxh3_128(data).digest()
+    except ImportError:
+        pass
+    print(f"\n3. checksums over 256 MiB in memory, best of {args.rounds}")
+    for name, fn in candidates.items():
+        best = min(_timed(fn) for _ in range(args.rounds))
+        print(f"   {name:44s} {len(data) / best / 1e9:6.2f} GB/s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--parts", default="restart,throughput")
+    parser.add_argument("--parts", default="restart,throughput,hashes")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=16384, help="KV tokens in the throughput file")
+    parser.add_argument("--sizes", default="256,2048", help="MiB of KV for the throughput part")
     parser.add_argument("--dir", default=None, help="where the files go (default: a temporary directory)")
     # One thread: on a busy 2-core machine a second intra-op thread spin-waits and makes the
     # short warm prefill ~5x slower and noisy (see tests/hf_models.py one_torch_thread).
@@ -147,6 +211,8 @@ def main() -> None:
                 part_restart(model, args, directory)
             if "throughput" in parts:
                 part_throughput(model, args, directory)
+            if "hashes" in parts:
+                part_hashes(args)
     finally:
         if args.dir is None:
             shutil.rmtree(directory)

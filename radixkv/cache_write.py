@@ -164,37 +164,46 @@ def _write_tensors(
     manifest["checksum"] = WRITTEN
     manifest["checksums"] = {name: "0" * 64 for name in tensors}
     header = _header(tensors, manifest)
+    f = open(path, "wb")  # closed below: its time counts with the fsync
+    try:
+        _write_all(f, tensors, manifest, header, times, stop)
+    finally:
+        closing = time.perf_counter()
+        f.close()  # may write the data back here rather than in the fsync
+        times.fsync += time.perf_counter() - closing
+
+
+def _write_all(f, tensors, manifest: dict, header: bytes, times: IoTimes, stop) -> None:
     block_bytes = max((t.block_bytes for t in tensors.values() if isinstance(t, Gathered)), default=0)
-    with open(path, "wb") as f:
-        f.write(len(header).to_bytes(8, "little"))
-        f.write(header)
-        writer = Writer(f, times, buffer_bytes=max(CHUNK, block_bytes))
-        try:  # nothing may read the pool blocks after we return: the writer is joined either way
-            for name, t in tensors.items():
-                digest = new_hasher(WRITTEN)
-                pieces = _chunks(t, writer.take)
-                while True:
-                    if (why := stop()) is not None:
-                        raise SaveAborted(f"save stopped ({why}) while writing {name}")
-                    started = time.perf_counter()
-                    item = next(pieces, None)
-                    hashed = time.perf_counter()
-                    times.gather += hashed - started
-                    if item is None:
-                        break
-                    digest.update(item[0])
-                    times.hash += time.perf_counter() - hashed
-                    writer.put(*item)
-                manifest["checksums"][name] = digest.hexdigest()
-        except BaseException:
-            writer.close(raise_error=False)
-            raise
-        writer.close()  # raises a write error of the last chunks
-        final = _header(tensors, manifest)
-        if len(final) != len(header):  # cannot happen: both digests are 64 hex digits
-            raise RuntimeError("cache file header changed length")
-        f.seek(8)
-        f.write(final)
+    f.write(len(header).to_bytes(8, "little"))
+    f.write(header)
+    writer = Writer(f, times, buffer_bytes=max(CHUNK, block_bytes))
+    try:  # nothing may read the pool blocks after we return: the writer is joined either way
+        for name, t in tensors.items():
+            digest = new_hasher(WRITTEN)
+            pieces = _chunks(t, writer.take)
+            while True:
+                if (why := stop()) is not None:
+                    raise SaveAborted(f"save stopped ({why}) while writing {name}")
+                started = time.perf_counter()
+                item = next(pieces, None)
+                hashed = time.perf_counter()
+                times.gather += hashed - started
+                if item is None:
+                    break
+                digest.update(item[0])
+                times.hash += time.perf_counter() - hashed
+                writer.put(*item)
+            manifest["checksums"][name] = digest.hexdigest()
+    except BaseException:
+        writer.close(raise_error=False)
+        raise
+    writer.close()  # raises a write error of the last chunks
+    final = _header(tensors, manifest)
+    if len(final) != len(header):  # cannot happen: both digests are 64 hex digits
+        raise RuntimeError("cache file header changed length")
+    f.seek(8)
+    f.write(final)
 
 
 def atomic_save(
