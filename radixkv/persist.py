@@ -19,11 +19,10 @@ full disk or a deadline leaves the previous file as it was), and unpins. ``max_b
 the most recently used prefixes that fit. While a save runs, commits that need the pinned
 blocks' room cache less (they degrade, as always).
 
-Restoring reads and checks everything first (radixkv.cache_file: manifest checksum, format
-version, identity, layout, every tensor's shape, dtype and checksum, the tree's structure)
-into a staging buffer; only then, under the lock, places the nodes (radixkv.restore_plan),
-makes room if asked to (``evict``), copies the blocks into the pools and inserts the paths.
-A refused file changes nothing.
+Restoring (radixkv.restore) checks the header, manifest and tree first, reads the KV
+straight into free blocks it holds privately and checks every byte, and only then inserts
+the paths, making room first if asked to (``evict``). A refused file changes nothing the
+store holds. The result records of both directions live here.
 """
 
 from __future__ import annotations

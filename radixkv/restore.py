@@ -35,7 +35,7 @@ from radixkv.manifest import CacheFileError
 from radixkv.node import DEVICE, HOST, TOKEN_BYTES, PackedTokens
 from radixkv.persist import Rename, RestoreResult
 from radixkv.restore_plan import Placement, place
-from radixkv.tree import TierOrderError
+from radixkv.tree import RadixTree, TierOrderError
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class _FileTree:
 class _Claim:
     """What step 1 took from the store: pins, the placement, private blocks, staged nodes."""
 
-    tree: object
+    tree: RadixTree  # the live tree then (a flush may replace the store's meanwhile)
     pins: list
     plan: Placement
     ids: dict[int, list[int]]  # node -> its new blocks' ids in its tier's pool
@@ -175,40 +175,44 @@ def _claim(locked, tree: _FileTree, evict: bool) -> _Claim:
     """Step 1, under the lock: pin what the file finds cached, place it, take free blocks."""
     live, pools = locked.tree, locked.pools
     bs = pools[DEVICE].block_size
-    pins, held = [], []
-    for i in range(len(tree.rows)):
-        node, tokens, tier = live.cached_node(tree.paths[i], tree.namespaces[i])
-        if node is not None:  # the placeholders of this prefix stay valid until we insert
-            live.pin(node)
-            pins.append(node)
-        held.append((tokens // bs, tier))
-    host = len(pools) > 1
-    free = [pools[DEVICE].num_free, pools[HOST].num_free if host else 0]
-    room = list(free)
-    if evict:  # the file wins over the store's unpinned blocks
-        host_unpinned = live.num_host_blocks - live.num_host_pinned_blocks
-        room = [free[DEVICE] + live.num_evictable_blocks - host_unpinned, free[HOST] + host_unpinned]
-    plan = place(tree.rows, tree.first, held, room[DEVICE], room[HOST] if host else None)
-    # The most recent placed nodes take the free blocks now; the rest wait for room (staged).
-    direct, staged = [], []
-    for i in sorted(plan.tier, key=lambda i: (-tree.rows[i][3], i)):
-        need = len(tree.new_rows(i, plan))
-        if need <= free[plan.tier[i]]:
-            free[plan.tier[i]] -= need
-            direct.append(i)
-        else:
-            staged.append(i)
-    claim = _Claim(live, pins, plan, {}, staged)
-    for where in (DEVICE, HOST):
-        mine = sorted(i for i in direct if plan.tier[i] == where)  # file order: one run when possible
-        if mine:
-            ids = pools[where].allocate(sum(len(tree.new_rows(i, plan)) for i in mine))
-            locked.private[where].update(ids)
-            claim.taken[where].extend(ids)
-            at = 0
-            for i in mine:
-                n = len(tree.new_rows(i, plan))
-                claim.ids[i], at = ids[at : at + n], at + n
+    claim = _Claim(live, [], Placement({}, {}, [], 0, 0, 0, 0), {}, [])
+    try:
+        held = []
+        for i in range(len(tree.rows)):
+            node, tokens, tier = live.cached_node(tree.paths[i], tree.namespaces[i])
+            if node is not None:  # the placeholders of this prefix stay valid until we insert
+                live.pin(node)
+                claim.pins.append(node)
+            held.append((tokens // bs, tier))
+        host = len(pools) > 1
+        free = [pools[DEVICE].num_free, pools[HOST].num_free if host else 0]
+        room = list(free)
+        if evict:  # the file wins over the store's unpinned blocks
+            host_unpinned = live.num_host_blocks - live.num_host_pinned_blocks
+            room = [free[DEVICE] + live.num_evictable_blocks - host_unpinned, free[HOST] + host_unpinned]
+        plan = claim.plan = place(tree.rows, tree.first, held, room[DEVICE], room[HOST] if host else None)
+        # The most recent placed nodes take the free blocks now; the rest wait for room (staged).
+        direct = []
+        for i in sorted(plan.tier, key=lambda i: (-tree.rows[i][3], i)):
+            need = len(tree.new_rows(i, plan))
+            if need <= free[plan.tier[i]]:
+                free[plan.tier[i]] -= need
+                direct.append(i)
+            else:
+                claim.staged.append(i)
+        for where in (DEVICE, HOST):
+            mine = sorted(i for i in direct if plan.tier[i] == where)  # file order: one run when possible
+            if mine:
+                ids = pools[where].allocate(sum(len(tree.new_rows(i, plan)) for i in mine))
+                locked.private[where].update(ids)
+                claim.taken[where].extend(ids)
+                at = 0
+                for i in mine:
+                    n = len(tree.new_rows(i, plan))
+                    claim.ids[i], at = ids[at : at + n], at + n
+    except BaseException:
+        claim.release(locked)
+        raise
     return claim
 
 
