@@ -93,8 +93,8 @@ def _timed(fn) -> float:
 
 
 def _cp(src: str, dst: str, sync: bool) -> None:
-    if os.path.exists(dst):
-        os.unlink(dst)  # as a save writes a new file: no overwrite in place
+    # dst exists from the round before: cp truncates it, freeing its pages, as a save's rename
+    # frees the old file's
     subprocess.run(["cp", src, dst], check=True)
     if sync:
         fd = os.open(dst, os.O_RDONLY)
