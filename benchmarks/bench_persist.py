@@ -31,7 +31,7 @@ import hf_patch
 from benchmarks.bench_hf import build_model, document, ids, timed, ttft
 from hf_patch import RadixCache
 from hf_patch.weights import model_scope
-from radixkv.cache_file import read_manifest
+from radixkv.persist.cache_file import read_manifest
 
 
 def new_store(model, tokens: int):

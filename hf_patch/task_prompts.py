@@ -4,7 +4,7 @@
     # every later generate() whose prompt starts with ids_a reuses its KV, whatever the traffic
     hf_patch.unpin_prompts(model, ["translate"], store=store)
 
-Pinned blocks are never evicted nor demoted (``radixkv.task_pins``). A weight change that
+Pinned blocks are never evicted nor demoted (``radixkv.store.task_pins``). A weight change that
 flushes the store (see ``hf_patch.weights``) drops the pins with the stale KV: pin again.
 """
 

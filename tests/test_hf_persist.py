@@ -134,12 +134,12 @@ def test_weights_changed_in_process_flush_instead_of_being_saved(tmp_path):
 def test_weights_changed_while_a_file_is_read_restore_no_stale_kv(saved, monkeypatch):
     # The file matched the weights when checked; another thread changes them and flushes the
     # store (its next generate() does) before the restore inserts: that KV is stale now.
-    import radixkv.persist
+    import radixkv.persist.save_restore
 
     model = build("llama-sdpa")
     store = store_for(model, BS)
     hf_patch.weights.flush_if_weights_changed(store, model)  # the store has seen these weights
-    read = radixkv.persist.read_cache_file
+    read = radixkv.persist.save_restore.read_cache_file
 
     def read_then_weights_change(*args, **kwargs):
         data = read(*args, **kwargs)
@@ -148,7 +148,7 @@ def test_weights_changed_while_a_file_is_read_restore_no_stale_kv(saved, monkeyp
         hf_patch.weights.flush_if_weights_changed(store, model)
         return data
 
-    monkeypatch.setattr(radixkv.persist, "read_cache_file", read_then_weights_change)
+    monkeypatch.setattr(radixkv.persist.save_restore, "read_cache_file", read_then_weights_change)
     with pytest.raises(RuntimeError, match="flushed"):
         hf_patch.restore_cache(model, saved, store)
     assert store.stats()["cached_blocks"] == 0 and store.stats()["free_blocks"] == store.pool.num_blocks

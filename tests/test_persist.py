@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import radixkv.cache_file as cache_file
-import radixkv.persist as persist
+import radixkv.persist.save_restore as persist
+import radixkv.persist.cache_file as cache_file
 from radixkv import BlockPool, CacheFileError, CacheFileMismatch, CorruptCacheFile, KVStore, LayerSpec
-from radixkv.manifest import MANIFEST_KEY
+from radixkv.persist.manifest import MANIFEST_KEY
 
 BS = 4
 CPU = torch.device("cpu")
@@ -370,7 +370,7 @@ def test_a_forged_structure_with_valid_checksums_is_refused(full_store, tmp_path
     full_store.save(path)
     from safetensors import safe_open
 
-    from radixkv.manifest import from_metadata, tensor_sha256, to_metadata
+    from radixkv.persist.manifest import from_metadata, tensor_sha256, to_metadata
 
     with safe_open(path, "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}

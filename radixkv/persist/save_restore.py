@@ -1,6 +1,6 @@
 """Save a KVStore's cached prefixes to one safetensors file and restore them, all or nothing.
 
-File layout (one safetensors file; manifest in its header metadata, see radixkv.manifest):
+File layout (one safetensors file; manifest in its header metadata, see radixkv.persist.manifest):
 
 - ``tree.nodes``  int64 ``[N, 4]``: per node ``(parent, namespace, num_blocks, last_access)``;
   parent is -1 under a namespace root, else the index of an earlier row (parents first).
@@ -10,7 +10,7 @@ File layout (one safetensors file; manifest in its header metadata, see radixkv.
 
 One file rather than a manifest beside a data file: one ``os.replace`` publishes both
 atomically, and the manifest can be read without the data
-(``radixkv.cache_file.read_manifest``, one header). The file I/O is in radixkv/cache_file.py.
+(``radixkv.persist.cache_file.read_manifest``, one header). The file I/O is in radixkv/persist/cache_file.py.
 
 Saving snapshots the tree and pins its leaves under the store's lock (no copy: requests
 wait microseconds), then, outside it, streams the pinned blocks ~4 MiB at a time through
@@ -32,8 +32,8 @@ from collections.abc import Callable, Collection, Hashable
 
 import torch
 
-from radixkv.cache_file import CacheFile, Gathered, atomic_save, nbytes, read_cache_file
-from radixkv.manifest import (
+from radixkv.persist.cache_file import CacheFile, Gathered, atomic_save, nbytes, read_cache_file
+from radixkv.persist.manifest import (
     FORMAT,
     FORMAT_VERSION,
     CacheFileError,
@@ -41,8 +41,8 @@ from radixkv.manifest import (
     encode_namespace,
     layout_of,
 )
-from radixkv.node import HOST, TOKEN_BYTES, PackedTokens
 from radixkv.tree import TierOrderError
+from radixkv.tree.node import HOST, TOKEN_BYTES, PackedTokens
 
 logger = logging.getLogger(__name__)
 

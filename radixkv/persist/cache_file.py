@@ -1,6 +1,6 @@
 """One cache file on disk: the atomic write, and a read that checks every byte before use.
 
-The file is a plain safetensors file (see radixkv.persist for its tensors, radixkv.manifest
+The file is a plain safetensors file (see radixkv.persist for its tensors, radixkv.persist.manifest
 for its manifest): any safetensors reader opens it. Both directions stream the KV through
 sha256 in 4 MiB chunks, so checksums cost no extra pass over memory: the writer hashes each
 chunk as it writes it (the header, written first, is rewritten with the checksums at the
@@ -22,7 +22,7 @@ from collections.abc import Hashable, Iterator, Sequence
 import torch
 from safetensors import SafetensorError, safe_open
 
-from radixkv.manifest import (
+from radixkv.persist.manifest import (
     CorruptCacheFile,
     check_compatible,
     count_field,
