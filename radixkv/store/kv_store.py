@@ -384,6 +384,17 @@ class KVStore:
                 self._retired.append(old)
             return len(freed) + len(host)
 
+    def drop(self, namespaces: Callable[[Hashable], bool]) -> int:
+        """Drop the cached prefixes under every namespace ``namespaces(ns)`` accepts, both tiers
+        (the KV of an adapter that was unloaded). Prefixes pinned now (a running request, a task
+        pin) stay and become ordinary LRU candidates once released. Returns blocks freed."""
+        with self._lock:
+            freed, host = self.tree.drop(namespaces)
+            self.pool.free(freed)
+            if host:
+                self.host_pool.free(host)
+            return len(freed) + len(host)
+
     def _new_tree(self) -> RadixTree:
         # Ids come off the pool's free list (refcount 1), so the tree need not re-check that it
         # does not own them already; check_invariants still recounts them.

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from sortedcontainers import SortedList
 
@@ -392,6 +392,30 @@ class RadixTree:
             self._remove_leaf(node)
         for node in kept:
             self._add_evictable(node)
+        return freed
+
+    def drop(self, namespaces: Callable[[Hashable], bool]) -> tuple[list[int], list[int]]:
+        """Drop every unpinned node under the roots whose namespace ``namespaces(ns)`` accepts
+        (an unloaded adapter's prefixes); pinned paths stay until unpinned, and then are
+        ordinary LRU candidates. Returns (freed device ids, freed host ids); ownership passes
+        to the caller. O(N log L) over the N nodes of the matching roots.
+        """
+        freed: tuple[list[int], list[int]] = ([], [])
+        for key in [key for key in self._roots if namespaces(key)]:
+            nodes: list[Node] = []  # parents before children
+            stack = [self._roots[key]]
+            while stack:
+                node = stack.pop()
+                nodes.append(node)
+                stack.extend(node.children.values())
+            for node in reversed(nodes):  # children first: each is a leaf when its turn comes
+                if node.is_root or node.children or node.pin_count or not node.attached:
+                    continue
+                if node.evict_entry is not None:
+                    self._lru[node.tier].remove(node.evict_entry)
+                    node.evict_entry = None
+                freed[node.tier].extend(node.block_ids)
+                self._remove_leaf(node)
         return freed
 
     def clear(self) -> list[int]:
