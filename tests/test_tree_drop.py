@@ -77,7 +77,10 @@ def test_store_drop_frees_both_tiers_and_keeps_other_namespaces() -> None:
     store.check_invariants()
     after = store.stats()
     assert freed == 6  # 3 prompts x 2 blocks, wherever they lived
-    assert after["free_blocks"] + after["host_free_blocks"] == stats["free_blocks"] + stats["host_free_blocks"] + 6
+    assert (
+        after["free_blocks"] + after["host_free_blocks"]
+        == stats["free_blocks"] + stats["host_free_blocks"] + 6
+    )
     for tokens in prompts[1]:
         with store.acquire(tokens, namespace=1) as lease:
             assert lease.num_tokens == 0
