@@ -23,6 +23,7 @@ are equal: one row is generated and copied.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -85,8 +86,15 @@ class Engine:
         max_batch_size: int = 8,
         max_batch_tokens: int = 16384,
         decode_chunk: int = 16,
+        adapters=None,
+        processor=None,
     ):
         self.model, self.tokenizer, self.context = model, tokenizer, context
+        # demo.adapters.Adapters over ``model`` (None: this engine serves the base model only), and
+        # a vision-language model's processor (demo.vision; None: text only).
+        self.adapters, self.processor = adapters, processor
+        # Held by the worker while it generates: adapters load and unload between generate() calls.
+        self._model_lock = threading.RLock()
         self.store = None
         if reuse:
             import hf_patch  # noqa: F401  (importing installs the generate() integration)
@@ -120,7 +128,12 @@ class Engine:
     # -- prompts ---------------------------------------------------------------------------
     def chat_ids(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of a chat prompt ending with the assistant's turn; control tokens inside
-        message contents are plain text (demo.chat_tokens). Raises ValueError."""
+        message contents are plain text (demo.chat_tokens). Raises ValueError. A vision-language
+        model's chats are rendered by its processor (demo.vision), images or not."""
+        if self.processor is not None:
+            from demo import vision
+
+            return vision.render(self.processor, list(messages), []).ids
         template = None if getattr(self.tokenizer, "chat_template", None) else CHAT_TEMPLATE
         return chat_tokens.chat_ids(self.tokenizer, list(messages), template)
 
@@ -146,12 +159,19 @@ class Engine:
                 self._reserved -= 1
 
     def submit(
-        self, prompt_ids: list[int], params: Params, namespace: Hashable = None, slot: Slot | None = None
+        self,
+        prompt_ids: list[int],
+        params: Params,
+        namespace: Hashable = None,
+        slot: Slot | None = None,
+        inputs: dict | None = None,
     ) -> Generation:
         """Queue a request in `slot` (default: reserve one now; raises Busy if the queue is
-        full). Iterate the result for text."""
+        full). ``inputs``: model inputs beside the ids (a VLM's pixel_values). Iterate the
+        result for text."""
         slot = slot or self.reserve()
-        gen = Generation(prompt_ids, params, namespace, self.decode, self._eos)
+        group = self.adapters.batch_group(params.adapter) if self.adapters is not None else None
+        gen = Generation(prompt_ids, params, namespace, self.decode, self._eos, inputs, group)
         with self._cond:
             if slot.used:
                 raise ValueError("this queue slot was already used or given back")
@@ -212,11 +232,72 @@ class Engine:
             self.batch_sizes.observe(len(batch))
             self._running = batch
             try:
-                self._run(batch)
+                with self._model_lock:
+                    self._run([gen for gen in batch if self._adapter_present(gen)])
             finally:
                 self._running = []
 
+    def _adapter_present(self, gen: Generation) -> bool:
+        """Whether ``gen``'s adapter is still loaded; if not, it gets the API's 404 (it was
+        unloaded while the request waited). Call holding the model lock."""
+        name = gen.params.adapter
+        if name is None or (self.adapters is not None and self.adapters.get(name) is not None):
+            return True
+        from demo.schema import ApiError
+
+        gen._events.put(
+            ("error", ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found"))
+        )
+        gen.finished.set()
+        return False
+
+    # -- adapters --------------------------------------------------------------------------
+    def exclusive(self) -> threading.RLock:
+        """The model lock: held, no generate() runs (the worker waits for it between calls)."""
+        return self._model_lock
+
+    @contextlib.contextmanager
+    def base_model(self):
+        """The model lock held and every adapter disabled: yields the model computing as the base
+        (task prompts are pinned so)."""
+        with self._model_lock:
+            peft = self.adapters.peft if self.adapters is not None else None
+            with peft.disable_adapter() if peft is not None else contextlib.nullcontext():
+                yield self.model
+
+    def generate(self, gens: Sequence[Generation], *args, **kwargs):
+        """``model.generate(*args, **kwargs)`` for rows ``gens``, each under its own adapter."""
+        if self.adapters is None:
+            return self.model.generate(*args, **kwargs)
+        return self.adapters.generate([g.params.adapter for g in gens], *args, **kwargs)
+
+    def load_adapter(self, module) -> None:
+        """Load a demo.adapters.LoraModule between generate() calls; raises AdapterError."""
+        if self.adapters is None:
+            raise ValueError("this engine was built without adapter support")
+        with self._model_lock:
+            self.adapters.load(module)
+            self._drop_stale_adapters()
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload adapter ``name`` and drop its KV from the store; raises AdapterError (404)."""
+        if self.adapters is None:
+            raise ValueError("this engine was built without adapter support")
+        with self._model_lock:
+            self.adapters.unload(name)
+            self._drop_stale_adapters()
+
+    def _drop_stale_adapters(self) -> None:
+        if self.store is not None:
+            import hf_patch
+
+            freed = hf_patch.drop_stale_adapters(self.model, self.store)
+            if freed:
+                log.info("dropped %d KV blocks of adapters no longer loaded", freed)
+
     def _run(self, batch: list[Generation]) -> None:
+        if not batch:
+            return
         chunked = self.decode_chunk > 0 and self.store is not None
         chunked = chunked and batching.chunkable(batch[0], GREEDY_BELOW)
         if len(batch) > 1 or chunked:
@@ -314,17 +395,20 @@ class Engine:
         """Run generate() for the request; returns the prompt tokens read from the store."""
         p = gen.params
         ids = torch.tensor([gen.prompt_ids], device=self.model.device)
+        inputs = {k: self._on_model(v) for k, v in gen.inputs.items()}
         cache = self._cache([gen])
         cached = None
         rows = p.n if p.temperature >= GREEDY_BELOW else 1
         if cache is not None and rows > 1:
             # Commit the prompt once (a greedy one-token pass: no RNG used), so the n rows
             # below read it from the store instead of each computing it.
-            self.model.generate(
+            self.generate(
+                [gen],
                 ids,
                 attention_mask=torch.ones_like(ids),
                 past_key_values=cache,
                 generation_config=self._config(Params(1, temperature=0.0)),
+                **inputs,
             )
             cached = cache.cached_tokens[0] if cache.cached_tokens else 0
         logits_processor, recorder = processors.build(
@@ -338,7 +422,8 @@ class Engine:
             # int64 seeds (schema.SEED_MIN..SEED_MAX) onto torch's uint64 range one to one;
             # torch's own mapping of negatives (2**64 - 1 + seed) sends -2**63 onto 2**63 - 1.
             torch.manual_seed(p.seed % 2**64)
-        self.model.generate(
+        self.generate(
+            [gen],
             ids,
             attention_mask=torch.ones_like(ids),
             past_key_values=cache,
@@ -346,10 +431,18 @@ class Engine:
             logits_processor=logits_processor,
             streamer=Streamer(gen, recorder, rows),
             stopping_criteria=StoppingCriteriaList([Stopped(gen, rows)]),
+            **inputs,
         )
         if cached is None:
             cached = cache.cached_tokens[0] if cache is not None and cache.cached_tokens else 0
         return cached
+
+    def _on_model(self, value):
+        """A model input on the model's device; floating tensors (pixels) in its dtype."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        dtype = self.model.dtype if value.is_floating_point() else value.dtype
+        return value.to(device=self.model.device, dtype=dtype)
 
     def _eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id

@@ -121,7 +121,8 @@ class TaskPrompts:
             forms[task_id, "completion"] = _common_prefix(*(engine.text_ids(prompt + p) for p in _PROBES))
         forms = {key: ids for key, ids in forms.items() if len(ids) >= engine.store.block_size}
         try:
-            pinned = hf_patch.pin_prompts(engine.model, forms, store=engine.store, namespace=PUBLIC_NAMESPACE)
+            with engine.base_model() as model:  # the base model's KV, whatever adapters are loaded
+                pinned = hf_patch.pin_prompts(model, forms, store=engine.store, namespace=PUBLIC_NAMESPACE)
         except ValueError as e:
             raise TaskPromptError(f"task prompts cannot be pinned: {e}") from None
         engine.set_public_prefixes(forms.values())
