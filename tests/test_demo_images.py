@@ -29,12 +29,15 @@ def checkpoint(tmp_path_factory):
     return save_vlm(tmp_path_factory.mktemp("vlm") / "tiny-llava")
 
 
+def reference_for(checkpoint: str):
+    """Offline stock: the checkpoint loaded by transformers as a user would."""
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
+    return model, AutoProcessor.from_pretrained(checkpoint)
+
+
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    """Offline stock: the checkpoint loaded by transformers as a user would."""
-    return AutoModelForImageTextToText.from_pretrained(checkpoint).eval(), AutoProcessor.from_pretrained(
-        checkpoint
-    )
+    return reference_for(checkpoint)
 
 
 def make_config(checkpoint, **kw) -> Config:
