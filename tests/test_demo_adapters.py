@@ -6,11 +6,13 @@ restoring per adapter weights; the refusals."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import uuid
 
 import pytest
+import torch
 
 pytest.importorskip("peft")
 
@@ -112,6 +114,37 @@ def test_each_adapter_answers_as_offline_peft_and_never_reads_another_adapters_k
         "/v1/completions", json={"model": "b", "prompt": content, "max_tokens": 4, "temperature": 0}
     ).get_json()
     assert completion["model"] == "b"
+    body = {
+        "model": "a",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+    events = client.post("/v1/chat/completions", json={**body, "stream": True}).get_data(as_text=True)
+    chunks = [json.loads(e[6:]) for e in events.split("\n\n") if e.startswith("data: {")]
+    assert {c["model"] for c in chunks} == {"a"}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == replies["a"]
+
+
+def test_seeded_sampled_choices_under_an_adapter_equal_offline_peft(engine, references):
+    """n sampled choices run alone: a greedy pass commits the prompt under the adapter, then the
+    n rows read it (cached_tokens) and sample as stock generate() does with the same seed."""
+    content = question()
+    prompt = engine.chat_ids([{"role": "user", "content": content}])
+    params = Params(5, temperature=1.0, seed=7, n=2, adapter="a")
+    hits = engine.store.stats()["hit_tokens"]
+    result = engine.submit(prompt, params).collect()
+    model, tokenizer = references["a"]
+    torch.manual_seed(7)
+    out = model.generate(
+        input_ids=torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        generation_config=engine._config(params),
+    )
+    stock_texts = [tokenizer.decode(row[len(prompt) :], skip_special_tokens=True) for row in out]
+    assert [c.text for c in result.choices] == stock_texts
+    assert result.cached_tokens == 0  # a new prompt: nothing was cached before this request
+    assert engine.store.stats()["hit_tokens"] - hits == 2 * ((len(prompt) - 1) // BLOCK * BLOCK)
 
 
 def test_rows_of_different_adapters_share_one_generate_call(engine, references, monkeypatch):

@@ -331,3 +331,30 @@ def test_image_flags_and_environment():
 def test_the_engine_moves_pixels_to_the_models_dtype(engine):
     assert engine._on_model(torch.zeros(1, 3, dtype=torch.float64)).dtype == engine.model.dtype
     assert engine._on_model(torch.zeros(1, 3, dtype=torch.long)).dtype == torch.long
+
+
+def test_a_lora_adapter_on_the_vision_model_keys_its_images_apart(checkpoint, tmp_path, reference):
+    """A LoRA on every q_proj / v_proj reaches the vision tower too: its replies equal offline
+    peft's, and the base after it neither reads its KV nor its image features."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from demo.adapters import LoraModule
+
+    base = AutoModelForImageTextToText.from_pretrained(checkpoint)
+    torch.manual_seed(3)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=r".*\.(q_proj|v_proj)", init_lora_weights=False)
+    get_peft_model(base, lora).save_pretrained(str(tmp_path / "lora"))
+    cfg = make_config(checkpoint, lora_modules=(LoraModule("seer", str(tmp_path / "lora")),))
+    client = create_app(cfg, build_engine(cfg)).test_client()
+    messages = [user(data_url(png(11)), "what is it?")]
+    with_lora = (
+        PeftModel.from_pretrained(reference_for(checkpoint)[0], str(tmp_path / "lora")).eval(),
+        reference[1],
+    )
+    ids, reply = stock(with_lora, messages)
+    r = post(client, messages, model="seer")
+    assert cached(r) == 0 and text(r) == reply
+    r = post(client, messages, model="seer")
+    assert cached(r) == (len(ids) - 1) // BLOCK * BLOCK and text(r) == reply
+    r = post(client, messages)  # the base model: its own KV and its own features
+    assert cached(r) == 0 and text(r) == stock(reference, messages)[1] != reply
