@@ -221,7 +221,7 @@ class Adapters:
                 "parent": a.parent,
                 "max_model_len": max_model_len,
             }
-            for a in self._loaded.values()
+            for a in list(self._loaded.values())  # a copy: a load may add one meanwhile
         ]
 
 
