@@ -69,7 +69,10 @@ def save_checkpoint(path: str, args) -> None:
         patch_size=14,
     )  # fmt: skip
     config = AutoConfig.for_model(
-        "llava", text_config=text, vision_config=vision, image_token_id=tokenizer.convert_tokens_to_ids("<image>")
+        "llava",
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
     )
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config).eval()
@@ -97,7 +100,9 @@ class Tower:
         self.seconds, self._t0 = 0.0, 0.0
         tower = model.model.vision_tower
         tower.register_forward_pre_hook(lambda *a: setattr(self, "_t0", time.perf_counter()))
-        tower.register_forward_hook(lambda *a: setattr(self, "seconds", self.seconds + time.perf_counter() - self._t0))
+        tower.register_forward_hook(
+            lambda *a: setattr(self, "seconds", self.seconds + time.perf_counter() - self._t0)
+        )
 
 
 def ttft(url: str, image: str, question: str, max_tokens: int) -> tuple[float, int]:
@@ -161,7 +166,9 @@ def main() -> None:
     print(f"{'request':<22} {'TTFT':>9} {'vs first':>9} {'cached tokens':>14}")
     for k in ("first", "second", "other image", "second, reuse off"):
         print(f"{k:<22} {med[k]:>9.1f} {med[k] / med['first']:>8.2f}x {cached[k]:>14}")
-    print(f"vision tower in the first request: {med['tower']:.1f} ms, {med['tower'] / med['first']:.0%} of its TTFT")
+    print(
+        f"vision tower in the first request: {med['tower']:.1f} ms, {med['tower'] / med['first']:.0%} of its TTFT"
+    )
 
 
 if __name__ == "__main__":

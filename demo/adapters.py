@@ -23,11 +23,13 @@ cache file's adapter prefixes find their adapter again after a restart.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 
@@ -102,13 +104,19 @@ class Adapter:
 
 
 class Adapters:
-    """The adapters loaded over ``model`` (the transformers model hf_patch sees). Call ``load``,
-    ``unload`` and ``generate`` from one thread at a time (the engine's model lock)."""
+    """The adapters loaded over ``model`` (the transformers model hf_patch sees).
+
+    ``lock``: the model lock; the engine's worker holds it while it generates, ``load`` and
+    ``unload`` take it, so the model changes only between generate() calls. ``store``: the KV
+    store (set by the engine; None before it exists or with reuse off) from which ``load`` and
+    ``unload`` drop the KV of adapters no longer held with the same weights."""
 
     def __init__(self, model, base_name: str):
         self.model, self.base_name = model, base_name
         self.peft = None  # PeftModelForCausalLM over ``model`` while any adapter is loaded
         self._loaded: dict[str, Adapter] = {}
+        self.lock = threading.RLock()
+        self.store = None
 
     def __len__(self) -> int:
         return len(self._loaded)
@@ -126,7 +134,14 @@ class Adapters:
         return None if adapter is None or adapter.mixable else ("adapter", name)
 
     def load(self, module: LoraModule) -> Adapter:
-        """Load ``module`` under its name; AdapterError (nothing changed) when it cannot be."""
+        """Load ``module`` under its name, between generate() calls; AdapterError (nothing
+        changed) when it cannot be."""
+        with self.lock:
+            adapter = self._load(module)
+            self._drop_stale()
+        return adapter
+
+    def _load(self, module: LoraModule) -> Adapter:
         try:
             from peft import PeftConfig, PeftModelForCausalLM, PeftType
         except ImportError:  # pragma: no cover - peft is in the demo extra
@@ -181,7 +196,29 @@ class Adapters:
             peft.delete_adapter(internal)
 
     def unload(self, name: str) -> Adapter:
-        """Remove adapter ``name``; AdapterError 404 when none is loaded under it."""
+        """Remove adapter ``name`` between generate() calls and drop its KV from the store;
+        AdapterError 404 when none is loaded under it."""
+        with self.lock:
+            adapter = self._unload(name)
+            self._drop_stale()
+        return adapter
+
+    def _drop_stale(self) -> None:
+        if self.store is not None:
+            import hf_patch
+
+            freed = hf_patch.drop_stale_adapters(self.model, self.store)
+            if freed:
+                log.info("dropped %d KV blocks of adapters no longer loaded", freed)
+
+    @contextlib.contextmanager
+    def base(self):
+        """The model lock held and every adapter disabled: yields the model computing as the base."""
+        with self.lock:
+            with self.peft.disable_adapter() if self.peft is not None else contextlib.nullcontext():
+                yield self.model
+
+    def _unload(self, name: str) -> Adapter:
         adapter = self._loaded.pop(name, None)
         if adapter is None:
             raise AdapterError(
@@ -255,14 +292,14 @@ def install(app, engine, base_names: set[str], check_admin: Callable[[], None]) 
         name, path = _string(body, "lora_name", both), _string(body, "lora_path", both)
         if name in base_names:
             raise ApiError(400, f"'{name}' is the base model's name", "lora_name")
-        engine.load_adapter(LoraModule(name, path))
+        engine.adapters.load(LoraModule(name, path))
         return Response(f"Success: LoRA adapter '{name}' added successfully.", mimetype="text/plain")
 
     @bp.post("/v1/unload_lora_adapter")
     def unload():
         check_admin()
         name = _string(_body(), "lora_name", "'lora_name' must be provided (a non-empty string).")
-        engine.unload_adapter(name)
+        engine.adapters.unload(name)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", mimetype="text/plain")
 
     app.register_blueprint(bp)

@@ -15,6 +15,11 @@ the worker through a queue and turns them into text.
 A queue place is taken with `reserve()` before the prompt is tokenised, so a full queue
 refuses at no cost; `submit(..., slot)` then fills it.
 
+Adapters (demo.adapters) and images (demo.vision): a request's adapter is part of its batch key
+(rows of the base and plain LoRA adapters share a call through PEFT's adapter_names), a request
+with pixel inputs runs alone; the worker holds the model lock (``exclusive()``) while it
+generates, so adapters load and unload between generate() calls.
+
 A request's n sampled choices are n rows of one generate() call (num_return_sequences).
 With the prefix cache on, the prompt is first committed by a one-token greedy pass, so the
 n rows read its KV from the store instead of computing the prompt n times. n greedy choices
@@ -23,7 +28,6 @@ are equal: one row is generated and copied.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import threading
@@ -34,7 +38,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from demo import batching, chat_tokens, processors
+from demo import batching, chat_tokens, processors, vision
 from demo.generation import Disconnected, Generation, Params, Result, Stopped, Streamer
 from demo.metrics import BATCH_SIZE_BUCKETS, Histogram
 from demo.model import CHAT_TEMPLATE
@@ -94,13 +98,15 @@ class Engine:
         # a vision-language model's processor (demo.vision; None: text only).
         self.adapters, self.processor = adapters, processor
         # Held by the worker while it generates: adapters load and unload between generate() calls.
-        self._model_lock = threading.RLock()
+        self._model_lock = adapters.lock if adapters is not None else threading.RLock()
         self.store = None
         if reuse:
             import hf_patch  # noqa: F401  (importing installs the generate() integration)
 
             self._radix_cache = hf_patch.RadixCache
             self.store = hf_patch.build_store(model, block_size=block_size, budget_tokens=cache_tokens)
+        if adapters is not None:
+            adapters.store = self.store  # an unloaded adapter's KV is dropped from it
         if max_queue < 1 or max_batch_size < 1 or max_batch_tokens < 1:
             raise ValueError("max_queue, max_batch_size and max_batch_tokens must be >= 1")
         if decode_chunk < 0:
@@ -131,8 +137,6 @@ class Engine:
         message contents are plain text (demo.chat_tokens). Raises ValueError. A vision-language
         model's chats are rendered by its processor (demo.vision), images or not."""
         if self.processor is not None:
-            from demo import vision
-
             return vision.render(self.processor, list(messages), []).ids
         template = None if getattr(self.tokenizer, "chat_template", None) else CHAT_TEMPLATE
         return chat_tokens.chat_ids(self.tokenizer, list(messages), template)
@@ -256,44 +260,11 @@ class Engine:
         """The model lock: held, no generate() runs (the worker waits for it between calls)."""
         return self._model_lock
 
-    @contextlib.contextmanager
-    def base_model(self):
-        """The model lock held and every adapter disabled: yields the model computing as the base
-        (task prompts are pinned so)."""
-        with self._model_lock:
-            peft = self.adapters.peft if self.adapters is not None else None
-            with peft.disable_adapter() if peft is not None else contextlib.nullcontext():
-                yield self.model
-
     def generate(self, gens: Sequence[Generation], *args, **kwargs):
         """``model.generate(*args, **kwargs)`` for rows ``gens``, each under its own adapter."""
         if self.adapters is None:
             return self.model.generate(*args, **kwargs)
         return self.adapters.generate([g.params.adapter for g in gens], *args, **kwargs)
-
-    def load_adapter(self, module) -> None:
-        """Load a demo.adapters.LoraModule between generate() calls; raises AdapterError."""
-        if self.adapters is None:
-            raise ValueError("this engine was built without adapter support")
-        with self._model_lock:
-            self.adapters.load(module)
-            self._drop_stale_adapters()
-
-    def unload_adapter(self, name: str) -> None:
-        """Unload adapter ``name`` and drop its KV from the store; raises AdapterError (404)."""
-        if self.adapters is None:
-            raise ValueError("this engine was built without adapter support")
-        with self._model_lock:
-            self.adapters.unload(name)
-            self._drop_stale_adapters()
-
-    def _drop_stale_adapters(self) -> None:
-        if self.store is not None:
-            import hf_patch
-
-            freed = hf_patch.drop_stale_adapters(self.model, self.store)
-            if freed:
-                log.info("dropped %d KV blocks of adapters no longer loaded", freed)
 
     def _run(self, batch: list[Generation]) -> None:
         if not batch:
@@ -395,7 +366,7 @@ class Engine:
         """Run generate() for the request; returns the prompt tokens read from the store."""
         p = gen.params
         ids = torch.tensor([gen.prompt_ids], device=self.model.device)
-        inputs = {k: self._on_model(v) for k, v in gen.inputs.items()}
+        inputs = vision.on_model(gen.inputs, self.model)
         cache = self._cache([gen])
         cached = None
         rows = p.n if p.temperature >= GREEDY_BELOW else 1
@@ -436,13 +407,6 @@ class Engine:
         if cached is None:
             cached = cache.cached_tokens[0] if cache is not None and cache.cached_tokens else 0
         return cached
-
-    def _on_model(self, value):
-        """A model input on the model's device; floating tensors (pixels) in its dtype."""
-        if not isinstance(value, torch.Tensor):
-            return value
-        dtype = self.model.dtype if value.is_floating_point() else value.dtype
-        return value.to(device=self.model.device, dtype=dtype)
 
     def _eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id

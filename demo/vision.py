@@ -104,3 +104,15 @@ def render(processor, messages: list[dict], images: list) -> Prompt:
         raise ApiError(400, f"the model's processor refused the messages: {e}", "messages") from None
     inputs = {k: v for k, v in out.items() if k not in _TEXT_INPUTS} if images else {}
     return Prompt(out["input_ids"][0].tolist(), inputs)
+
+
+def on_model(inputs: dict, model) -> dict:
+    """``inputs`` on the model's device, floating tensors (pixels) in its dtype."""
+    out = {}
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor):
+            value = value.to(
+                device=model.device, dtype=model.dtype if value.is_floating_point() else value.dtype
+            )
+        out[name] = value
+    return out

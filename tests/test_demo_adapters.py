@@ -225,7 +225,7 @@ def test_load_and_unload_at_run_time_drop_the_adapters_kv(client, engine, paths,
 def test_unloading_every_adapter_leaves_the_plain_model(paths, references):
     engine = build_engine(config(paths))
     for name in ("a", "b"):
-        engine.unload_adapter(name)
+        engine.adapters.unload(name)
     assert engine.adapters.peft is None and not any("lora" in n for n, _ in engine.model.named_modules())
     content = question()
     prompt = engine.chat_ids([{"role": "user", "content": content}])
@@ -238,7 +238,7 @@ def test_a_request_queued_for_an_adapter_unloaded_meanwhile_gets_a_404(paths):
     engine = build_engine(config(paths))
     with engine.exclusive():  # no generate() can start: the request waits
         gen = engine.submit(engine.text_ids("hello"), Params(2, temperature=0.0, adapter="b"))
-        engine.unload_adapter("b")
+        engine.adapters.unload("b")
     with pytest.raises(Exception) as e:
         gen.collect()
     assert getattr(e.value, "status", None) == 404 and e.value.code == "model_not_found"
@@ -333,3 +333,21 @@ def test_lora_modules_flag_and_environment(paths, capsys):
         demo_main(["--model", "builtin-tiny", "--port", "0", "--lora-modules", "x=/nonexistent/adapter"])
     assert exit_.value.code == 2 and "No adapter found" in capsys.readouterr().err
     assert peft_name("a.b/c") != peft_name("a_b_c") and "." not in peft_name("a.b/c")
+
+
+def test_task_prompts_are_pinned_as_the_base_models_kv(paths, references):
+    """Pinned once at start, with every adapter disabled: base requests read them, adapter
+    requests compute their own (and equal offline peft)."""
+    rules = "You are the desk of Example Corp. " + " ".join(f"Rule {i}: be brief." for i in range(12))
+    tasks = json.dumps([{"task_id": "desk", "prompt": rules}])
+    cfg = config(paths, task_prompts_json=tasks)
+    client = create_app(cfg, build_engine(cfg)).test_client()
+    body = {"messages": [{"role": "user", "content": question()}], "max_tokens": 6, "temperature": 0, "task_id": "desk"}
+    base = client.post("/v1/chat/completions", json=body).get_json()
+    assert cached(base) >= 64  # the pinned system prompt, read on first use
+    r = client.post("/v1/chat/completions", json={**body, "model": "a"}).get_json()
+    system = [{"role": "system", "content": rules}, body["messages"][0]]
+    model, tokenizer = references["a"]
+    prompt = tokenizer.apply_chat_template(system, add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    assert cached(r) == 0 and text(r) == stock_reply(model, tokenizer, prompt, 6)[1]

@@ -329,8 +329,13 @@ def test_image_flags_and_environment():
 
 
 def test_the_engine_moves_pixels_to_the_models_dtype(engine):
-    assert engine._on_model(torch.zeros(1, 3, dtype=torch.float64)).dtype == engine.model.dtype
-    assert engine._on_model(torch.zeros(1, 3, dtype=torch.long)).dtype == torch.long
+    from demo.vision import on_model
+
+    moved = on_model(
+        {"pixel_values": torch.zeros(1, 3, dtype=torch.float64), "ids": torch.zeros(1, dtype=torch.long)},
+        engine.model,
+    )
+    assert moved["pixel_values"].dtype == engine.model.dtype and moved["ids"].dtype == torch.long
 
 
 def test_a_lora_adapter_on_the_vision_model_keys_its_images_apart(checkpoint, tmp_path, reference):
