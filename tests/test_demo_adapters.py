@@ -342,7 +342,12 @@ def test_task_prompts_are_pinned_as_the_base_models_kv(paths, references):
     tasks = json.dumps([{"task_id": "desk", "prompt": rules}])
     cfg = config(paths, task_prompts_json=tasks)
     client = create_app(cfg, build_engine(cfg)).test_client()
-    body = {"messages": [{"role": "user", "content": question()}], "max_tokens": 6, "temperature": 0, "task_id": "desk"}
+    body = {
+        "messages": [{"role": "user", "content": question()}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "task_id": "desk",
+    }
     base = client.post("/v1/chat/completions", json=body).get_json()
     assert cached(base) >= 64  # the pinned system prompt, read on first use
     r = client.post("/v1/chat/completions", json={**body, "model": "a"}).get_json()
