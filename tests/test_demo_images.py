@@ -363,3 +363,23 @@ def test_a_lora_adapter_on_the_vision_model_keys_its_images_apart(checkpoint, tm
     assert cached(r) == (len(ids) - 1) // BLOCK * BLOCK and text(r) == reply
     r = post(client, messages)  # the base model: its own KV and its own features
     assert cached(r) == 0 and text(r) == stock(reference, messages)[1] != reply
+
+
+def test_a_vision_checkpoint_by_hub_id_loads_with_its_processor_offline(tmp_path, monkeypatch, reference):
+    """The real from_pretrained path on a snapshot-shaped local Hub cache (as test_demo_hub does)."""
+    import huggingface_hub.constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--someone--tiny-llava"
+    save_vlm(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    cfg = Config(model="someone/tiny-llava", block_size=BLOCK, cache_tokens=1 << 12)
+    engine = build_engine(cfg)
+    assert engine.processor is not None and engine.context == 1024
+    client = create_app(cfg, engine).test_client()
+    assert client.get("/v1/models").get_json()["data"][0]["id"] == "someone/tiny-llava"
+    messages = [user(data_url(png(12)), "what is it?")]
+    assert text(post(client, messages, model="someone/tiny-llava")) == stock(reference, messages)[1]
