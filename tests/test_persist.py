@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import radixkv.persist.save_restore as persist
 import radixkv.persist.cache_file as cache_file
+import radixkv.persist.save_restore as persist
 from radixkv import BlockPool, CacheFileError, CacheFileMismatch, CorruptCacheFile, KVStore, LayerSpec
 from radixkv.persist.manifest import MANIFEST_KEY
 
