@@ -6,7 +6,7 @@ Two loops, at the bench_hf shape (8 layers, 4 KV heads, head dim 64, fp32, block
 
 1. gather of a 1,024-token prefix whose block ids are scattered (no runs: the case
    ``cuda_ext.cpu_runs`` hands to the pure-torch reference) into a ``[1, H, T, D]`` view;
-2. ``radixkv.tier.copy_blocks`` of 64 scattered blocks between two pools (a demotion of a
+2. ``radixkv.store.tier.copy_blocks`` of 64 scattered blocks between two pools (a demotion of a
    fragmented node): a loop of slice copies, one ``index_select`` + ``index_copy_`` per layer
    (what copy_blocks does below 4 blocks per run), and a numba loop.
 
@@ -23,7 +23,7 @@ import torch
 
 import cuda_ext
 from radixkv import BlockPool, LayerSpec
-from radixkv.tier import _id_runs
+from radixkv.store.tier import _id_runs
 
 L, NB, BS, H, D, N, CAP = 8, 512, 16, 4, 64, 1024, 1536
 

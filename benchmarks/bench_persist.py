@@ -14,7 +14,7 @@ KV per token):
    MB/s, against ``cp`` + fsync (for the save) and ``cp`` (for the restore) of the same file,
    in the same run, the four interleaved per round; medians. A restore goes into a new store
    (as at start-up: its pool's pages are first touched by the restore); the file is read back
-   from the page cache, as ``cp`` reads it. Then where the time went (radixkv.file_io.IoTimes:
+   from the page cache, as ``cp`` reads it. Then where the time went (radixkv.persist.file_io.IoTimes:
    steps on two threads overlap).
 3. hashes: the checksum candidates over 256 MiB in memory, in GB/s, on this machine.
 """
@@ -37,7 +37,7 @@ from benchmarks.bench_hf import build_model, document, ids, timed, ttft
 from hf_patch import RadixCache
 from hf_patch.model_spec import layer_specs
 from hf_patch.weights import model_scope
-from radixkv.cache_file import read_manifest
+from radixkv.persist.cache_file import read_manifest
 
 
 def new_store(model, tokens: int):

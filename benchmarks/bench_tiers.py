@@ -30,7 +30,7 @@ import torch
 import hf_patch
 from benchmarks.bench_hf import build_model, document, ids, timed, ttft
 from hf_patch import RadixCache
-from radixkv.tier import copy_blocks
+from radixkv.store.tier import copy_blocks
 
 BS = 16
 

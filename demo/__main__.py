@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         config = from_args(argv)
     except ValueError as e:
         parser().error(str(e))
+    from demo.adapters import AdapterError
     from demo.api import create_app
     from demo.auth import TenantSecretError
     from demo.model import BUILTIN, ModelNotFound
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(str(e))
     except TenantSecretError as e:  # a damaged --tenant-secret-file (or CACHE_FILE.secret)
         parser().error(str(e))
+    except AdapterError as e:  # a --lora-modules entry that does not load
+        parser().error(f"--lora-modules: {e.message}")
     engine = app.extensions["radixkv"]["engine"]
     log = logging.getLogger("demo")
     log.info(
@@ -63,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
             config.host,
             config.port,
             lambda url: print(f"radixkv demo: serving on {url}", flush=True),
-            Limits.for_engine(config.max_queue, config.max_batch_size, config.connections_per_address),
+            Limits.for_engine(
+                config.max_queue,
+                config.max_batch_size,
+                config.connections_per_address,
+                app.extensions["radixkv"]["max_body_bytes"],
+            ),
         )
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the save kills

@@ -5,7 +5,10 @@
                                      # block_size, cache_tokens and max_queue are then unused)
 
 Routes: GET / (chat page), GET /health, GET /v1/models, POST /v1/chat/completions,
-POST /v1/completions, POST /v1/cache/flush (admin token), GET /metrics (Prometheus).
+POST /v1/completions, POST /v1/cache/flush (admin token), GET /metrics (Prometheus), and
+POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin token; demo.adapters). A request's
+``model`` picks the base model or a LoRA adapter; a vision-language model takes image_url
+content parts (demo.images, demo.vision).
 Every error is JSON: {"error": {"message", "type", "param", "code"}}. Request fields are
 checked in demo.schema and demo.options; response shapes are built in demo.responses; the
 generation routes' answers (JSON or an SSE stream) in demo.completions.
@@ -20,7 +23,8 @@ import time
 from flask import Flask, Response, jsonify, render_template, request
 from werkzeug.exceptions import HTTPException
 
-from demo import cache_files, gateway, options, schema
+from demo import adapters, cache_files, gateway, images, options, schema, vision
+from demo.adapters import Adapters
 from demo.auth import Auth, tenant_secret
 from demo.auth_throttle import Throttle
 from demo.completions import responder
@@ -43,6 +47,8 @@ _ROUTES = {
     "/v1/cache/save": "save",  # demo.cache_files
     "/v1/cache/restore": "restore",
     "/v1/cache/files": "files",
+    "/v1/load_lora_adapter": "load_lora_adapter",
+    "/v1/unload_lora_adapter": "unload_lora_adapter",
 }
 
 
@@ -51,7 +57,10 @@ def build_engine(config: Config) -> Engine:
 
     device = config.resolve_device()
     options = model_lib.LoadOptions(config.revision, config.trust_remote_code, config.device_map)
-    model, tokenizer = model_lib.load(config.model, device, config.resolve_dtype(device), options)
+    model, tokenizer, processor = model_lib.load(config.model, device, config.resolve_dtype(device), options)
+    adapters = Adapters(model, config.model_id)
+    for module in config.lora_modules:  # before the engine's store: restored files find them
+        adapters.load(module)
     return Engine(
         model,
         tokenizer,
@@ -63,6 +72,8 @@ def build_engine(config: Config) -> Engine:
         max_batch_size=config.max_batch_size,
         max_batch_tokens=config.max_batch_tokens,
         decode_chunk=config.decode_chunk,
+        adapters=adapters,
+        processor=processor,
     )
 
 
@@ -75,10 +86,17 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     if tasks and engine.store is not None:
         tasks.pin(engine)
     app = Flask(__name__, static_folder="static", template_folder="templates")
+    media = config.media_policy if engine.processor is not None else None  # images taken
+    max_body = max(MAX_BODY_BYTES, media.body_bytes) if media is not None else MAX_BODY_BYTES
     # One byte over the limit: werkzeug refuses a too-long Content-Length itself, but silently
     # truncates a chunked body at the limit; reading one byte more lets body() tell (413).
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES + 1
-    app.extensions["radixkv"] = {"engine": engine, "metrics": metrics, "config": config}
+    app.config["MAX_CONTENT_LENGTH"] = max_body + 1
+    app.extensions["radixkv"] = {
+        "engine": engine,
+        "metrics": metrics,
+        "config": config,
+        "max_body_bytes": max_body,
+    }
     model_id = config.model_id
     served_names = {model_id, config.model}  # the reported id, and the name it was started with
     vocab_size = engine.model.get_input_embeddings().num_embeddings
@@ -94,7 +112,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
 
     @app.errorhandler(HTTPException)
     def http_error(e: HTTPException):
-        message = f"request body larger than {MAX_BODY_BYTES} bytes" if e.code == 413 else e.description
+        message = f"request body larger than {max_body} bytes" if e.code == 413 else e.description
         kind = "invalid_request_error" if (e.code or 500) < 500 else "server_error"
         return api_error(ApiError(e.code or 500, message, type=kind))
 
@@ -105,8 +123,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
 
     def body():
         data = request.get_data(cache=False)
-        if len(data) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        if len(data) > max_body:
+            raise ApiError(413, f"request body larger than {max_body} bytes")
         try:
             return json.loads(data or b"null")
         except (ValueError, RecursionError):
@@ -146,11 +164,15 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                 retry_after=BUSY_RETRY_AFTER_S,
             ) from None
 
-    def check_model(body) -> None:
-        # vLLM answers an unknown model with a 404 and this error object; None = the one served.
+    def pick_model(body) -> str | None:
+        """The adapter a request's ``model`` names, None for the base model (or no name).
+        vLLM answers an unknown model with a 404 and this error object."""
         name = body.get("model") if isinstance(body, dict) else None
-        if isinstance(name, str) and name not in served_names:
-            raise ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found")
+        if not isinstance(name, str) or name in served_names:
+            return None
+        if engine.adapters is not None and engine.adapters.get(name) is not None:
+            return name
+        raise ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found")
 
     respond = responder(engine, config, metrics, model_id)  # the chat and completions answers
 
@@ -162,6 +184,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
             builtin=config.model in BUILTIN,
             reuse=engine.store is not None,
             keys_required=auth.enabled,
+            adapters=engine.adapters.names() if engine.adapters is not None else [],
+            images=media is not None and media.max_images > 0,
         )
 
     @app.get("/health")
@@ -180,8 +204,11 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                         "object": "model",
                         "created": 0,
                         "owned_by": "radixkv",
+                        "root": config.model,
+                        "parent": None,
                         "max_model_len": engine.context,
-                    }
+                    },
+                    *(engine.adapters.cards(engine.context) if engine.adapters is not None else ()),
                 ],
             }
         )
@@ -190,23 +217,35 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     def chat():
         started, namespace = time.perf_counter(), tenant()
         data = body()
-        check_model(data)
+        adapter = pick_model(data)
         req = schema.chat(data, engine.context)
         opts = options.parse(data, "chat", logits_size)
         task_prompt = tasks.lookup(data)
         messages = tasks.chat(task_prompt, req.messages) if task_prompt else req.messages
+        parts = images.image_parts(messages)
+        if parts and media is None:
+            raise ApiError(
+                400, f"{parts[0].param}: the model {model_id} does not take images", parts[0].param
+            )
         with reserve() as slot:
-            try:
-                ids = engine.chat_ids(messages)
-            except ValueError as e:
-                raise ApiError(400, str(e), "messages") from None
-            return respond("chat", ids, req.sampling, opts, namespace, started, slot)
+            inputs = None
+            if media is not None:  # a vision-language model: its processor renders every chat
+                prompt = vision.render(engine.processor, messages, images.load_images(parts, media))
+                ids, inputs = prompt.ids, prompt.inputs
+            else:
+                try:
+                    ids = engine.chat_ids(messages)
+                except ValueError as e:
+                    raise ApiError(400, str(e), "messages") from None
+            return respond(
+                "chat", ids, req.sampling, opts, namespace, started, slot, adapter=adapter, inputs=inputs
+            )
 
     @app.post("/v1/completions")
     def completions():
         started, namespace = time.perf_counter(), tenant()
         data = body()
-        check_model(data)
+        adapter = pick_model(data)
         req = schema.completion(data, engine.context, vocab_size)
         opts = options.parse(data, "completions", logits_size)
         task_prompt = tasks.lookup(data)
@@ -217,7 +256,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                 ids = engine.text_ids(task_prompt) + list(req.prompt)
             else:
                 ids = list(req.prompt) if isinstance(req.prompt, list) else engine.text_ids(req.prompt)
-            return respond("completions", ids, req.sampling, opts, namespace, started, slot)
+            return respond("completions", ids, req.sampling, opts, namespace, started, slot, adapter=adapter)
 
     @app.post("/v1/cache/flush")
     def flush():
@@ -232,6 +271,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     # /v1/cache/save|restore|files, --cache-file; admin checks under the same throttle as flush
     cache_files.install(app, engine, config, lambda: authenticated(auth.check_admin))
     gateway.install(app, engine, config)  # /server_info, /model_info, /get_load (SGLang gateway)
+    if engine.adapters is not None:  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+        adapters.install(app, engine, served_names, lambda: authenticated(auth.check_admin))
 
     @app.get("/metrics")
     def prometheus():

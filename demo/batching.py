@@ -4,9 +4,11 @@
     run_batch(engine, gens)               # gens: >= 2 requests with one key
 
 Which requests share a batch (`batch_key`): n == 1, no seed (a seed must own the global RNG
-for its whole generation), equal cache_prompt, equal sampling (greedy, or the same
-temperature and top_p), penalties, logit_bias and logprobs setting: generate() applies its
-warpers and our processors to every row alike. Everything else about a row is its own: prompt (left-padded to the longest),
+for its whole generation), no model inputs beside the ids (images), the same adapter batch
+group (demo.adapters: the base and plain LoRA adapters mix through PEFT's adapter_names), equal
+cache_prompt, equal sampling (greedy, or the same temperature and top_p), penalties,
+logit_bias and logprobs setting: generate() applies its warpers and our processors to every
+row alike. Everything else about a row is its own: prompt (left-padded to the longest),
 max_tokens, stop strings, EOS, its client, and its cache namespace (tenant, cache_salt): the
 RadixCache takes one namespace per row, so tenants share a batch but never a prefix (only the
 operator's pinned task prompts, through a SharedPrefix).
@@ -40,10 +42,11 @@ log = logging.getLogger(__name__)
 def batch_key(gen: Generation, greedy_below: float) -> tuple | None:
     """Requests with equal keys can be rows of one generate() call; None: run alone."""
     p = gen.params
-    if p.n != 1 or p.seed is not None:
+    if p.n != 1 or p.seed is not None or gen.inputs:
         return None
     sampling = ("sample", p.temperature, p.top_p) if p.temperature >= greedy_below else ("greedy",)
     return (
+        gen.batch_group,
         p.cache_prompt,
         sampling,
         p.frequency_penalty,
@@ -193,7 +196,8 @@ def run_batch(engine, gens: list[Generation], pause=None) -> list[Generation]:
         width, first.frequency_penalty, first.presence_penalty, dict(first.logit_bias), first.top_logprobs
     )
     try:
-        engine.model.generate(
+        engine.generate(
+            gens,
             ids.to(engine.model.device),
             attention_mask=mask.to(engine.model.device),
             past_key_values=cache,

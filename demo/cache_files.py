@@ -45,7 +45,7 @@ from flask import Blueprint, jsonify, request
 import hf_patch
 from demo.schema import ApiError
 from radixkv import CacheFileError, CacheFileMismatch, SaveAborted
-from radixkv.cache_file import read_manifest
+from radixkv.persist.cache_file import read_manifest
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"

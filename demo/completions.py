@@ -51,7 +51,11 @@ def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -
         namespace,
         started: float,
         slot,
+        *,
+        adapter: str | None = None,
+        inputs: dict | None = None,
     ):
+        name = adapter or model_id  # the model the response names: the adapter's, as vLLM does
         max_new = schema.check_length(
             len(prompt_ids),
             s.max_tokens,
@@ -72,8 +76,11 @@ def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -
             logit_bias=tuple(opts.logit_bias.items()),
             top_logprobs=opts.top_logprobs,
             cache_prompt=opts.cache_prompt,
+            adapter=adapter,
         )
-        gen = engine.submit(prompt_ids, params, options.salted(namespace, opts.cache_salt), slot=slot)
+        gen = engine.submit(
+            prompt_ids, params, options.salted(namespace, opts.cache_salt), slot=slot, inputs=inputs
+        )
         gen.alive = client_alive(request.environ)
         rid, created = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if not s.stream:
@@ -90,14 +97,14 @@ def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -
                     "id": rid,
                     "object": "chat.completion" if endpoint == "chat" else "text_completion",
                     "created": created,
-                    "model": model_id,
+                    "model": name,
                     "choices": [responses.choice(endpoint, c, token_text) for c in r.choices],
                     "usage": responses.usage(r),
                 }
             )
         shaper = responses.ChunkChoices(endpoint, opts.n, opts.top_logprobs is not None, token_text)
         return Response(
-            _stream(endpoint, gen, shaper, s.include_usage, rid, created, started),
+            _stream(endpoint, gen, shaper, s.include_usage, rid, created, started, name),
             mimetype="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -110,11 +117,12 @@ def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -
         rid: str,
         created: int,
         started: float,
+        name: str,
     ):
         obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
 
         def chunk(choice: dict) -> dict:
-            c = {"id": rid, "object": obj, "created": created, "model": model_id, "choices": [choice]}
+            c = {"id": rid, "object": obj, "created": created, "model": name, "choices": [choice]}
             return {**c, "usage": None} if include_usage else c
 
         status = 499  # until the stream ends properly: a hang-up (GeneratorExit) leaves it so
@@ -134,7 +142,7 @@ def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -
                         "id": rid,
                         "object": obj,
                         "created": created,
-                        "model": model_id,
+                        "model": name,
                         "choices": [],
                         "usage": responses.usage(r),
                     }
@@ -142,6 +150,9 @@ def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -
             status = 200
         except Disconnected:  # the client is gone: nothing to say, nobody to say it to
             return
+        except ApiError as e:  # refused once queued (its adapter was unloaded meanwhile): in-band
+            status = e.status
+            yield _sse(e.body())
         except Exception as e:  # headers are sent: report in-band, then end the stream
             log.exception("generation failed mid-stream")
             status = 500

@@ -7,9 +7,13 @@ RADIXKV_REUSE=0 RADIXKV_PORT=8080 python -m demo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+
+from demo.adapters import LoraModule, parse_lora_modules
+from demo.images import MediaPolicy, parse_limit_mm
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("cpu", "cuda", "mps", "xpu")
@@ -53,6 +57,14 @@ class Config:
     tenant_secret_file: str | None = None
     task_prompts: str | None = None  # a JSON file of [{"task_id", "prompt"}] (demo.task_prompts)
     task_prompts_json: str | None = field(default=None, repr=False)  # the same JSON, from the env
+    # PEFT adapters served as extra model names (demo.adapters), vLLM's --lora-modules
+    lora_modules: tuple[LoraModule, ...] = ()
+    # Images (a vision-language --model, demo.images): per request, encoded bytes per image, the
+    # hosts http(s) images may be fetched from (none: data: URLs only) and the fetch's time limit
+    limit_images: int = 4
+    max_image_bytes: int = 8 << 20
+    allowed_media_domains: tuple[str, ...] = ()
+    media_fetch_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -90,6 +102,14 @@ class Config:
             raise ValueError("cache_save_every must be > 0 seconds and needs a cache_file")
         if not self.cache_save_timeout > 0:  # also refuses NaN
             raise ValueError(f"cache_save_timeout must be > 0 seconds, got {self.cache_save_timeout}")
+        self.media_policy  # noqa: B018  (raises ValueError for bad image limits)
+
+    @property
+    def media_policy(self) -> MediaPolicy:
+        """The image limits and URL policy of demo.images."""
+        return MediaPolicy(
+            self.limit_images, self.max_image_bytes, self.allowed_media_domains, self.media_fetch_timeout
+        )
 
     @property
     def model_id(self) -> str:
@@ -129,6 +149,22 @@ def _keys(text: str) -> tuple[str, ...]:
     return tuple(k.strip() for k in text.split(",") if k.strip())
 
 
+def _domains(text: str) -> tuple[str, ...]:
+    return tuple(d.strip().lower() for d in text.replace(",", " ").split() if d.strip())
+
+
+def _lora_env(text: str) -> tuple[LoraModule, ...]:
+    """RADIXKV_LORA_MODULES: a JSON list (of name=path strings or objects), or name=path items
+    separated by whitespace."""
+    text = text.strip()
+    if text.startswith("["):
+        items = json.loads(text)
+        if not isinstance(items, list):
+            raise ValueError("expected a JSON list")
+        return parse_lora_modules([i if isinstance(i, str) else json.dumps(i) for i in items])
+    return parse_lora_modules(text.split())
+
+
 # field -> (environment variable, parser of its text)
 _ENV = {
     "host": ("RADIXKV_HOST", str),
@@ -156,6 +192,11 @@ _ENV = {
     "max_batch_tokens": ("RADIXKV_MAX_BATCH_TOKENS", int),
     "connections_per_address": ("RADIXKV_CONNECTIONS_PER_ADDRESS", int),
     "decode_chunk": ("RADIXKV_DECODE_CHUNK", int),
+    "lora_modules": ("RADIXKV_LORA_MODULES", _lora_env),
+    "limit_images": ("RADIXKV_LIMIT_MM_PER_PROMPT", parse_limit_mm),
+    "max_image_bytes": ("RADIXKV_MAX_IMAGE_BYTES", int),
+    "allowed_media_domains": ("RADIXKV_ALLOWED_MEDIA_DOMAINS", _domains),
+    "media_fetch_timeout": ("RADIXKV_MEDIA_FETCH_TIMEOUT", float),
 }
 
 
@@ -259,6 +300,38 @@ def parser() -> argparse.ArgumentParser:
         help='JSON list of {"task_id", "prompt"}: pinned prompts a request selects with "task_id" '
         "(env RADIXKV_TASK_PROMPTS: the JSON itself)",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="PEFT adapters served as extra model names: name=path or a JSON object "
+        '{"name", "path", "base_model_name"} (vLLM\'s flag; env RADIXKV_LORA_MODULES)',
+    )
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        dest="limit_images",
+        type=parse_limit_mm,
+        metavar="image=N",
+        help='images per request for a vision-language model: image=N or {"image": N} (default 4; '
+        "env RADIXKV_LIMIT_MM_PER_PROMPT)",
+    )
+    p.add_argument(
+        "--max-image-bytes",
+        type=int,
+        help="encoded bytes of one image (default 8 MiB; env RADIXKV_MAX_IMAGE_BYTES)",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        metavar="HOST",
+        help="hosts http(s) image URLs may be fetched from; default none: data: URLs only "
+        "(env RADIXKV_ALLOWED_MEDIA_DOMAINS, comma-separated)",
+    )
+    p.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        help="seconds for fetching one image URL (default 5; env RADIXKV_MEDIA_FETCH_TIMEOUT)",
+    )
     return p
 
 
@@ -273,6 +346,10 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
             except ValueError as e:
                 raise ValueError(f"{var}: {e}") from None
     args = parser().parse_args(argv)
+    if args.lora_modules is not None:
+        args.lora_modules = parse_lora_modules(args.lora_modules)
+    if args.allowed_media_domains is not None:
+        args.allowed_media_domains = _domains(" ".join(args.allowed_media_domains))
     values.update(
         {f.name: getattr(args, f.name) for f in fields(Config) if getattr(args, f.name, None) is not None}
     )

@@ -15,6 +15,11 @@ the worker through a queue and turns them into text.
 A queue place is taken with `reserve()` before the prompt is tokenised, so a full queue
 refuses at no cost; `submit(..., slot)` then fills it.
 
+Adapters (demo.adapters) and images (demo.vision): a request's adapter is part of its batch key
+(rows of the base and plain LoRA adapters share a call through PEFT's adapter_names), a request
+with pixel inputs runs alone; the worker holds the model lock (``exclusive()``) while it
+generates, so adapters load and unload between generate() calls.
+
 A request's n sampled choices are n rows of one generate() call (num_return_sequences).
 With the prefix cache on, the prompt is first committed by a one-token greedy pass, so the
 n rows read its KV from the store instead of computing the prompt n times. n greedy choices
@@ -33,7 +38,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from demo import batching, chat_tokens, processors
+from demo import batching, chat_tokens, processors, vision
 from demo.generation import Disconnected, Generation, Params, Result, Stopped, Streamer
 from demo.metrics import BATCH_SIZE_BUCKETS, Histogram
 from demo.model import CHAT_TEMPLATE
@@ -85,14 +90,23 @@ class Engine:
         max_batch_size: int = 8,
         max_batch_tokens: int = 16384,
         decode_chunk: int = 16,
+        adapters=None,
+        processor=None,
     ):
         self.model, self.tokenizer, self.context = model, tokenizer, context
+        # demo.adapters.Adapters over ``model`` (None: this engine serves the base model only), and
+        # a vision-language model's processor (demo.vision; None: text only).
+        self.adapters, self.processor = adapters, processor
+        # Held by the worker while it generates: adapters load and unload between generate() calls.
+        self._model_lock = adapters.lock if adapters is not None else threading.RLock()
         self.store = None
         if reuse:
             import hf_patch  # noqa: F401  (importing installs the generate() integration)
 
             self._radix_cache = hf_patch.RadixCache
             self.store = hf_patch.build_store(model, block_size=block_size, budget_tokens=cache_tokens)
+        if adapters is not None:
+            adapters.store = self.store  # an unloaded adapter's KV is dropped from it
         if max_queue < 1 or max_batch_size < 1 or max_batch_tokens < 1:
             raise ValueError("max_queue, max_batch_size and max_batch_tokens must be >= 1")
         if decode_chunk < 0:
@@ -120,7 +134,10 @@ class Engine:
     # -- prompts ---------------------------------------------------------------------------
     def chat_ids(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of a chat prompt ending with the assistant's turn; control tokens inside
-        message contents are plain text (demo.chat_tokens). Raises ValueError."""
+        message contents are plain text (demo.chat_tokens). Raises ValueError. A vision-language
+        model's chats are rendered by its processor (demo.vision), images or not."""
+        if self.processor is not None:
+            return vision.render(self.processor, list(messages), []).ids
         template = None if getattr(self.tokenizer, "chat_template", None) else CHAT_TEMPLATE
         return chat_tokens.chat_ids(self.tokenizer, list(messages), template)
 
@@ -146,12 +163,19 @@ class Engine:
                 self._reserved -= 1
 
     def submit(
-        self, prompt_ids: list[int], params: Params, namespace: Hashable = None, slot: Slot | None = None
+        self,
+        prompt_ids: list[int],
+        params: Params,
+        namespace: Hashable = None,
+        slot: Slot | None = None,
+        inputs: dict | None = None,
     ) -> Generation:
         """Queue a request in `slot` (default: reserve one now; raises Busy if the queue is
-        full). Iterate the result for text."""
+        full). ``inputs``: model inputs beside the ids (a VLM's pixel_values). Iterate the
+        result for text."""
         slot = slot or self.reserve()
-        gen = Generation(prompt_ids, params, namespace, self.decode, self._eos)
+        group = self.adapters.batch_group(params.adapter) if self.adapters is not None else None
+        gen = Generation(prompt_ids, params, namespace, self.decode, self._eos, inputs, group)
         with self._cond:
             if slot.used:
                 raise ValueError("this queue slot was already used or given back")
@@ -212,11 +236,39 @@ class Engine:
             self.batch_sizes.observe(len(batch))
             self._running = batch
             try:
-                self._run(batch)
+                with self._model_lock:
+                    self._run([gen for gen in batch if self._adapter_present(gen)])
             finally:
                 self._running = []
 
+    def _adapter_present(self, gen: Generation) -> bool:
+        """Whether ``gen``'s adapter is still loaded; if not, it gets the API's 404 (it was
+        unloaded while the request waited). Call holding the model lock."""
+        name = gen.params.adapter
+        if name is None or (self.adapters is not None and self.adapters.get(name) is not None):
+            return True
+        from demo.schema import ApiError
+
+        gen._events.put(
+            ("error", ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found"))
+        )
+        gen.finished.set()
+        return False
+
+    # -- adapters --------------------------------------------------------------------------
+    def exclusive(self) -> threading.RLock:
+        """The model lock: held, no generate() runs (the worker waits for it between calls)."""
+        return self._model_lock
+
+    def generate(self, gens: Sequence[Generation], *args, **kwargs):
+        """``model.generate(*args, **kwargs)`` for rows ``gens``, each under its own adapter."""
+        if self.adapters is None:
+            return self.model.generate(*args, **kwargs)
+        return self.adapters.generate([g.params.adapter for g in gens], *args, **kwargs)
+
     def _run(self, batch: list[Generation]) -> None:
+        if not batch:
+            return
         chunked = self.decode_chunk > 0 and self.store is not None
         chunked = chunked and batching.chunkable(batch[0], GREEDY_BELOW)
         if len(batch) > 1 or chunked:
@@ -314,17 +366,20 @@ class Engine:
         """Run generate() for the request; returns the prompt tokens read from the store."""
         p = gen.params
         ids = torch.tensor([gen.prompt_ids], device=self.model.device)
+        inputs = vision.on_model(gen.inputs, self.model)
         cache = self._cache([gen])
         cached = None
         rows = p.n if p.temperature >= GREEDY_BELOW else 1
         if cache is not None and rows > 1:
             # Commit the prompt once (a greedy one-token pass: no RNG used), so the n rows
             # below read it from the store instead of each computing it.
-            self.model.generate(
+            self.generate(
+                [gen],
                 ids,
                 attention_mask=torch.ones_like(ids),
                 past_key_values=cache,
                 generation_config=self._config(Params(1, temperature=0.0)),
+                **inputs,
             )
             cached = cache.cached_tokens[0] if cache.cached_tokens else 0
         logits_processor, recorder = processors.build(
@@ -338,7 +393,8 @@ class Engine:
             # int64 seeds (schema.SEED_MIN..SEED_MAX) onto torch's uint64 range one to one;
             # torch's own mapping of negatives (2**64 - 1 + seed) sends -2**63 onto 2**63 - 1.
             torch.manual_seed(p.seed % 2**64)
-        self.model.generate(
+        self.generate(
+            [gen],
             ids,
             attention_mask=torch.ones_like(ids),
             past_key_values=cache,
@@ -346,6 +402,7 @@ class Engine:
             logits_processor=logits_processor,
             streamer=Streamer(gen, recorder, rows),
             stopping_criteria=StoppingCriteriaList([Stopped(gen, rows)]),
+            **inputs,
         )
         if cached is None:
             cached = cache.cached_tokens[0] if cache is not None and cache.cached_tokens else 0

@@ -41,6 +41,7 @@ class Params:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     top_logprobs: int | None = None  # None: no logprobs
     cache_prompt: bool = True  # False: generate without the prefix cache (no read, no write)
+    adapter: str | None = None  # the LoRA adapter computing the reply (demo.adapters); None: the base
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,20 @@ class Generation:
     stops generate() at its next step and so frees the worker.
     """
 
-    def __init__(self, prompt_ids: list[int], params: Params, namespace: Hashable, decode, eos: set[int]):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: Params,
+        namespace: Hashable,
+        decode,
+        eos: set[int],
+        inputs: dict | None = None,
+        batch_group: Hashable = None,
+    ):
         self.prompt_ids, self.params, self.namespace = prompt_ids, params, namespace
+        # Model inputs beside the ids (an image's pixel_values): such a request runs alone.
+        self.inputs = inputs or {}
+        self.batch_group = batch_group  # requests of different groups never share a generate()
         # What the next generate() of this request feeds: the prompt, then what earlier decode
         # chunks generated (demo.batching: a paused request resumes in a re-formed batch).
         self.context_ids = prompt_ids

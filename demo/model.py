@@ -171,11 +171,14 @@ class LoadOptions:
 
 
 def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype, options: LoadOptions = LoadOptions()):
-    """(model, tokenizer) from a local checkpoint directory (never downloads) or a Hub id.
+    """(model, tokenizer, processor) from a local checkpoint directory (never downloads) or a Hub
+    id. ``processor``: a vision-language checkpoint's (demo.vision), else None.
 
     Raises ModelNotFound when neither is there (no such repository or revision, no network).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from demo import vision
 
     local = os.path.isdir(name_or_path)
     kwargs: dict = {"trust_remote_code": options.trust_remote_code}
@@ -183,12 +186,18 @@ def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype, options:
         kwargs["local_files_only"] = True
     elif options.revision is not None:
         kwargs["revision"] = options.revision
+    model_kwargs = {**kwargs, "dtype": dtype}
+    if options.device_map is not None:
+        model_kwargs["device_map"] = options.device_map
+    processor = None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
-        model_kwargs = {**kwargs, "dtype": dtype}
-        if options.device_map is not None:
-            model_kwargs["device_map"] = options.device_map
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, **model_kwargs)
+        config = AutoConfig.from_pretrained(name_or_path, **kwargs)
+        if vision.is_vision_config(config):
+            model, processor = vision.load(name_or_path, kwargs, model_kwargs)
+            tokenizer = processor.tokenizer
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, **model_kwargs)
     except OSError as e:  # transformers' wording for: no such repo / file / revision, offline
         where = "the local directory" if local else "the Hugging Face Hub"
         raise ModelNotFound(f"cannot load {name_or_path!r} from {where}: {e}") from None
@@ -196,26 +205,27 @@ def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype, options:
         tokenizer.pad_token = tokenizer.eos_token
     if options.device_map is None:
         model = model.to(device)
-    return model.eval(), tokenizer
+    return model.eval(), tokenizer, processor
 
 
 def load_local(path: str, device: str, dtype: torch.dtype):
-    """(model, tokenizer) from a local HuggingFace checkpoint directory; never downloads."""
+    """(model, tokenizer, processor) from a local HuggingFace checkpoint directory; never downloads."""
     return load_pretrained(path, device, dtype)
 
 
 def load(name_or_path: str, device: str, dtype: torch.dtype, options: LoadOptions = LoadOptions()):
-    """Dispatch: a BUILTIN name, a local checkpoint path or a Hub id. Raises ModelNotFound."""
+    """Dispatch: a BUILTIN name, a local checkpoint path or a Hub id -> (model, tokenizer,
+    processor or None). Raises ModelNotFound."""
     if name_or_path in BUILTIN:
         log.info("building %s model (random weights) on %s/%s", name_or_path, device, dtype)
-        return build_builtin(name_or_path, device, dtype)
+        return (*build_builtin(name_or_path, device, dtype), None)
     log.info("loading %s on %s/%s (%s)", name_or_path, options.device_map or device, dtype, options)
     return load_pretrained(name_or_path, device, dtype, options)
 
 
 def context_length(model, tokenizer) -> int:
-    """Longest sequence (prompt + completion) the model accepts."""
-    n = getattr(model.config, "max_position_embeddings", None)
+    """Longest sequence (prompt + completion) the model accepts (a VLM's: its language model's)."""
+    n = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if isinstance(n, int) and n > 0:
         return n
     n = getattr(tokenizer, "model_max_length", None)

@@ -50,7 +50,7 @@ class Sampling:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}]
+    messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str | parts}] (parts: _content)
     sampling: Sampling
 
 
@@ -92,14 +92,35 @@ def _utf8(v: str, param: str) -> str:
     return v
 
 
-def _content(v: Any, param: str) -> str:
+def _content(v: Any, param: str) -> str | list[dict]:
+    """A message's content: a string, or content parts. Text-only parts are joined into one string;
+    with an image part, the parts as ``[{"type": "text", "text"}, {"type": "image_url", "url",
+    "param"}]`` (demo.images loads them; ``param`` names the part in errors)."""
     if isinstance(v, str):
         return _utf8(v, param)
-    if isinstance(v, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v
-    ):
-        return _utf8("".join(p["text"] for p in v), param)
-    raise _bad("content must be a string or a list of {'type': 'text', 'text': ...} parts", param)
+    if not isinstance(v, list):
+        raise _bad("content must be a string or a list of content parts", param)
+    parts = []
+    for j, p in enumerate(v):
+        where = f"{param}[{j}]"
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text" and isinstance(p.get("text"), str):
+            parts.append({"type": "text", "text": _utf8(p["text"], param)})
+        elif kind == "image_url":
+            image = p.get("image_url")
+            if not isinstance(image, dict) or not isinstance(image.get("url"), str) or not image["url"]:
+                raise _bad(
+                    f"{where}: an image_url part must be {{'type': 'image_url', 'image_url': {{'url': ...}}}}",
+                    where,
+                )
+            parts.append({"type": "image_url", "url": image["url"], "param": where})
+        else:
+            raise _bad(
+                f"{where}: content parts must be {{'type': 'text', 'text': ...}} or image_url parts", where
+            )
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 # Options that change what a response contains: ignoring them would answer another question
@@ -192,7 +213,11 @@ def chat(body: Any, context: int) -> ChatRequest:
                 + (repr(role[:40]) if isinstance(role, str) else f"a {type(role).__name__}"),
                 f"{param}.role",
             )
-        out.append({"role": ROLES[m["role"]], "content": _content(m.get("content"), f"{param}.content")})
+        content = _content(m.get("content"), f"{param}.content")
+        if isinstance(content, list) and ROLES[role] != "user":
+            image = next(p for p in content if p["type"] == "image_url")
+            raise _bad(f"{image['param']}: images are taken in user messages only", image["param"])
+        out.append({"role": ROLES[role], "content": content})
     return ChatRequest(out, sampling(body, context))
 
 

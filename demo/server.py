@@ -56,10 +56,16 @@ class Limits:
         return max(1, self.connections // 2) if self.per_address is None else self.per_address
 
     @classmethod
-    def for_engine(cls, max_queue: int, max_batch: int, per_address: int | None = None) -> Limits:
-        """Enough threads for every queued and running request plus a few for /metrics etc."""
+    def for_engine(
+        cls, max_queue: int, max_batch: int, per_address: int | None = None, app_body_bytes: int = 0
+    ) -> Limits:
+        """Enough threads for every queued and running request plus a few for /metrics etc.;
+        bodies up to the app's own limit (larger with images) reach the app, which answers 413."""
         threads = max_queue + max_batch + 8
-        return cls(threads=threads, connections=max(256, 4 * threads), per_address=per_address)
+        body = max(cls.max_body_bytes, app_body_bytes + 1)
+        return cls(
+            threads=threads, connections=max(256, 4 * threads), per_address=per_address, max_body_bytes=body
+        )
 
 
 def _json_error(status: int, message: str, code: str | None = None) -> bytes:

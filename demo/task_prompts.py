@@ -15,6 +15,7 @@ chat and completion forms share the blocks where their tokens agree.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 
@@ -121,7 +122,13 @@ class TaskPrompts:
             forms[task_id, "completion"] = _common_prefix(*(engine.text_ids(prompt + p) for p in _PROBES))
         forms = {key: ids for key, ids in forms.items() if len(ids) >= engine.store.block_size}
         try:
-            pinned = hf_patch.pin_prompts(engine.model, forms, store=engine.store, namespace=PUBLIC_NAMESPACE)
+            base = (
+                engine.adapters.base()
+                if engine.adapters is not None
+                else contextlib.nullcontext(engine.model)
+            )
+            with base as model:  # the base model's KV, whatever adapters are loaded
+                pinned = hf_patch.pin_prompts(model, forms, store=engine.store, namespace=PUBLIC_NAMESPACE)
         except ValueError as e:
             raise TaskPromptError(f"task prompts cannot be pinned: {e}") from None
         engine.set_public_prefixes(forms.values())

@@ -13,6 +13,7 @@ from hf_patch.model_spec import UnsupportedModelError, build_store, default_stor
 from hf_patch.patch import install
 from hf_patch.persistence import model_identity, restore_cache, save_cache
 from hf_patch.task_prompts import pin_prompts, unpin_prompts
+from hf_patch.weights import drop_stale_adapters
 
 install()
 
@@ -23,6 +24,7 @@ __all__ = [
     "UnsupportedModelError",
     "build_store",
     "default_store",
+    "drop_stale_adapters",
     "generate_many",
     "install",
     "model_identity",

@@ -51,6 +51,56 @@ def tuner_layers(model) -> list[tuple[str, torch.nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
 
 
+def _adapter_tensors(layer: torch.nn.Module):
+    """``(name, tensor)`` of a tuner layer's own adapter parameters and buffers (not its base layer's)."""
+    for tname, t in (*layer.named_parameters(), *layer.named_buffers()):
+        if tname.split(".")[0] != "base_layer":
+            yield tname, t
+
+
+def adapter_parameter_ids(model) -> set[int]:
+    """``id()`` of every adapter parameter in ``model`` (tuner layers' own, not their base layers'):
+    what the per-adapter weights digests cover, so the weights fingerprint can leave them out."""
+    return {id(p) for _, layer in tuner_layers(model) for _, p in _adapter_tensors(layer)}
+
+
+def base_named_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
+    """``model``'s parameters without any adapter's, named as in the model without PEFT
+    (``q_proj.base_layer.weight`` -> ``q_proj.weight``): the base model's weights, whatever
+    adapters are loaded."""
+    layers = tuner_layers(model)
+    skip = {id(p) for _, layer in layers for _, p in _adapter_tensors(layer)}
+    wrapped = tuple(f"{name}.base_layer." for name, _ in layers)
+    out = []
+    for name, p in model.named_parameters():
+        if id(p) in skip:
+            continue
+        for prefix in wrapped:
+            if name.startswith(prefix):
+                name = prefix[: -len("base_layer.")] + name[len(prefix) :]
+                break
+        out.append((name, p))
+    return out
+
+
+def adapter_names(model) -> list[str]:
+    """Every adapter some tuner layer of ``model`` holds, in first-seen order."""
+    names: list[str] = []
+    for _, layer in tuner_layers(model):
+        for attr in layer.adapter_layer_names:
+            for name in getattr(layer, attr, {}) or {}:
+                if name not in names:
+                    names.append(name)
+    return names
+
+
+def adapter_digests(model) -> dict[str, str]:
+    """``{adapter name: weights digest}`` for every adapter ``model`` holds now (the digests its
+    rows are keyed by)."""
+    layers = tuner_layers(model)
+    return {name: _adapter_digest(layers, name) for name in adapter_names(model)}
+
+
 def merge_state(model) -> tuple:
     """The merged adapters of every tuner layer (part of the weights fingerprint)."""
     return tuple(tuple(layer.merged_adapters) for _, layer in tuner_layers(model) if layer.merged_adapters)
@@ -84,9 +134,8 @@ def _adapter_digest(layers: list[tuple[str, torch.nn.Module]], adapter: str) -> 
     """sha256 over ``adapter``'s tensors and plain settings in every tuner layer holding it."""
     h = hashlib.sha256()
     for name, layer in layers:
-        for tname, t in (*layer.named_parameters(), *layer.named_buffers()):
-            parts = tname.split(".")
-            if parts[0] != "base_layer" and adapter in parts:
+        for tname, t in _adapter_tensors(layer):
+            if adapter in tname.split("."):
                 h.update(f"{name}.{tname}|".encode())
                 h.update(_tensor_digest(t))
         for attr, value in sorted(vars(layer).items()):

@@ -8,7 +8,8 @@ placeholders. Keeping each image's features (one row per placeholder) by its con
 context, skip the vision tower entirely.
 
 One LRU per model, bounded in bytes (``RADIXKV_IMAGE_FEATURES_BYTES``, default 64 MiB; 0 turns
-it off), dropped whole when the model's weights change (hf_patch.weights.fingerprint).
+it off), dropped whole when the model's weights change (hf_patch.weights.fingerprint), and not
+used at all for a model with PEFT adapters (the features may depend on the adapter).
 Features stay on the device they were computed on. Thread-safe.
 """
 
@@ -21,6 +22,7 @@ from collections import OrderedDict
 
 import torch
 
+from hf_patch.adapters import tuner_layers
 from hf_patch.weights import fingerprint
 
 DEFAULT_BYTES = 64 << 20
@@ -68,7 +70,9 @@ _lock = threading.Lock()
 def for_model(model) -> FeatureCache | None:
     """``model``'s feature cache, emptied if its weights changed since; None when turned off."""
     max_bytes = int(os.environ.get("RADIXKV_IMAGE_FEATURES_BYTES", DEFAULT_BYTES))
-    if max_bytes <= 0:
+    if max_bytes <= 0 or tuner_layers(model):
+        # With PEFT adapters the vision tower's output may depend on the adapter (a LoRA on
+        # q_proj / v_proj reaches a CLIP tower's attention too): features are not shared then.
         return None
     current = fingerprint(model)
     with _lock:

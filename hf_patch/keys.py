@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixkv import KeyedNamespace, PackedTokens, pack_tokens
-from radixkv.manifest import encode_namespace
+from radixkv.persist.manifest import encode_namespace
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)

@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from radixkv import BlockPool, KVStore, LayerSpec
-from radixkv.tier import host_pool_for
+from radixkv.store.tier import host_pool_for
 
 logger = logging.getLogger(__name__)
 

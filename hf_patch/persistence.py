@@ -3,7 +3,7 @@
     hf_patch.save_cache(model, "kv.safetensors")                 # the default store's prefixes
     store = hf_patch.build_store(model, restore="kv.safetensors") # after a restart
 
-radixkv writes the file (``KVStore.save`` / ``restore``, see radixkv/persist.py) and knows
+radixkv writes the file (``KVStore.save`` / ``restore``, see radixkv/persist/) and knows
 no models: it stores an opaque ``identity`` and refuses a restore that presents another.
 This module builds that identity from what the KV depends on:
 
@@ -16,8 +16,14 @@ This module builds that identity from what the KV depends on:
   tell them apart; an edit of single elements between the sampled ones is not seen. Cost:
   one small gather per parameter, no pass over the weights.
 
-- ``adapter_keys``: present when the model has PEFT tuner layers (their KV is keyed per adapter
-  since this field exists; older files of such a model are refused).
+
+PEFT adapters are not part of the identity: ``weights_sha256`` covers the base model's weights
+only (hf_patch.adapters.base_named_parameters: adapter parameters left out, wrapped layers under
+their plain names), so a model with adapters loaded and the same model without them share cache
+files. Each adapter's prefixes sit under a namespace carrying its name and weights digest; a
+restore keeps them only for adapters the model holds now with the same weights (load adapters
+first) and drops the rest (``drop_stale_adapters``). Files written while the identity still
+hashed adapter weights (with an ``adapter_keys`` field) no longer match and are refused.
 
 Namespaces: hf_patch keys the store by ``(model scope, namespace)``, where the scope is a
 per-process number (hf_patch.weights) and the namespace a ``KeyedNamespace`` when a PEFT
@@ -28,6 +34,7 @@ hit in a new process, and an adapter's KV only for the same adapter weights.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -36,9 +43,9 @@ from collections.abc import Collection, Hashable
 
 import torch
 
-from hf_patch.adapters import tuner_layers
+from hf_patch.adapters import base_named_parameters
 from hf_patch.model_spec import check_store_fits, default_store
-from hf_patch.weights import flush_if_weights_changed, model_scope
+from hf_patch.weights import drop_stale_adapters, flush_if_weights_changed, model_scope
 from radixkv import KeyedNamespace, KVStore, RestoreResult, SaveResult
 
 WEIGHT_SAMPLE = 4096
@@ -63,9 +70,10 @@ def config_sha256(model) -> str:
 
 @torch.no_grad()
 def weights_sha256(model, sample: int = WEIGHT_SAMPLE) -> str:
-    """Hash of every parameter's name, dtype, shape and ``sample`` evenly spaced elements."""
+    """Hash of every base parameter's name, dtype, shape and ``sample`` evenly spaced elements
+    (adapter parameters left out: hf_patch.adapters.base_named_parameters)."""
     digest = hashlib.sha256()
-    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+    for name, param in sorted(base_named_parameters(model), key=lambda item: item[0]):
         if param.device.type == "meta":
             raise ValueError(
                 f"parameter {name} is on the meta device (offloaded); its weights cannot be fingerprinted"
@@ -85,16 +93,11 @@ def weights_sha256(model, sample: int = WEIGHT_SAMPLE) -> str:
 def model_identity(model) -> dict[str, str]:
     """What a saved cache of ``model`` must match to be restored into it (JSON-able)."""
     cls = type(model)
-    identity = {
+    return {
         "model_class": f"{cls.__module__}.{cls.__qualname__}",
         "config_sha256": config_sha256(model),
         "weights_sha256": weights_sha256(model),
     }
-    if tuner_layers(model):
-        # Files written before adapters were keyed hold an adapter's KV under the base key:
-        # their identity lacks this field, so a model with PEFT layers refuses them.
-        identity["adapter_keys"] = "per-row adapter digests"
-    return identity
 
 
 def _store(model, store: KVStore | None) -> KVStore:
@@ -156,7 +159,9 @@ def restore_cache(
     weights or KV layout, radixkv.CorruptCacheFile when it is damaged, RuntimeError when the
     weights changed (the store was flushed) while the file was read; the store is then
     unchanged. See ``KVStore.restore`` for merging, a pool too small and ``evict`` (the file's
-    prefixes may evict or demote the store's least recently used unpinned blocks).
+    prefixes may evict or demote the store's least recently used unpinned blocks). Prefixes of
+    PEFT adapters that ``model`` does not hold now with the same weights are dropped after the
+    restore (counted as dropped): load the adapters first.
     """
     store = _store(model, store)
     # Record the current weights first: KV cached under older ones goes now, and the first
@@ -166,6 +171,17 @@ def restore_cache(
     # the file's KV stale, and the store then refuses it.
     epoch = store.epoch
     scope = model_scope(model)
-    return store.restore(
+    result = store.restore(
         path, identity=model_identity(model), rename=lambda ns: (scope, ns), epoch=epoch, evict=evict
+    )
+    stale = drop_stale_adapters(model, store)  # prefixes of adapters not loaded now, or with other weights
+    if not stale:
+        return result
+    kept = max(0, result.restored_blocks - stale)
+    return dataclasses.replace(
+        result,
+        restored_blocks=kept,
+        restored_tokens=kept * store.block_size,
+        dropped_blocks=result.dropped_blocks + result.restored_blocks - kept,
+        dropped_tokens=result.dropped_tokens + (result.restored_blocks - kept) * store.block_size,
     )

@@ -4,8 +4,10 @@
     # every later generate() whose prompt starts with ids_a reuses its KV, whatever the traffic
     hf_patch.unpin_prompts(model, ["translate"], store=store)
 
-Pinned blocks are never evicted nor demoted (``radixkv.task_pins``). A weight change that
-flushes the store (see ``hf_patch.weights``) drops the pins with the stale KV: pin again.
+Pinned blocks are never evicted nor demoted (``radixkv.store.task_pins``). A weight change that
+flushes the store (see ``hf_patch.weights``) drops the pins with the stale KV: pin again. On a
+model with PEFT adapters the prompts are computed and keyed under the adapter active at the
+call (``with peft_model.disable_adapter():`` for the base model's).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 import torch
 from transformers.cache_utils import DynamicCache
 
+from hf_patch.adapters import row_adapters
 from hf_patch.model_spec import check_store_fits, default_store, layer_specs
 from hf_patch.weights import flush_if_weights_changed, model_scope
-from radixkv import KVStore
+from radixkv import KeyedNamespace, KVStore
 
 __all__ = ["pin_prompts", "unpin_prompts"]
 
@@ -93,7 +96,9 @@ def pin_prompts(
             f"task prompts), but the device pool has {store.pool.num_blocks} blocks"
         )
     flush_if_weights_changed(store, model)
-    scope = (model_scope(model), namespace)
+    # The KV is computed with the adapter active now (if any): keyed as that adapter's rows are.
+    (adapter,) = row_adapters(model, 1)
+    scope = (model_scope(model), KeyedNamespace(namespace, adapter) if adapter else namespace)
     pinned: dict[Hashable, int] = {}
     for task_id, ids in token_lists.items():
         epoch = store.epoch  # a flush during the forward pass (weights changed) makes its KV stale

@@ -26,8 +26,8 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from hf_patch.adapters import merge_state
-from radixkv import KVStore
+from hf_patch.adapters import adapter_digests, adapter_parameter_ids, merge_state
+from radixkv import KeyedNamespace, KVStore
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,13 @@ def model_scope(model) -> int:
 
 
 def fingerprint(model) -> int:
-    # merge_state: a PEFT merge/unmerge writes the base weights through ``.data`` (no version bump)
-    return hash((tuple((p.data_ptr(), p._version) for p in model.parameters()), merge_state(model)))
+    """The base weights' addresses and versions, and PEFT's merge state (a merge or unmerge writes
+    the base weights through ``.data``: no version bump). Adapter parameters are left out: each
+    adapter's KV is keyed by its own weights digest (hf_patch.adapters), so loading, deleting or
+    training an adapter changes that adapter's key, not every prefix's."""
+    adapter = adapter_parameter_ids(model)
+    versions = tuple((p.data_ptr(), p._version) for p in model.parameters() if id(p) not in adapter)
+    return hash((versions, merge_state(model)))
 
 
 def flush_if_weights_changed(store: KVStore, model) -> bool:
@@ -70,6 +75,31 @@ def flush_if_weights_changed(store: KVStore, model) -> bool:
         flushed,
     )
     return True
+
+
+def stale_adapter_filter(model):
+    """``namespaces(ns) -> bool``: True for ``model``'s store namespaces that belong to an adapter
+    it does not hold now with the same weights (deleted, re-loaded with other weights, or never
+    loaded in this process: a restored file)."""
+    scope = model_scope(model)
+    current = set(adapter_digests(model).items())
+
+    def stale(ns) -> bool:
+        if type(ns) is not tuple or len(ns) != 2 or ns[0] != scope or not isinstance(ns[1], KeyedNamespace):
+            return False
+        parts = ns[1].parts
+        if not parts or parts[0] != "adapter":
+            return False
+        return any((name, digest) not in current for name, digest in zip(parts[1::2], parts[2::2]))
+
+    return stale
+
+
+def drop_stale_adapters(model, store: KVStore) -> int:
+    """Drop from ``store`` the prefixes of adapters ``model`` no longer holds with the same weights
+    (``delete_adapter``, a re-load under the same name); returns blocks freed. Their KV could only
+    be served again to the very same adapter weights; this frees the room now."""
+    return store.drop(stale_adapter_filter(model))
 
 
 def _bump_fused_step(optimizer, args, kwargs) -> None:

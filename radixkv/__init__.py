@@ -1,18 +1,21 @@
 """radixkv: a block-granular radix tree over a paged KV pool, with pins and LRU eviction.
 
-Layers: ``RadixTree`` (pure Python) and ``BlockPool`` (torch storage) are combined by
-``KVStore`` behind one lock, optionally with a host-memory tier (``radixkv.tier``) and task
-pins (``radixkv.task_pins``). See docs/design.md.
+Subpackages, imports pointing down: ``radixkv.persist`` (cache files) and ``radixkv.store``
+(``KVStore``: tree + ``BlockPool`` behind one lock, host tier, task pins) over
+``radixkv.tree`` (``RadixTree``, pure Python). See docs/design.md.
 """
 
-from radixkv.cache_write import SaveAborted
-from radixkv.manifest import CacheFileError, CacheFileMismatch, CorruptCacheFile, KeyedNamespace
-from radixkv.node import PackedTokens, pack_tokens
-from radixkv.persist import RestoreResult, SaveResult
-from radixkv.pool import BlockPool, LayerSpec, OutOfBlocks
-from radixkv.store import KVStore, Lease
-from radixkv.tier import Tier, host_pool_for
-from radixkv.tree import MatchResult, RadixTree
+from radixkv.persist import (
+    CacheFileError,
+    CacheFileMismatch,
+    CorruptCacheFile,
+    KeyedNamespace,
+    RestoreResult,
+    SaveAborted,
+    SaveResult,
+)
+from radixkv.store import BlockPool, KVStore, LayerSpec, Lease, OutOfBlocks, Tier, host_pool_for
+from radixkv.tree import MatchResult, PackedTokens, RadixTree, pack_tokens
 
 __all__ = [
     "BlockPool",

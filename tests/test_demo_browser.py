@@ -97,3 +97,109 @@ def test_chat_page_streams_two_turns_and_shows_reuse(tmp_path):
     image = Image.open(screenshot).convert("L")
     assert image.size[0] >= 800 and ImageStat.Stat(image).stddev[0] > 10  # not blank
     app.extensions["radixkv"]["engine"].check_invariants()
+
+
+def _ask(driver, text: str, n: int):
+    """Type ``text``, send it, wait for reply ``n`` (1-based); returns that reply's element."""
+    from selenium.webdriver.common.by import By
+
+    driver.find_element(By.ID, "input").send_keys(text)
+    driver.find_element(By.ID, "send").click()
+    return _wait_replies(driver, n)[n - 1]
+
+
+def _greedy(driver, max_tokens: int) -> None:
+    from selenium.webdriver.common.by import By
+
+    for field, value in (("max-tokens", max_tokens), ("temperature", 0)):
+        driver.find_element(By.ID, field).clear()
+        driver.find_element(By.ID, field).send_keys(str(value))
+
+
+def _reply_text(reply) -> str:
+    from selenium.webdriver.common.by import By
+
+    return reply.find_element(By.CSS_SELECTOR, ".text").get_attribute("textContent")
+
+
+@pytest.mark.browser
+def test_chat_page_attaches_an_image_and_the_next_turn_reads_it(tmp_path):
+    from selenium.webdriver.common.by import By
+
+    from tests.demo_checkpoints import data_url, png, save_vlm
+    from tests.test_demo_images import BLOCK, common, reference_for, stock, user
+
+    checkpoint = save_vlm(tmp_path / "tiny-llava")
+    app = create_app(Config(model=checkpoint, block_size=BLOCK, cache_tokens=1 << 13))
+    image = tmp_path / "photo.png"
+    image.write_bytes(png(21))
+    driver = _driver(tmp_path / "profile")
+    try:
+        with serving(app) as url:
+            driver.get(url + "/")
+            assert not driver.find_elements(By.ID, "model-select")  # no adapters served
+            _greedy(driver, 6)
+            driver.find_element(By.ID, "image").send_keys(str(image))
+            first = _ask(driver, "what is in this picture?", 1)
+            second = _ask(driver, "and why?", 2)
+            thumbs = driver.find_elements(By.CSS_SELECTOR, ".user img.thumb")
+            assert len(thumbs) == 1 and thumbs[0].get_attribute("src").startswith("data:image/png;base64,")
+            assert not driver.find_elements(By.CSS_SELECTOR, ".error")
+            replies = [_reply_text(first), _reply_text(second)]
+            cached = [int(r.get_attribute("data-cached-tokens")) for r in (first, second)]
+    finally:
+        driver.quit()
+    reference = reference_for(checkpoint)
+    turn1 = [user(data_url(png(21)), "what is in this picture?")]
+    ids1, reply1 = stock(reference, turn1)
+    turn2 = [*turn1, {"role": "assistant", "content": reply1}, user("and why?")]
+    ids2, reply2 = stock(reference, turn2)
+    assert replies == [reply1, reply2]
+    seen = ids1 + reference[1].tokenizer(reply1)["input_ids"]
+    assert cached == [0, common(seen, ids2) // BLOCK * BLOCK] and cached[1] > len(ids1) - BLOCK
+
+
+@pytest.mark.browser
+def test_chat_page_picks_an_adapter_and_adapters_never_share_kv(tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    from demo.adapters import LoraModule
+    from tests.demo_checkpoints import peft_reference, save_adapter, stock_reply
+
+    modules = tuple(
+        LoraModule(name, save_adapter(tmp_path / name, seed)) for name, seed in (("a", 1), ("b", 2))
+    )
+    app = create_app(Config(model="builtin-tiny", cache_tokens=1 << 14, lora_modules=modules))
+    question = "Here is a table: " + " ".join(
+        f"| Ines {i} | {40 + i} | Porto |" for i in range(8)
+    )  # one line
+    driver = _driver(tmp_path / "profile")
+    try:
+        with serving(app) as url:
+            driver.get(url + "/")
+            picker = Select(driver.find_element(By.ID, "model-select"))
+            assert [o.get_attribute("value") for o in picker.options] == ["builtin-tiny", "a", "b"]
+            _greedy(driver, 6)
+            results = []
+            for name in ["a", "b", "a"]:
+                driver.find_element(By.ID, "reset").click()  # a new chat: the same single question
+                Select(driver.find_element(By.ID, "model-select")).select_by_value(name)
+                reply = _ask(driver, question, 1)
+                results.append((_reply_text(reply), int(reply.get_attribute("data-cached-tokens"))))
+            assert not driver.find_elements(By.CSS_SELECTOR, ".error")
+    finally:
+        driver.quit()
+    model_a, tokenizer = peft_reference(modules[0].path)
+    model_b, _ = peft_reference(modules[1].path)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    text_a, text_b = (
+        stock_reply(model_a, tokenizer, prompt, 6)[1],
+        stock_reply(model_b, tokenizer, prompt, 6)[1],
+    )
+    full = (len(prompt) - 1) // 16 * 16
+    assert results == [(text_a, 0), (text_b, 0), (text_a, full)]  # b never read a's prefix
+    assert text_a != text_b

@@ -154,7 +154,7 @@ def test_periodic_saves(tmp_path):
     files = c.application.extensions["radixkv"]["cache_files"]
     files.stop()
     assert path.exists()
-    from radixkv.cache_file import read_manifest
+    from radixkv.persist.cache_file import read_manifest
 
     assert read_manifest(path)["counts"]["tokens"] > 0
 

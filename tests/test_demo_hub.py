@@ -27,6 +27,7 @@ def fake_hub(monkeypatch):
 
         return from_pretrained
 
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fake("config", model.config))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake("tokenizer", tokenizer))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake("model", model))
     return calls
@@ -34,7 +35,11 @@ def fake_hub(monkeypatch):
 
 def test_a_hub_id_is_loaded_with_revision_and_no_remote_code(fake_hub):
     engine = build_engine(Config(model=HUB_ID, revision="v1.2", cache_tokens=4096))
-    assert [(kind, name) for kind, name, _ in fake_hub] == [("tokenizer", HUB_ID), ("model", HUB_ID)]
+    assert [(kind, name) for kind, name, _ in fake_hub] == [
+        ("config", HUB_ID),  # read first: a vision-language checkpoint loads with its processor
+        ("tokenizer", HUB_ID),
+        ("model", HUB_ID),
+    ]
     for _, _, kwargs in fake_hub:
         assert kwargs["revision"] == "v1.2" and kwargs["trust_remote_code"] is False
         assert "local_files_only" not in kwargs and "device_map" not in kwargs
@@ -46,7 +51,7 @@ def test_a_hub_id_is_loaded_with_revision_and_no_remote_code(fake_hub):
 
 def test_device_map_and_trust_remote_code_are_passed_through(fake_hub):
     build_engine(Config(model=HUB_ID, device_map="auto", trust_remote_code=True, cache_tokens=4096))
-    (_, _, tok_kwargs), (_, _, model_kwargs) = fake_hub
+    _, (_, _, tok_kwargs), (_, _, model_kwargs) = fake_hub
     assert tok_kwargs["trust_remote_code"] is True and "device_map" not in tok_kwargs
     assert model_kwargs["device_map"] == "auto" and model_kwargs["trust_remote_code"] is True
 
@@ -55,6 +60,7 @@ def test_an_unknown_id_is_a_clear_error(monkeypatch, capsys):
     def missing(name, **kwargs):  # what transformers raises for a repository it cannot find
         raise OSError(f"{name} is not a local folder and is not a valid model identifier")
 
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", missing)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", missing)
     with pytest.raises(ModelNotFound, match="nobody/none-such.*Hugging Face Hub"):
         build_engine(Config(model="nobody/none-such"))

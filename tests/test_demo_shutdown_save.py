@@ -17,7 +17,7 @@ import pytest
 
 import demo.cache_files as cache_files
 import demo.shutdown_save as shutdown_save
-import radixkv.cache_write as cache_write
+import radixkv.persist.cache_write as cache_write
 from demo.config import from_args
 from tests.test_demo_cache_files import ADMIN, BLOCK, app, cached, chat, doc, engine
 

@@ -92,13 +92,15 @@ def test_disabled_adapters_key_as_the_base_model():
     store = store_for(base, BS)
     prompt = ids(PROMPT)
     run(base, store, prompt, [0])
-    model = get_peft_model(base, lora(1), adapter_name="x").eval()  # new parameters: the store flushes
+    flushes = store.stats()["flushes"]
+    # Wrapping adds adapter parameters, keyed by their own digest: the base KV stays valid.
+    model = get_peft_model(base, lora(1), adapter_name="x").eval()
     with model.disable_adapter():
-        run(model, store, prompt, [0])
-        run(model, store, prompt, [FULL])
-    run(model, store, prompt, [0])  # adapter a, never cached
+        run(model, store, prompt, [FULL])  # the plain model's KV, the same computation
+    run(model, store, prompt, [0])  # adapter x, never cached
     with model.disable_adapter():
         run(model, store, prompt, [FULL])
+    assert store.stats()["flushes"] == flushes
 
 
 def test_a_mixed_adapter_batch_keys_each_row_by_its_adapter():
@@ -184,11 +186,12 @@ def test_adapter_prefixes_save_and_restore_for_the_same_adapter_weights(tmp_path
     model.set_adapter("x")
     filtered = tmp_path / "ns.safetensors"
     assert hf_patch.save_cache(inner, filtered, store=store, namespaces=[None]).num_blocks > 0
-    # A file of this model written before adapters were keyed (no adapter_keys in its identity)
-    # may hold an adapter's KV under the base key: refused.
+    # A file of this model written while the identity hashed the adapters' weights too (with an
+    # adapter_keys field) is refused: its layout of keys predates base-only identities.
     old = tmp_path / "old.safetensors"
-    identity = hf_patch.model_identity(inner)
-    del identity["adapter_keys"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_patch.persistence, "base_named_parameters", lambda m: list(m.named_parameters()))
+        identity = {**hf_patch.model_identity(inner), "adapter_keys": "per-row adapter digests"}
     store.save(old, identity=identity, rename=lambda ns: ns[1])
     with pytest.raises(CacheFileMismatch):
         hf_patch.restore_cache(inner, old, store=store_for(inner, BS))

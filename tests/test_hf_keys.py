@@ -14,7 +14,7 @@ import hf_patch
 from hf_patch import RadixCache, SharedPrefix
 from hf_patch.keys import fold
 from radixkv import KeyedNamespace
-from radixkv.manifest import decode_namespace, encode_namespace
+from radixkv.persist.manifest import decode_namespace, encode_namespace
 from tests.hf_models import (
     VOCAB,
     assert_same_as_stock,

@@ -14,7 +14,7 @@ import torch
 
 import hf_patch
 from radixkv import CacheFileMismatch, CorruptCacheFile
-from radixkv.cache_file import read_manifest
+from radixkv.persist.cache_file import read_manifest
 from tests.hf_models import (
     assert_same_as_stock,
     block_floor,
@@ -135,12 +135,12 @@ def test_weights_changed_in_process_flush_instead_of_being_saved(tmp_path):
 def test_weights_changed_while_a_file_is_read_restore_no_stale_kv(saved, monkeypatch):
     # The file matched the weights when checked; another thread changes them and flushes the
     # store (its next generate() does) before the restore inserts: that KV is stale now.
-    import radixkv.restore
+    import radixkv.persist.restore
 
     model = build("llama-sdpa")
     store = store_for(model, BS)
     hf_patch.weights.flush_if_weights_changed(store, model)  # the store has seen these weights
-    read = radixkv.restore.read_kv  # the KV is read without the store's lock
+    read = radixkv.persist.restore.read_kv  # the KV is read without the store's lock
 
     def read_then_weights_change(*args, **kwargs):
         read(*args, **kwargs)
@@ -148,7 +148,7 @@ def test_weights_changed_while_a_file_is_read_restore_no_stale_kv(saved, monkeyp
             model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
         hf_patch.weights.flush_if_weights_changed(store, model)
 
-    monkeypatch.setattr(radixkv.restore, "read_kv", read_then_weights_change)
+    monkeypatch.setattr(radixkv.persist.restore, "read_kv", read_then_weights_change)
     with pytest.raises(RuntimeError, match="flushed"):
         hf_patch.restore_cache(model, saved, store)
     assert store.stats()["cached_blocks"] == 0 and store.stats()["free_blocks"] == store.pool.num_blocks

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import radixkv.cache_file as cache_file
-import radixkv.cache_write as cache_write
-import radixkv.persist as persist
+import radixkv.persist.cache_file as cache_file
+import radixkv.persist.cache_write as cache_write
+import radixkv.persist.save as persist
 from radixkv import BlockPool, CacheFileError, CacheFileMismatch, CorruptCacheFile, KVStore, LayerSpec
-from radixkv.manifest import MANIFEST_KEY
+from radixkv.persist.manifest import MANIFEST_KEY
 
 BS = 4
 CPU = torch.device("cpu")
@@ -376,8 +376,8 @@ def test_a_forged_structure_with_valid_checksums_is_refused(full_store, tmp_path
     full_store.save(path)
     from safetensors import safe_open
 
-    from radixkv.checksum import tensor_digest
-    from radixkv.manifest import from_metadata, to_metadata
+    from radixkv.persist.checksum import tensor_digest
+    from radixkv.persist.manifest import from_metadata, to_metadata
 
     with safe_open(path, "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}

@@ -17,12 +17,12 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import radixkv.cache_read as cache_read
-import radixkv.cache_write as cache_write
-import radixkv.file_io as file_io
+import radixkv.persist.cache_read as cache_read
+import radixkv.persist.cache_write as cache_write
+import radixkv.persist.file_io as file_io
 from radixkv import CacheFileMismatch, CorruptCacheFile, SaveAborted
-from radixkv.cache_file import read_manifest
-from radixkv.manifest import to_metadata
+from radixkv.persist.cache_file import read_manifest
+from radixkv.persist.manifest import to_metadata
 from tests.test_persist import BS, IDENTITY, cached_prefix, make_store, put
 from tests.test_persist_room import make_tiered
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-import radixkv.cache_read as cache_read
-import radixkv.restore as restore
+import radixkv.persist.cache_read as cache_read
+import radixkv.persist.restore as restore
 from radixkv import BlockPool, CorruptCacheFile, KVStore
-from radixkv.node import HOST
-from radixkv.tier import host_pool_for
+from radixkv.store.tier import host_pool_for
+from radixkv.tree import HOST
 from tests.test_persist import (
     BS,
     FAULTS,

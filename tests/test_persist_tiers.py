@@ -8,8 +8,8 @@ exactly which block a prefix got, whichever tier it came from.
 from __future__ import annotations
 
 from radixkv import BlockPool, KVStore
-from radixkv.node import HOST
-from radixkv.tier import host_pool_for
+from radixkv.store.tier import host_pool_for
+from radixkv.tree.node import HOST
 from tests.test_persist import BS, IDENTITY, SPECS, cached_prefix, make_store, put
 
 

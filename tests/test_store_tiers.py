@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from radixkv import BlockPool, KVStore
-from radixkv.tier import HOST, copy_blocks, gather_into, host_pool_for
-from radixkv.tier import _gather_staged as gather_staged
+from radixkv.store.tier import HOST, copy_blocks, gather_into, host_pool_for
+from radixkv.store.tier import _gather_staged as gather_staged
 from tests.test_store import BS, SPECS, assert_kv_prefix, hammer, kv_for, read_back
 
 

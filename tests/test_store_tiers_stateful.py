@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixkv import BlockPool, KVStore, Lease
-from radixkv.cache_file import read_manifest
-from radixkv.tier import host_pool_for
+from radixkv.persist.cache_file import read_manifest
+from radixkv.store.tier import host_pool_for
 from tests.test_store import BS, SPECS, kv_for
 
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=14)

@@ -1,13 +1,21 @@
 // Chat page: keeps the conversation, streams replies from /v1/chat/completions (SSE),
 // and shows under each reply its time to first token and the prompt tokens from the cache.
+// With adapters served, a picker chooses the request's model; a vision model takes an image
+// attached to a message (sent as an image_url content part with a data: URL).
 "use strict";
 const $ = (id) => document.getElementById(id);
 const history = [];
 let busy = false;
 
-function addMessage(role, text) {
+function addMessage(role, text, image) {
   const el = document.createElement("div");
   el.className = "msg " + role;
+  if (image) {
+    const img = document.createElement("img");
+    img.className = "thumb";
+    img.src = image;
+    el.appendChild(img);
+  }
   const body = document.createElement("div");
   body.className = "text";
   body.textContent = text;
@@ -52,11 +60,26 @@ function showStats(el, ttftMs, totalMs, usage) {
   el.dataset.ttftMs = ttftMs.toFixed(1);
 }
 
+// The attached image as a data: URL (null when none), and the file input cleared.
+function takeImage() {
+  const input = $("image"), file = input && input.files[0];
+  if (!file) return Promise.resolve(null);
+  input.value = "";
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
 async function send(text) {
   busy = true;
   $("send").disabled = true;
-  history.push({ role: "user", content: text });
-  addMessage("user", text);
+  const image = await takeImage().catch(() => null); // unreadable file: the text alone
+  const content = image ? [{ type: "image_url", image_url: { url: image } }, { type: "text", text }] : text;
+  history.push({ role: "user", content });
+  addMessage("user", text, image);
   const el = addMessage("assistant", "");
   const body = el.querySelector(".text");
   const headers = { "Content-Type": "application/json" };
@@ -64,7 +87,7 @@ async function send(text) {
   if (key) headers.Authorization = "Bearer " + key;
   const temperature = parseFloat($("temperature").value);
   const request = {
-    model: $("model").textContent, messages: history, stream: true,
+    model: $("model-select") ? $("model-select").value : $("model").textContent, messages: history, stream: true,
     stream_options: { include_usage: true },
     max_tokens: parseInt($("max-tokens").value, 10) || 64,
     temperature: Number.isFinite(temperature) ? temperature : 1,
@@ -112,7 +135,7 @@ function sampleTable() {
 $("form").addEventListener("submit", (e) => {
   e.preventDefault();
   const text = $("input").value.trim();
-  if (!text || busy) return;
+  if ((!text && !($("image") && $("image").files.length)) || busy) return;
   $("input").value = "";
   send(text);
 });

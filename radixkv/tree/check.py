@@ -10,7 +10,7 @@ from collections.abc import Hashable
 
 from sortedcontainers import SortedList
 
-from radixkv.node import DEVICE, HOST, TOKEN_BYTES, Node, TreeInvariantError
+from radixkv.tree.node import DEVICE, HOST, TOKEN_BYTES, Node, TreeInvariantError
 
 
 def _require(condition: bool, message: str) -> None:

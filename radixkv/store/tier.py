@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import torch
 
 import cuda_ext
-from radixkv.node import DEVICE, HOST
-from radixkv.pool import BlockPool
+from radixkv.store.pool import BlockPool
+from radixkv.tree.node import DEVICE, HOST
 
 __all__ = [
     "DEVICE",

@@ -1,6 +1,6 @@
 """Save a KVStore's cached prefixes to one safetensors file and restore them, all or nothing.
 
-File layout (one safetensors file; manifest in its header metadata, see radixkv.manifest):
+File layout (one safetensors file; manifest in its header metadata, see radixkv.persist.manifest):
 
 - ``tree.nodes``  int64 ``[N, 4]``: per node ``(parent, namespace, num_blocks, last_access)``;
   parent is -1 under a namespace root, else the index of an earlier row (parents first).
@@ -10,16 +10,16 @@ File layout (one safetensors file; manifest in its header metadata, see radixkv.
 
 One file rather than a manifest beside a data file: one ``os.replace`` publishes both
 atomically, and the manifest can be read without the data
-(``radixkv.cache_file.read_manifest``, one header).
+(``radixkv.persist.cache_file.read_manifest``, one header).
 
 Saving snapshots the tree and pins its leaves under the store's lock (no copy: requests
 wait microseconds), then, outside it, streams the pinned blocks through the checksum into a
-temporary file (radixkv.cache_write), fsyncs, renames and fsyncs the directory (a crash, a
+temporary file (radixkv.persist.cache_write), fsyncs, renames and fsyncs the directory (a crash, a
 full disk or a deadline leaves the previous file as it was), and unpins. ``max_bytes`` keeps
 the most recently used prefixes that fit. While a save runs, commits that need the pinned
 blocks' room cache less (they degrade, as always).
 
-Restoring (radixkv.restore) checks the header, manifest and tree first, reads the KV
+Restoring (radixkv.persist.restore) checks the header, manifest and tree first, reads the KV
 straight into free blocks it holds privately and checks every byte, and only then inserts
 the paths, making room first if asked to (``evict``). A refused file changes nothing the
 store holds. The result records of both directions live here.
@@ -37,10 +37,10 @@ from collections.abc import Callable, Collection, Hashable
 
 import torch
 
-from radixkv.cache_write import MIN_RUN_BYTES, Gathered, atomic_save, nbytes, pieces_of
-from radixkv.file_io import IoTimes
-from radixkv.manifest import FORMAT, FORMAT_VERSION, canonical, encode_namespace, layout_of
-from radixkv.node import DEVICE
+from radixkv.persist.cache_write import MIN_RUN_BYTES, Gathered, atomic_save, nbytes, pieces_of
+from radixkv.persist.file_io import IoTimes
+from radixkv.persist.manifest import FORMAT, FORMAT_VERSION, canonical, encode_namespace, layout_of
+from radixkv.tree.node import DEVICE
 
 logger = logging.getLogger(__name__)
 

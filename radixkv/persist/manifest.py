@@ -7,7 +7,7 @@ manifest holds:
 
 - ``format`` / ``version``: ``FORMAT`` and a version in ``READABLE_VERSIONS``; anything else
   is refused. Version 2 (this radixkv writes it) adds ``checksum``, the algorithm of the
-  tensors' checksums (radixkv.checksum: "blake3"); version 1 files used sha256 and still restore.
+  tensors' checksums (radixkv.persist.checksum: "blake3"); version 1 files used sha256 and still restore.
 - ``identity``: an opaque JSON object from the caller (hf_patch puts the model class, a
   config hash and a weights fingerprint there); a restore requires it to be equal.
 - ``layout``: block size and every layer's KV heads, head dims and dtype (not the device:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from radixkv.node import DEVICE, HOST
+from radixkv.tree.node import DEVICE, HOST
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Protocol
 import blake3
 import torch
 
-from radixkv.manifest import CacheFileMismatch, CorruptCacheFile
+from radixkv.persist.manifest import CacheFileMismatch, CorruptCacheFile
 
 WRITTEN = "blake3"  # what a save records and uses
 FORMAT1 = "sha256"  # what format-1 files used (their manifest names none)

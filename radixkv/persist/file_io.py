@@ -4,7 +4,7 @@ A cache file's bytes go through three steps each way (save: gather from the pool
 write; restore: read, hash, copy into the pool). One thread doing them in turn made a save
 about half as fast as ``cp`` + fsync. Here the file I/O runs in its own thread and the
 caller's thread gathers and hashes: ``write()`` and ``readinto()`` release the GIL, and so do
-torch's copies and the hashers of radixkv.checksum, so the two threads use both cores.
+torch's copies and the hashers of radixkv.persist.checksum, so the two threads use both cores.
 
 ``IoTimes`` records how long each step was busy (steps of two threads overlap, so they may
 sum to more than ``total``): what benchmarks/bench_persist.py prints as "where the time goes",
@@ -47,7 +47,12 @@ class Writer:
     """
 
     def __init__(
-        self, f, times: IoTimes, num_buffers: int = 4, buffer_bytes: int = 4 << 20, batch_bytes: int = 16 << 20
+        self,
+        f,
+        times: IoTimes,
+        num_buffers: int = 4,
+        buffer_bytes: int = 4 << 20,
+        batch_bytes: int = 16 << 20,
     ) -> None:
         self._f, self._times, self._batch_bytes = f, times, batch_bytes
         self._free: queue.Queue[torch.Tensor] = queue.Queue()

@@ -6,7 +6,7 @@ Lifecycle of one request (see docs/design.md):
 2. ``read(lease, ...)`` copies the pinned blocks into the caller's KV buffers (no lock
    held: pinned blocks are never evicted nor written).
 3. ``commit(tokens, k, v)`` caches the finished sequence's whole blocks.
-4. ``lease.release()`` (or leaving ``with lease:``) unpins, always (``radixkv.lease``).
+4. ``lease.release()`` (or leaving ``with lease:``) unpins, always (``radixkv.store.lease``).
 
 Degrades instead of failing: when every block is pinned, or a sequence is longer than the
 pool, ``commit`` caches what fits of the prefix (possibly nothing) and returns.
@@ -18,36 +18,51 @@ place: ``read`` copies them straight into the caller's buffers (docs/design.md s
 promotion). A commit extending a host-resident prefix writes its new blocks to the host too,
 so device nodes always form the top of the tree.
 
-Task pins (``store.tasks``, ``radixkv.task_pins``): prefixes pinned by id until unpinned or flushed.
-Persistence (``save``/``restore``): ``radixkv.store_persist``, the work in ``radixkv.persist``.
+Task pins (``store.tasks``, ``radixkv.store.task_pins``): prefixes pinned by id until unpinned or flushed.
+Persistence (``save``/``restore``): the work is in ``radixkv.persist``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 
 import torch
 
-from radixkv.lease import Lease
-from radixkv.node import DEVICE, HOST, Tokens, head_of, num_tokens_of, pack_tokens
-from radixkv.pool import BlockPool
-from radixkv.stats import StoreCounters, store_stats
-from radixkv.store_persist import StorePersistence
-from radixkv.store_tiers import StoreTierMoves
-from radixkv.task_pins import TaskPins
-from radixkv.tier import Tier, check_mirror, read_split_rows, scatter_into
-from radixkv.tree import RadixTree, TierOrderError
+from radixkv import persist
+from radixkv.store.lease import Lease
+from radixkv.store.pool import BlockPool
+from radixkv.store.stats import StoreCounters, store_stats
+from radixkv.store.task_pins import TaskPins
+from radixkv.store.tier import Tier, check_mirror, copy_blocks, read_split_rows, scatter_into
+from radixkv.tree import DEVICE, HOST, MatchResult, RadixTree, TierOrderError
+from radixkv.tree.node import Tokens, head_of, num_tokens_of, pack_tokens
 
 logger = logging.getLogger(__name__)
 
 
-class KVStore(StoreTierMoves, StorePersistence):
+@dataclasses.dataclass(frozen=True)
+class Locked:
+    """What radixkv.persist may use of a store while it holds the store's lock (``_exclusive``)."""
+
+    tree: RadixTree  # the live tree
+    pools: tuple[BlockPool, ...]  # indexed by tier: (device,) or (device, host)
+    counters: StoreCounters
+    unpin: Callable[[RadixTree, object], None]  # unpin a node pinned earlier (frees the blocks of a
+    # tree flushed since)
+    make_room: Callable[[int, int], None]  # (tier, blocks): evict / demote least recently used
+    private: tuple[set[int], set[int]]  # per tier: blocks taken from the pool, in no tree yet
+
+
+class KVStore:
     """Thread-safe prefix store: tree + pool + one lock. All public methods may be called concurrently.
 
-    Tier movement (``_make_room_locked``, ``_promote_locked``) lives in radixkv.store_tiers,
-    ``save``/``restore`` in radixkv.store_persist.
+    Sections: lookup (acquire, read), insertion (commit), tier movement (make room on a tier,
+    promote a host prefix back; under the lock), persistence (save, restore: the work is in
+    radixkv.persist), maintenance (flush, stats, check_invariants).
     """
 
     def __init__(self, pool: BlockPool, host_pool: BlockPool | None = None) -> None:
@@ -235,6 +250,156 @@ class KVStore(StoreTierMoves, StorePersistence):
         with self._lock:
             self.counters.uncacheable_requests += 1
 
+    # -- tier movement (under the lock) ------------------------------------------------
+    # Making room on the device demotes the least recently used candidates when there is a host
+    # tier (their blocks are copied to host blocks, the nodes stay in the tree) and evicts them
+    # otherwise; the host drops its own LRU leaves. Promotion (task pins only) copies a
+    # host-resident path end back to device blocks.
+
+    def _host_blocks(self, match: MatchResult) -> int:
+        return self.tree.host_blocks_at(match.node) if self.host_pool is not None else 0
+
+    def _make_room_locked(self, tier: int, num_blocks: int) -> None:
+        """Free ``num_blocks`` blocks of ``tier`` (fewer when too much is pinned): the host drops
+        LRU leaves; the device drops them too, or demotes them when there is a host tier."""
+        if tier == HOST:
+            freed = self.tree.evict_host(num_blocks)
+            self.host_pool.free(freed)
+            self.counters.evicted_blocks += len(freed)
+            return
+        if self.host_pool is None:
+            freed = self.tree.evict(num_blocks)
+            self.pool.free(freed)
+            self.counters.evicted_blocks += len(freed)
+            return
+        tree, host, done = self.tree, self.host_pool, 0
+        while done < num_blocks:
+            node = tree.demotion_candidate()
+            if node is None:
+                break
+            n = len(node.block_ids)
+            # Drop host leaves only when that makes room for the node: emptying the host for a
+            # node larger than what it can free would lose its content and demote nothing.
+            if host.num_free < n <= host.num_free + tree.num_host_blocks - tree.num_host_pinned_blocks:
+                self._make_room_locked(HOST, n - host.num_free)
+            if host.num_free < n:  # the host is pinned full: drop device leaves instead
+                freed = tree.evict(num_blocks - done)
+                self.pool.free(freed)
+                self.counters.evicted_blocks += len(freed)
+                return
+            host_ids = host.allocate(n)
+            # Under the lock: nobody can pin, read or overwrite the node's blocks meanwhile.
+            self.counters.bytes_to_host += copy_blocks(self.pool, node.block_ids, host, host_ids)
+            self.pool.free(tree.demote(node, host_ids))
+            self.counters.demoted_blocks += n
+            done += n
+
+    def _promote_locked(self, node) -> bool:
+        """Move the host-resident end of the path to ``node`` back to device blocks (task pins:
+        never served from the host). Only when nothing else pins it (a reader's lease fixes
+        which ids are host ids) and the device can make room; returns whether it moved."""
+        tree, host = self.tree, self.host_pool
+        chain = []
+        while node.tier:
+            chain.append(node)
+            node = node.parent
+        if not chain or chain[-1].pin_count:  # chain[-1]: the topmost host node; pins cover the path below
+            return False
+        chain.reverse()
+        n = sum(len(c.block_ids) for c in chain)
+        tree.pin(chain[-1])  # neither demotion nor host eviction may touch the path meanwhile
+        try:
+            if self.pool.num_free < n:
+                self._make_room_locked(DEVICE, n - self.pool.num_free)
+            if self.pool.num_free < n:
+                return False
+            for c in chain:  # top down: each one's parent is on the device by then
+                ids = self.pool.allocate(len(c.block_ids))
+                try:
+                    self.counters.bytes_from_host += copy_blocks(host, c.block_ids, self.pool, ids)
+                except BaseException:  # the node keeps its host blocks; ours go back
+                    self.pool.free(ids)
+                    raise
+                host.free(tree.promote(c, ids))
+                self.counters.promoted_blocks += len(ids)
+            return True
+        finally:
+            tree.unpin(chain[-1])
+
+    # -- persistence ----------------------------------------------------------------------
+
+    def save(
+        self,
+        path,
+        namespaces: Collection[Hashable] | Callable[[Hashable], bool] | None = None,
+        *,
+        identity: object = None,
+        rename: Callable[[Hashable], Hashable] | None = None,
+        epoch: int | None = None,
+        max_bytes: int | None = None,
+        deadline: float | None = None,
+        cancel: threading.Event | None = None,
+    ) -> persist.SaveResult:
+        """Write the cached prefixes of ``namespaces`` (a list/set or a predicate; None: all) to ``path``.
+
+        Atomic: ``path`` keeps its previous content unless the whole new file was written.
+        ``identity`` (JSON-able) must be presented equal to ``restore``; ``rename`` maps a
+        namespace to the one written. Pins the saved prefixes while it writes (the lock only
+        for the snapshot of the tree), so commits meanwhile may cache less.
+        Raises ValueError for a namespace other than None/str/bytes/int/tuples of them;
+        RuntimeError, writing nothing, when the store was flushed after ``epoch`` (``self.epoch``
+        read before ``identity`` was computed).
+
+        ``max_bytes``: write at most this many KV bytes, the most recently used prefixes first
+        (``SaveResult.skipped_*`` counts the rest). ``deadline`` (a ``time.monotonic()`` value)
+        and ``cancel`` (an Event) stop the save between chunks: ``radixkv.SaveAborted``, the
+        previous file unchanged, no temporary file left.
+        """
+        return persist.save_store(
+            self,
+            path,
+            namespaces=namespaces,
+            identity=identity,
+            rename=rename,
+            epoch=epoch,
+            max_bytes=max_bytes,
+            deadline=deadline,
+            cancel=cancel,
+        )
+
+    def restore(
+        self,
+        path,
+        *,
+        identity: object = None,
+        rename: Callable[[Hashable], Hashable] | None = None,
+        epoch: int | None = None,
+        evict: bool = False,
+    ) -> persist.RestoreResult:
+        """Merge the prefixes saved in ``path`` into this store: cached ones stay, new ones go in.
+
+        Checks all of the file first (checksums, format version, ``identity``, layout,
+        structure) and raises ``radixkv.CacheFileError`` naming the fault, changing nothing.
+        Restored prefixes go in as the most recently used, in the file's order. Prefixes the
+        store holds already (pinned task prompts, say) are duplicates and need no room.
+        ``evict=False``: restored blocks take free blocks only, on the device and then on the
+        host tier (device blocks never below host ones); nothing cached is evicted.
+        ``evict=True``: the file wins over the store's unpinned blocks: the least recently used
+        are demoted to the host tier or evicted to make room. Either way, what does not fit is
+        dropped, least recently used first, and counted in the result.
+        ``epoch``: ``self.epoch`` read when ``identity`` was computed; if the store was flushed
+        since (weights changed), raises RuntimeError, changing nothing.
+        """
+        return persist.restore_store(self, path, identity=identity, rename=rename, epoch=epoch, evict=evict)
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[Locked]:
+        """radixkv.persist's hook: the lock held while the ``Locked`` view is used."""
+        with self._lock:
+            pools = tuple(tier.pool for tier in self.tiers)
+            private = (self._private, self._private_host)
+            yield Locked(self.tree, pools, self.counters, self._unpin_locked, self._make_room_locked, private)
+
     # -- maintenance ----------------------------------------------------------------------
     def flush(self) -> int:
         """Drop every cached prefix and task pin; returns blocks freed now (both tiers).
@@ -253,6 +418,17 @@ class KVStore(StoreTierMoves, StorePersistence):
                 self.host_pool.free(host)
             if old.num_cached_blocks:
                 self._retired.append(old)
+            return len(freed) + len(host)
+
+    def drop(self, namespaces: Callable[[Hashable], bool]) -> int:
+        """Drop the cached prefixes under every namespace ``namespaces(ns)`` accepts, both tiers
+        (the KV of an adapter that was unloaded). Prefixes pinned now (a running request, a task
+        pin) stay and become ordinary LRU candidates once released. Returns blocks freed."""
+        with self._lock:
+            freed, host = self.tree.drop(namespaces)
+            self.pool.free(freed)
+            if host:
+                self.host_pool.free(host)
             return len(freed) + len(host)
 
     def _new_tree(self) -> RadixTree:

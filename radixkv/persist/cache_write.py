@@ -1,8 +1,8 @@
 """Writing a cache file: pool blocks streamed through a checksum into a file, atomically.
 
-The file is a plain safetensors file (radixkv.persist lists its tensors, radixkv.manifest its
-manifest). One pass over the KV: each chunk is hashed (radixkv.checksum) and handed to a
-writer thread (radixkv.file_io) while the next one is gathered. Runs of consecutive block
+The file is a plain safetensors file (radixkv.persist lists its tensors, radixkv.persist.manifest its
+manifest). One pass over the KV: each chunk is hashed (radixkv.persist.checksum) and handed to a
+writer thread (radixkv.persist.file_io) while the next one is gathered. Runs of consecutive block
 ids in a CPU pool are written straight from the pool, with no copy; other blocks are
 gathered ~4 MiB at a time into a few reused buffers, so a save never holds a second copy
 of the cache. The header goes first with placeholder checksums of the final length and is
@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from radixkv.checksum import WRITTEN, new_hasher
-from radixkv.file_io import IoTimes, Writer
-from radixkv.manifest import dtype_name, to_metadata
+from radixkv.persist.checksum import WRITTEN, new_hasher
+from radixkv.persist.file_io import IoTimes, Writer
+from radixkv.persist.manifest import dtype_name, to_metadata
 
 ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64"}
 CHUNK = 4 << 20  # bytes hashed and written at a time

@@ -16,7 +16,7 @@ import torch
 
 import cuda_ext
 from cuda_ext.validate import DTYPES  # what the copy ops move: a pool of anything else stays empty
-from radixkv.node import check_block_size
+from radixkv.tree.node import check_block_size
 
 
 def _is_count(value: object) -> bool:

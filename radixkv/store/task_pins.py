@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixkv.lease import Lease
-from radixkv.node import Tokens, head_of, num_tokens_of, pack_tokens
+from radixkv.store.lease import Lease
+from radixkv.tree.node import Tokens, head_of, num_tokens_of, pack_tokens
 
 if TYPE_CHECKING:
     from radixkv.store import KVStore

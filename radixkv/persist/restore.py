@@ -3,7 +3,7 @@
 Three steps (``restore_store``):
 
 1. Under the store's lock: ``open_cache_file`` has checked the header, the manifest and the
-   tree; the file's nodes are placed (radixkv.restore_plan) into the free blocks, or with
+   tree; the file's nodes are placed (radixkv.persist.restore_plan) into the free blocks, or with
    ``evict`` into the free and unpinned ones; the prefixes the file finds cached are pinned,
    and the free blocks the placement uses are taken, private (no tree references them).
 2. Without the lock: ``read_kv`` reads and checks every KV byte, straight into those blocks
@@ -29,13 +29,13 @@ from collections.abc import Hashable
 
 import torch
 
-from radixkv.cache_file import CacheFileHead, open_cache_file
-from radixkv.cache_read import read_kv, runs_of
-from radixkv.manifest import CacheFileError
-from radixkv.node import DEVICE, HOST, TOKEN_BYTES, PackedTokens
-from radixkv.persist import Rename, RestoreResult
-from radixkv.restore_plan import Placement, place
+from radixkv.persist.cache_file import CacheFileHead, open_cache_file
+from radixkv.persist.cache_read import read_kv, runs_of
+from radixkv.persist.manifest import CacheFileError
+from radixkv.persist.restore_plan import Placement, place
+from radixkv.persist.save import Rename, RestoreResult
 from radixkv.tree import RadixTree, TierOrderError
+from radixkv.tree.node import DEVICE, HOST, TOKEN_BYTES, PackedTokens
 
 logger = logging.getLogger(__name__)
 

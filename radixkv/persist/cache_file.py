@@ -1,11 +1,11 @@
 """Opening a cache file: its header, manifest and tree checked before anything uses them.
 
-The file is a plain safetensors file (radixkv.persist lists its tensors, radixkv.manifest its
-manifest; radixkv.cache_write writes it). ``open_cache_file`` reads the header and the
+The file is a plain safetensors file (radixkv.persist lists its tensors, radixkv.persist.manifest its
+manifest; radixkv.persist.cache_write writes it). ``open_cache_file`` reads the header and the
 manifest, checks them against the store (format version, identity, layout, every tensor's
 dtype, shape and place), reads the small tree tensors (node table, token ids), checks their
 checksums and the tree's structure, and returns a ``CacheFileHead``. The KV, nearly all of the
-file, is read and checked by radixkv.cache_read straight into the blocks a restore chose
+file, is read and checked by radixkv.persist.cache_read straight into the blocks a restore chose
 for it; nothing reaches a store's tree before every byte has passed.
 
 Reads go into private memory (no memory map): the bytes checked are the bytes used, even if
@@ -25,10 +25,10 @@ from collections.abc import Hashable
 import torch
 from safetensors import SafetensorError, safe_open
 
-from radixkv.cache_write import ST_DTYPES
-from radixkv.checksum import algorithm_of, new_hasher
-from radixkv.file_io import IoTimes
-from radixkv.manifest import (
+from radixkv.persist.cache_write import ST_DTYPES
+from radixkv.persist.checksum import algorithm_of, new_hasher
+from radixkv.persist.file_io import IoTimes
+from radixkv.persist.manifest import (
     CorruptCacheFile,
     check_compatible,
     count_field,
@@ -62,7 +62,7 @@ class CacheFileHead:
     file: io.RawIOBase
     path: str
     manifest: dict
-    algorithm: str  # of the checksums (radixkv.checksum)
+    algorithm: str  # of the checksums (radixkv.persist.checksum)
     namespaces: list[Hashable]
     nodes: list[list[int]]  # rows of tree.nodes: (parent, namespace, blocks, recency)
     tokens: bytes  # tree.tokens, packed like the tree's edges

@@ -1,9 +1,9 @@
 """Reading a cache file's KV straight into the blocks a restore chose, checking every byte.
 
-A restore decides first where each block of the file goes (radixkv.restore: free blocks of
+A restore decides first where each block of the file goes (radixkv.persist.restore: free blocks of
 the device or host pool, held privately; a staging buffer for blocks that need room made
 first; or nowhere, for blocks dropped or cached already). ``read_kv`` then reads each KV
-tensor once, in file order, from a reader thread (radixkv.file_io) while this thread hashes:
+tensor once, in file order, from a reader thread (radixkv.persist.file_io) while this thread hashes:
 runs of blocks bound for consecutive blocks of a CPU tensor are read in place, with no copy;
 blocks for a GPU pool pass through a small bounce buffer; blocks going nowhere through a
 scratch buffer. Every byte, kept or not, goes through its tensor's checksum, and ``read_kv``
@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 import torch
 
-from radixkv.cache_file import CacheFileHead
-from radixkv.checksum import new_hasher
-from radixkv.file_io import read_overlapped
-from radixkv.manifest import CorruptCacheFile
+from radixkv.persist.cache_file import CacheFileHead
+from radixkv.persist.checksum import new_hasher
+from radixkv.persist.file_io import read_overlapped
+from radixkv.persist.manifest import CorruptCacheFile
 
 CHUNK = 8 << 20  # bytes per read: large enough that the per-read Python cost vanishes
 

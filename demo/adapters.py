@@ -1,0 +1,305 @@
+"""LoRA adapters served as extra model names (vLLM's ``--lora-modules``), loaded and unloaded at run time.
+
+    python -m demo --model DIR --lora-modules sql=/adapters/sql '{"name": "chat", "path": "/adapters/chat"}'
+    GET  /v1/models                                        the base model, then one entry per adapter
+                                                           (``root``: its path, ``parent``: the base)
+    POST /v1/load_lora_adapter   {"lora_name", "lora_path"}   admin token (vLLM's runtime loading)
+    POST /v1/unload_lora_adapter {"lora_name"}                admin token; the adapter's KV is dropped
+
+A request's ``model`` picks an adapter by name (the base model's names pick the base). PEFT holds
+every adapter in one ``PeftModelForCausalLM`` over the served model and loads it its own way
+(adapter_config.json + weights, a local directory or a Hub id). Rows of different adapters share a
+generate() call through PEFT's ``adapter_names=`` where PEFT allows it (plain LoRA: no DoRA, no
+other tuner types; those get batches of their own, ``batch_group``). hf_patch keys each row's KV
+by its adapter's name and weights digest: adapters never share KV with each other nor with the
+base, and a re-load of other weights under the same name never reads the old KV, which is
+dropped anyway (``hf_patch.drop_stale_adapters`` after every load and unload).
+
+The model changes only between generate() calls: the engine's worker holds ``engine.exclusive()``
+while it generates, and loading / unloading take it too. PEFT's adapter names are derived from
+the API's (``peft_name``): a name PEFT accepts as a module key, the same in every process, so a
+cache file's adapter prefixes find their adapter again after a restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+from flask import Blueprint, Response, request
+
+from demo.schema import ApiError
+
+log = logging.getLogger(__name__)
+BASE = "__base__"  # PEFT's adapter_names entry for "no adapter"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraModule:
+    """One ``--lora-modules`` entry: ``name=path`` or ``{"name", "path", "base_model_name"}``."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_modules(items: Sequence[str]) -> tuple[LoraModule, ...]:
+    """``name=path`` items, or JSON objects (vLLM's two forms); raises ValueError naming the item."""
+    out = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            continue
+        if "=" in item and not item.startswith("{"):
+            name, _, path = item.partition("=")
+            module = LoraModule(name.strip(), path.strip())
+        else:
+            try:
+                fields = json.loads(item)
+                module = LoraModule(**fields)
+            except (ValueError, TypeError) as e:
+                raise ValueError(
+                    f"--lora-modules entry {item!r}: expected name=path or a JSON object with "
+                    f'"name", "path" and optionally "base_model_name" ({e})'
+                ) from None
+        if (
+            not isinstance(module.name, str)
+            or not isinstance(module.path, str)
+            or not module.name
+            or not module.path
+        ):
+            raise ValueError(f"--lora-modules entry {item!r}: name and path must be non-empty strings")
+        out.append(module)
+    names = [m.name for m in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules names must be distinct, got {names}")
+    return tuple(out)
+
+
+def peft_name(name: str) -> str:
+    """PEFT's name for the adapter the API calls ``name``: no '.', never '__base__', stable."""
+    readable = re.sub(r"[^A-Za-z0-9_-]", "_", name)[:40]
+    return f"{readable}-{hashlib.sha256(name.encode('utf-8')).hexdigest()[:8]}"
+
+
+class AdapterError(ApiError):
+    """A load or unload that cannot be done; an API error (vLLM's statuses: 400, 404)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    name: str  # the model name the API lists and requests use
+    path: str  # what it was loaded from (``root`` in /v1/models)
+    parent: str  # the base model's name
+    peft_name: str
+    mixable: bool  # PEFT can run it in a mixed adapter_names batch
+    created: int
+
+
+class Adapters:
+    """The adapters loaded over ``model`` (the transformers model hf_patch sees).
+
+    ``lock``: the model lock; the engine's worker holds it while it generates, ``load`` and
+    ``unload`` take it, so the model changes only between generate() calls. ``store``: the KV
+    store (set by the engine; None before it exists or with reuse off) from which ``load`` and
+    ``unload`` drop the KV of adapters no longer held with the same weights."""
+
+    def __init__(self, model, base_name: str):
+        self.model, self.base_name = model, base_name
+        self.peft = None  # PeftModelForCausalLM over ``model`` while any adapter is loaded
+        self._loaded: dict[str, Adapter] = {}
+        self.lock = threading.RLock()
+        self.store = None
+
+    def __len__(self) -> int:
+        return len(self._loaded)
+
+    def names(self) -> list[str]:
+        return list(self._loaded)
+
+    def get(self, name: str) -> Adapter | None:
+        return self._loaded.get(name)
+
+    def batch_group(self, name: str | None) -> Hashable:
+        """Requests of equal groups may be rows of one generate(): the base and mixable adapters
+        share one (None), any other adapter has its own."""
+        adapter = self._loaded.get(name) if name else None
+        return None if adapter is None or adapter.mixable else ("adapter", name)
+
+    def load(self, module: LoraModule) -> Adapter:
+        """Load ``module`` under its name, between generate() calls; AdapterError (nothing
+        changed) when it cannot be."""
+        with self.lock:
+            adapter = self._load(module)
+            self._drop_stale()
+        return adapter
+
+    def _load(self, module: LoraModule) -> Adapter:
+        try:
+            from peft import PeftConfig, PeftModelForCausalLM, PeftType
+        except ImportError:  # pragma: no cover - peft is in the demo extra
+            raise AdapterError(400, "serving adapters needs peft (pip install peft)") from None
+        name, path = module.name, module.path
+        if name in self._loaded:
+            raise AdapterError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        try:
+            config = PeftConfig.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise AdapterError(
+                404, f"No adapter found at {path!r}: {e}", "lora_path", "adapter_not_found"
+            ) from None
+        if config.is_prompt_learning or config.task_type not in (None, "CAUSAL_LM"):
+            raise AdapterError(
+                400,
+                f"{path!r} is a {config.peft_type} adapter for {config.task_type}: only weight adapters "
+                "(LoRA and other tuners) of a causal language model can be served",
+                "lora_path",
+            )
+        internal = peft_name(name)
+        config.inference_mode = True
+        fresh = self.peft is None
+        peft = PeftModelForCausalLM(self.model, config, adapter_name=internal) if fresh else self.peft
+        try:
+            result = peft.load_adapter(path, adapter_name=internal, is_trainable=False)
+            missing = [k for k in getattr(result, "missing_keys", ()) if f".{internal}." in k]
+            if missing:
+                raise ValueError(f"the adapter's file lacks {len(missing)} of its weights, e.g. {missing[0]}")
+        except Exception as e:
+            self._undo(peft, internal, fresh)
+            raise AdapterError(400, f"cannot load adapter '{name}' from {path!r}: {e}", "lora_path") from None
+        self.peft = peft.eval()
+        mixable = config.peft_type == PeftType.LORA and not getattr(config, "use_dora", False)
+        parent = module.base_model_name or self.base_name
+        adapter = Adapter(name, path, parent, internal, mixable, int(time.time()))
+        self._loaded[name] = adapter
+        log.info(
+            "loaded adapter %s from %s (%s%s)",
+            name,
+            path,
+            config.peft_type,
+            "" if mixable else ", own batches",
+        )
+        return adapter
+
+    def _undo(self, peft, internal: str, fresh: bool) -> None:
+        """Take a half-loaded adapter out again (PEFT injects its layers before reading weights)."""
+        if fresh:
+            peft.base_model.unload()  # the model's own modules back in place
+        elif internal in peft.peft_config:
+            peft.delete_adapter(internal)
+
+    def unload(self, name: str) -> Adapter:
+        """Remove adapter ``name`` between generate() calls and drop its KV from the store;
+        AdapterError 404 when none is loaded under it."""
+        with self.lock:
+            adapter = self._unload(name)
+            self._drop_stale()
+        return adapter
+
+    def _drop_stale(self) -> None:
+        if self.store is not None:
+            import hf_patch
+
+            freed = hf_patch.drop_stale_adapters(self.model, self.store)
+            if freed:
+                log.info("dropped %d KV blocks of adapters no longer loaded", freed)
+
+    @contextlib.contextmanager
+    def base(self):
+        """The model lock held and every adapter disabled: yields the model computing as the base."""
+        with self.lock:
+            with self.peft.disable_adapter() if self.peft is not None else contextlib.nullcontext():
+                yield self.model
+
+    def _unload(self, name: str) -> Adapter:
+        adapter = self._loaded.pop(name, None)
+        if adapter is None:
+            raise AdapterError(
+                404, f"The lora adapter '{name}' cannot be found.", "lora_name", "adapter_not_found"
+            )
+        if self._loaded:
+            self.peft.delete_adapter(adapter.peft_name)
+        else:  # the last one: the plain model again, no tuner layers left
+            self.peft.base_model.unload()
+            self.peft = None
+        log.info("unloaded adapter %s", name)
+        return adapter
+
+    def generate(self, names: Sequence[str | None], *args, **kwargs):
+        """``generate(*args, **kwargs)`` with row i computed by adapter ``names[i]`` (None: the
+        base model): one adapter for every row is set active, several go in ``adapter_names``."""
+        if self.peft is None:
+            return self.model.generate(*args, **kwargs)
+        rows = [self._loaded[n].peft_name if n else BASE for n in names]
+        if len(set(rows)) > 1:
+            return self.peft.generate(*args, adapter_names=rows, **kwargs)
+        if rows[0] == BASE:
+            with self.peft.disable_adapter():
+                return self.peft.generate(*args, **kwargs)
+        self.peft.set_adapter(rows[0])
+        return self.peft.generate(*args, **kwargs)
+
+    def cards(self, max_model_len: int) -> list[dict]:
+        """/v1/models entries, vLLM's shape."""
+        return [
+            {
+                "id": a.name,
+                "object": "model",
+                "created": a.created,
+                "owned_by": "radixkv",
+                "root": a.path,
+                "parent": a.parent,
+                "max_model_len": max_model_len,
+            }
+            for a in list(self._loaded.values())  # a copy: a load may add one meanwhile
+        ]
+
+
+def _body() -> dict:
+    try:
+        body = json.loads(request.get_data(cache=False) or b"null")
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _string(body: dict, name: str, message: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, message, name)
+    return value
+
+
+def install(app, engine, base_names: set[str], check_admin: Callable[[], None]) -> None:
+    """Register the load / unload endpoints (``check_admin()``: the app's admin check, under
+    its failed-authentication throttle)."""
+    bp = Blueprint("radixkv_adapters", __name__)
+
+    @bp.post("/v1/load_lora_adapter")
+    def load():
+        check_admin()
+        body = _body()
+        both = "Both 'lora_name' and 'lora_path' must be provided (non-empty strings)."
+        name, path = _string(body, "lora_name", both), _string(body, "lora_path", both)
+        if name in base_names:
+            raise ApiError(400, f"'{name}' is the base model's name", "lora_name")
+        engine.adapters.load(LoraModule(name, path))
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", mimetype="text/plain")
+
+    @bp.post("/v1/unload_lora_adapter")
+    def unload():
+        check_admin()
+        name = _string(_body(), "lora_name", "'lora_name' must be provided (a non-empty string).")
+        engine.adapters.unload(name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", mimetype="text/plain")
+
+    app.register_blueprint(bp)

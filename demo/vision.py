@@ -1,0 +1,118 @@
+"""Vision-language checkpoints: loaded with their processor; chat messages with images to model inputs.
+
+A checkpoint whose config is an image-text-to-text model (LLaVA, Idefics3, SmolVLM, InternVL,
+Qwen2-VL, ...) loads as ``AutoModelForImageTextToText`` with its ``AutoProcessor`` (image processor,
+tokenizer and chat template). Chat messages are rendered by the processor's own
+``apply_chat_template``, images as content parts, so the prompt ids and ``pixel_values`` are what
+the checkpoint's code makes for a user calling it offline. Control tokens written in a message's
+text are encoded as plain text (transformers' ``sanitize_control_tokens``, 5.23 on); where the
+processor cannot do that (5.17), a message containing one is refused.
+
+Text-only chats on such a server go the same way (one rendering for every prompt, so a pinned
+task prompt and later turns share their prefixes). hf_patch keys images for LLaVA, VipLLaVA,
+InternVL, Idefics3 and SmolVLM; other families answer requests with images without reuse (and
+say so in the log).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from demo.chat_tokens import control_tokens
+from demo.schema import ApiError
+
+_TEXT_INPUTS = ("input_ids", "attention_mask")
+
+
+def is_vision_config(config) -> bool:
+    """Whether ``config`` is an image-text-to-text model with a vision tower."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", None)
+    return (
+        model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        and getattr(config, "vision_config", None) is not None
+    )
+
+
+def load(name_or_path: str, kwargs: dict, model_kwargs: dict):
+    """``(model, processor)`` of a vision-language checkpoint (from_pretrained's own loading)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(name_or_path, **kwargs)
+    if getattr(processor, "image_processor", None) is None or getattr(processor, "tokenizer", None) is None:
+        raise OSError(f"{name_or_path}: its processor has no image processor and tokenizer")
+    model = AutoModelForImageTextToText.from_pretrained(name_or_path, **model_kwargs)
+    return model, processor
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # pixel_values etc.; {} without images
+
+
+def _sanitizes(processor) -> bool:
+    return "sanitize_control_tokens" in inspect.signature(processor.apply_chat_template).parameters
+
+
+def _conversation(processor, messages: list[dict], images: list) -> list[dict]:
+    """Messages in the processor's form: text parts, and image parts holding the PIL images."""
+    pending = iter(images)
+    tokens = (
+        None if _sanitizes(processor) else control_tokens(processor.tokenizer, processor.chat_template or "")
+    )
+    out = []
+    for i, m in enumerate(messages):
+        parts = [{"type": "text", "text": m["content"]}] if isinstance(m["content"], str) else m["content"]
+        content = []
+        for part in parts:
+            if part["type"] == "image_url":
+                content.append({"type": "image", "image": next(pending)})
+                continue
+            if tokens and any(t in part["text"] for t in tokens):
+                raise ApiError(
+                    400,
+                    f"messages[{i}].content holds a control token of the model's chat format "
+                    "(transformers 5.23 or later encodes them as text)",
+                    f"messages[{i}].content",
+                )
+            content.append({"type": "text", "text": part["text"]})
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def render(processor, messages: list[dict], images: list) -> Prompt:
+    """The prompt of checked chat ``messages`` (demo.schema) with ``images`` (PIL, one per image
+    part in order), ending with the assistant's turn. ApiError 400 when the processor refuses."""
+    extra = {"sanitize_control_tokens": True} if _sanitizes(processor) else {}
+    try:
+        out = processor.apply_chat_template(
+            _conversation(processor, messages, images),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            **extra,
+        )
+    except ApiError:
+        raise
+    except Exception as e:  # a template or processor that refuses these messages / images
+        raise ApiError(400, f"the model's processor refused the messages: {e}", "messages") from None
+    inputs = {k: v for k, v in out.items() if k not in _TEXT_INPUTS} if images else {}
+    return Prompt(out["input_ids"][0].tolist(), inputs)
+
+
+def on_model(inputs: dict, model) -> dict:
+    """``inputs`` on the model's device, floating tensors (pixels) in its dtype."""
+    out = {}
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor):
+            value = value.to(
+                device=model.device, dtype=model.dtype if value.is_floating_point() else value.dtype
+            )
+        out[name] = value
+    return out

@@ -1,0 +1,27 @@
+"""Cache files: a store's prefixes saved to one safetensors file and restored, all or nothing.
+
+``manifest``: the file's JSON manifest, namespace encoding and the refusals
+(``CacheFileError``); ``checksum``: the tensors' checksums (BLAKE3; sha256 in format 1);
+``file_io``: a writer thread behind a save, a reader thread ahead of a restore;
+``cache_write``: the atomic write; ``cache_file``: opening a file, its header, manifest and
+tree checked; ``cache_read``: its KV read straight into the blocks chosen for it, checked;
+``save``: a store's snapshot written (and the result records); ``restore_plan``: where a
+file's nodes go; ``restore``: a file merged into a store.
+"""
+
+from radixkv.persist.cache_write import SaveAborted
+from radixkv.persist.manifest import CacheFileError, CacheFileMismatch, CorruptCacheFile, KeyedNamespace
+from radixkv.persist.restore import restore_store
+from radixkv.persist.save import RestoreResult, SaveResult, save_store
+
+__all__ = [
+    "CacheFileError",
+    "CacheFileMismatch",
+    "CorruptCacheFile",
+    "KeyedNamespace",
+    "RestoreResult",
+    "SaveAborted",
+    "SaveResult",
+    "restore_store",
+    "save_store",
+]

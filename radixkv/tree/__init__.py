@@ -1,0 +1,21 @@
+"""The radix tree over block-granular token prefixes (pure Python, no torch).
+
+``node``: packed tokens, ``Node``, ``MatchResult`` and the walk/split primitives;
+``radix_tree``: ``RadixTree`` (match, insert, pins, LRU eviction, tier moves);
+``check``: the independent recount behind ``RadixTree.check_invariants``.
+"""
+
+from radixkv.tree.node import DEVICE, HOST, MatchResult, Node, PackedTokens, TreeInvariantError, pack_tokens
+from radixkv.tree.radix_tree import RadixTree, TierOrderError
+
+__all__ = [
+    "DEVICE",
+    "HOST",
+    "MatchResult",
+    "Node",
+    "PackedTokens",
+    "RadixTree",
+    "TierOrderError",
+    "TreeInvariantError",
+    "pack_tokens",
+]
