@@ -5,20 +5,22 @@
 ``file_io``: a writer thread behind a save, a reader thread ahead of a restore;
 ``cache_write``: the atomic write; ``cache_file``: opening a file, its header, manifest and
 tree checked; ``cache_read``: its KV read straight into the blocks chosen for it, checked;
-``save``: a store's snapshot written (and the result records); ``restore_plan``: where a
+``save``: a store's snapshot written (the result records, and ``Locked``: what a save or
+restore may use of a store under its lock); ``restore_plan``: where a
 file's nodes go; ``restore``: a file merged into a store.
 """
 
 from radixkv.persist.cache_write import SaveAborted
 from radixkv.persist.manifest import CacheFileError, CacheFileMismatch, CorruptCacheFile, KeyedNamespace
 from radixkv.persist.restore import restore_store
-from radixkv.persist.save import RestoreResult, SaveResult, save_store
+from radixkv.persist.save import Locked, RestoreResult, SaveResult, save_store
 
 __all__ = [
     "CacheFileError",
     "CacheFileMismatch",
     "CorruptCacheFile",
     "KeyedNamespace",
+    "Locked",
     "RestoreResult",
     "SaveAborted",
     "SaveResult",

@@ -40,6 +40,7 @@ import torch
 from radixkv.persist.cache_write import MIN_RUN_BYTES, Gathered, atomic_save, nbytes, pieces_of
 from radixkv.persist.file_io import IoTimes
 from radixkv.persist.manifest import FORMAT, FORMAT_VERSION, canonical, encode_namespace, layout_of
+from radixkv.tree import RadixTree
 from radixkv.tree.node import DEVICE
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,18 @@ class RestoreResult:
     demoted_blocks: int = 0  # store blocks moved to the host tier to make room (evict=True)
     seconds: float = 0.0  # read, check, place and copy
     times: IoTimes = dataclasses.field(default_factory=IoTimes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Locked:
+    """What radixkv.persist may use of a store while it holds the store's lock (``_exclusive``)."""
+
+    tree: RadixTree  # the live tree
+    pools: tuple  # the BlockPools, by tier: (device,) or (device, host)
+    counters: object  # the store's StoreCounters (evicted_blocks, demoted_blocks, ...)
+    unpin: Callable[[RadixTree, object], None]  # of a node pinned earlier (a flushed tree's too)
+    make_room: Callable[[int, int], None]  # (tier, blocks): evict / demote least recently used
+    private: tuple[set[int], set[int]]  # per tier: blocks taken from the pool, in no tree yet
 
 
 # -- save -----------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ Persistence (``save``/``restore``): the work is in ``radixkv.persist``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
@@ -42,19 +41,6 @@ from radixkv.tree import DEVICE, HOST, MatchResult, RadixTree, TierOrderError
 from radixkv.tree.node import Tokens, head_of, num_tokens_of, pack_tokens
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Locked:
-    """What radixkv.persist may use of a store while it holds the store's lock (``_exclusive``)."""
-
-    tree: RadixTree  # the live tree
-    pools: tuple[BlockPool, ...]  # indexed by tier: (device,) or (device, host)
-    counters: StoreCounters
-    unpin: Callable[[RadixTree, object], None]  # unpin a node pinned earlier (frees the blocks of a
-    # tree flushed since)
-    make_room: Callable[[int, int], None]  # (tier, blocks): evict / demote least recently used
-    private: tuple[set[int], set[int]]  # per tier: blocks taken from the pool, in no tree yet
 
 
 class KVStore:
@@ -393,12 +379,14 @@ class KVStore:
         return persist.restore_store(self, path, identity=identity, rename=rename, epoch=epoch, evict=evict)
 
     @contextlib.contextmanager
-    def _exclusive(self) -> Iterator[Locked]:
+    def _exclusive(self) -> Iterator[persist.Locked]:
         """radixkv.persist's hook: the lock held while the ``Locked`` view is used."""
         with self._lock:
             pools = tuple(tier.pool for tier in self.tiers)
             private = (self._private, self._private_host)
-            yield Locked(self.tree, pools, self.counters, self._unpin_locked, self._make_room_locked, private)
+            yield persist.Locked(
+                self.tree, pools, self.counters, self._unpin_locked, self._make_room_locked, private
+            )
 
     # -- maintenance ----------------------------------------------------------------------
     def flush(self) -> int:
