@@ -14,6 +14,7 @@ and what the demo's shutdown save uses to estimate how much it can write in time
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import threading
 import time
@@ -94,17 +95,39 @@ class Writer:
             self._batch, self._batched = [], 0
 
     def _run(self) -> None:
+        written = advised = 0
         while (batch := self._todo.get()) is not None:
             for view, buffer in batch:
                 if self._error is None:
                     started = time.perf_counter()
                     try:
                         self._f.write(view)
+                        written += len(view)
+                        if written - advised >= WRITE_BEHIND:
+                            advised = written
+                            _write_behind(self._f, written)
                     except BaseException as e:  # reported to the caller's thread
                         self._error = e
                     self._times.write += time.perf_counter() - started
                 if buffer is not None:
                     self._free.put(buffer)
+
+
+# Every this many bytes the writer asks the kernel to write the file back and drop what is
+# written already (posix_fadvise DONTNEED: asynchronous writeback of dirty pages, clean ones
+# freed). Without it a 2 GiB save took 3.6-6.7 s against cp + fsync's 1.1-2.1 s on the test
+# machine: its new pages came from memory the VM had handed back to the host and its dirty
+# pages hit the kernel's throttling; with it 1.3-1.7 s, and the final fsync 0.02 s instead of
+# 0.5 s (a shorter tail for a save against a deadline). The saved file is then mostly not in
+# the page cache.
+WRITE_BEHIND = 64 << 20
+
+
+def _write_behind(f, written: int) -> None:
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is not None:  # not on macOS / Windows: the kernel writes back as it likes
+        f.flush()
+        advise(f.fileno(), 0, written, os.POSIX_FADV_DONTNEED)
 
 
 def read_overlapped(
