@@ -182,3 +182,28 @@ def test_save_and_restore_say_where_the_time_went(tmp_path):
     restored = make_store(64).restore(path, identity=IDENTITY)
     assert restored.seconds > 0 and restored.times.read > 0 and restored.times.hash > 0
     assert saved.times.hash > 0 and saved.times.gather > 0
+
+
+@pytest.mark.parametrize("chunk", [cache_read.CHUNK, 2000])
+def test_a_restore_into_a_fragmented_pool(tmp_path, monkeypatch, chunk):
+    """Free blocks scattered between cached ones (and a free list in no order): short runs are
+    read through a buffer and copied on, long ones in place; every block gets exactly its KV."""
+    store = fragmented_store()
+    path = tmp_path / "kv.safetensors"
+    store.save(path, identity=IDENTITY)
+    target = make_store(96)
+    others = [[90000 + 1000 * i + t for t in range(BS)] for i in range(48)]  # one block each
+    for seq in others:
+        put(target, seq)
+    for seq in others[::2]:
+        cached_prefix(target, seq)  # now the more recent half
+    target.pool.free(target.tree.evict(24))  # the other half: every other block is free
+    target.check_invariants()
+    free = target.pool._free[-24:]
+    assert all(abs(a - b) > 1 for a, b in zip(sorted(free), sorted(free)[1:]))  # no two adjacent
+    monkeypatch.setattr(cache_read, "CHUNK", chunk)
+    result = target.restore(path, identity=IDENTITY)
+    target.check_invariants()
+    expected = [store.tree.cached_prefix(d)[0] for d in DOCS]
+    hits = [cached_prefix(target, d) for d in DOCS]
+    assert result.dropped_blocks == 0 and hits == expected

@@ -57,51 +57,105 @@ def _in_place(into: torch.Tensor) -> bool:
     return into.device.type == "cpu"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """File blocks ``[row, row + count)`` read at once: in place into one run of one destination
+    (``in_place``), or into a buffer and copied on, per destination, as ``(dest, rows in the
+    window, blocks)`` (blocks going nowhere are only hashed)."""
+
+    row: int
+    count: int
+    in_place: Run | None
+    copies: tuple[tuple[int, torch.Tensor, torch.Tensor], ...] = ()
+
+
+def _windows(runs: Sequence[Run], cap: int, in_place: Sequence[bool]) -> list[_Window]:
+    """Cut ``runs`` into windows of at most ``cap`` blocks: a run of at least ``cap // 4`` blocks
+    into a destination that can be read into (``in_place[dest]``) gets windows of its own, read
+    in place; shorter runs (a fragmented free list) and blocks going nowhere share windows, read
+    into a buffer and copied on with one indexed copy per destination. O(blocks)."""
+    out: list[_Window] = []
+    pending: list[tuple[int, Run]] = []  # (first row of the part, part) of a shared window
+    filled = 0
+
+    def flush() -> None:
+        nonlocal pending, filled
+        if not pending:
+            return
+        row = pending[0][0]
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for first, part in pending:
+            if part.dest is not None:
+                rows, blocks = groups.setdefault(part.dest, ([], []))
+                rows.extend(range(first - row, first - row + part.count))
+                blocks.extend(range(part.start, part.start + part.count))
+        copies = tuple((d, torch.tensor(r), torch.tensor(b)) for d, (r, b) in groups.items())
+        out.append(_Window(row, filled, None, copies))
+        pending, filled = [], 0
+
+    for run in runs:
+        if run.dest is not None and in_place[run.dest] and run.count >= max(1, cap // 4):
+            flush()
+            for at in range(0, run.count, cap):
+                n = min(cap, run.count - at)
+                out.append(_Window(run.row + at, n, Run(run.row + at, n, run.dest, run.start + at)))
+            continue
+        at = 0
+        while at < run.count:
+            n = min(run.count - at, cap - filled)
+            start = run.start + at if run.dest is not None else 0
+            pending.append((run.row + at, Run(run.row + at, n, run.dest, start)))
+            filled += n
+            at += n
+            if filled == cap:
+                flush()
+    flush()
+    return out
+
+
 def read_kv(head: CacheFileHead, runs: Sequence[Run], dests: Sequence) -> None:
     """Read every KV tensor of ``head``'s file into ``dests`` along ``runs`` and check it.
 
     ``dests[d]`` has ``k`` and ``v``: per layer ``[blocks, bs, H, D]`` tensors of the file's
-    layout (a BlockPool, or staging tensors), on any device. ``runs`` cover the file's blocks in
-    order. Raises CorruptCacheFile when a checksum differs or the file ends early (the blocks
-    written so far hold garbage: the caller frees them).
+    layout (a BlockPool, or staging tensors), on any device (None where no run goes). ``runs``
+    cover the file's blocks in order. Raises CorruptCacheFile when a checksum differs or the
+    file ends early (the blocks written so far hold garbage: the caller frees them).
     """
+    in_place = [d is not None and _in_place(d.k[0]) for d in dests]
+    windows: dict[int, list[_Window]] = {}  # by blocks per window
     pieces: list[tuple[int, int, memoryview | None]] = []
-    targets: list[tuple[int, torch.Tensor | None]] = []  # per piece: tensor index, device target
+    plans: list[tuple[int, int, str, int, _Window]] = []  # tensor index, layer, k/v, block bytes, window
     largest = CHUNK
     for index, t in enumerate(head.kv):
         _, layer, kind = t.name.split(".")
         block_bytes = math.prod(t.shape[1:]) * torch.empty((), dtype=t.dtype).element_size()
         largest = max(largest, block_bytes)
         cap = max(1, CHUNK // block_bytes)
-        for run in runs:
-            for at in range(0, run.count, cap):
-                n = min(cap, run.count - at)
-                offset, nbytes = t.offset + (run.row + at) * block_bytes, n * block_bytes
-                if run.dest is None:
-                    pieces.append((offset, nbytes, None))
-                    targets.append((index, None))
-                    continue
-                first = run.start + at
-                into = getattr(dests[run.dest], kind)[int(layer)][first : first + n]
-                if _in_place(into):
-                    pieces.append(
-                        (offset, nbytes, memoryview(into.view(-1).view(torch.uint8).numpy()).cast("B"))
-                    )
-                    targets.append((index, None))
-                else:
-                    pieces.append((offset, nbytes, None))
-                    targets.append((index, into))
+        if cap not in windows:
+            windows[cap] = _windows(runs, cap, in_place)
+        for w in windows[cap]:
+            view = None
+            if w.in_place is not None:
+                into = getattr(dests[w.in_place.dest], kind)[int(layer)]
+                into = into[w.in_place.start : w.in_place.start + w.count]
+                view = memoryview(into.view(-1).view(torch.uint8).numpy()).cast("B")
+            pieces.append((t.offset + w.row * block_bytes, w.count * block_bytes, view))
+            plans.append((index, int(layer), kind, block_bytes, w))
     hashers = [new_hasher(head.algorithm) for _ in head.kv]
     times = head.times
 
     def consume(i: int, data: memoryview, buffer: torch.Tensor | None) -> None:
-        index, into = targets[i]
+        index, layer, kind, block_bytes, w = plans[i]
         started = time.perf_counter()
         hashers[index].update(data)
         hashed = time.perf_counter()
         times.hash += hashed - started
-        if into is not None:  # a GPU pool: the checked bytes go on from the bounce buffer
-            into.copy_(buffer[: len(data)].view(into.dtype).view(into.shape))
+        if w.copies:  # the checked bytes go on from the buffer (a fragmented pool, a GPU pool)
+            into0 = getattr(dests[w.copies[0][0]], kind)[layer]
+            staged = buffer[: len(data)].view(into0.dtype).view(w.count, *into0.shape[1:])
+            for dest, rows, blocks in w.copies:
+                into = getattr(dests[dest], kind)[layer]
+                into.index_copy_(0, blocks.to(into.device), staged.index_select(0, rows).to(into.device))
             times.copy += time.perf_counter() - hashed
 
     try:

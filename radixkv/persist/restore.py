@@ -203,7 +203,8 @@ def _claim(locked, tree: _FileTree, evict: bool) -> _Claim:
         for where in (DEVICE, HOST):
             mine = sorted(i for i in direct if plan.tier[i] == where)  # file order: one run when possible
             if mine:
-                ids = pools[where].allocate(sum(len(tree.new_rows(i, plan)) for i in mine))
+                # Ascending: consecutive file blocks land in consecutive pool blocks, read in place.
+                ids = sorted(pools[where].allocate(sum(len(tree.new_rows(i, plan)) for i in mine)))
                 locked.private[where].update(ids)
                 claim.taken[where].extend(ids)
                 at = 0
