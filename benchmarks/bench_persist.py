@@ -12,7 +12,10 @@ KV per token):
    printed too, and the total (restore + first answer) against the cold first answer.
 2. throughput: for each size (MiB of KV), save and restore of a store holding that much, in
    MB/s, against ``cp`` + fsync (for the save) and ``cp`` (for the restore) of the same file,
-   in the same run, interleaved per round; medians. ``cp`` overwrites its copy of the round
+   in the same run, interleaved per round; medians. Rounds alternate a restore into a new store
+   with zeros written into a new store's pool and ``cp`` to a new file at the same point: the
+   cost of touching new memory, which a restore into a new store pays too (``cp`` over its old
+   copy reuses the pages it frees). ``cp`` overwrites its copy of the round
    before, as a save replaces its file. A restore goes into a new store (as at start-up: its
    pool's pages are first touched by the restore, and on the test VM memory freed a while ago
    is slow to touch again) and into a flushed store (pages touched before); the file is read
@@ -24,6 +27,7 @@ KV per token):
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import shutil
@@ -123,20 +127,28 @@ def _throughput(model, args, directory: str, mib: int) -> None:
     hf_patch.save_cache(model, path, store)  # warm-up (and the page cache)
     warm = new_store(model, tokens)  # restored into, flushed, restored into again: its pages touched
     hf_patch.restore_cache(model, path, warm)
-    save, restore, cp, cp_sync, save_times, restore_times, again = [], [], [], [], [], [], []
-    for _ in range(args.rounds):  # wall-clock times of the whole calls (the model's identity included)
-        started = time.perf_counter()
-        result = hf_patch.save_cache(model, path, store)
-        save.append(time.perf_counter() - started)
-        save_times.append(result.times)
+    save, restore, cp, cp_sync, save_times, restore_times, again, touch, cp_new = ([] for _ in range(9))
+    for i in range(2 * args.rounds):  # wall-clock times of the whole calls (the model's identity included)
+        if i % 2 == 0:
+            started = time.perf_counter()
+            result = hf_patch.save_cache(model, path, store)
+            save.append(time.perf_counter() - started)
+            save_times.append(result.times)
         cp_sync.append(_timed(lambda: _cp(path, copy, sync=True)))
+        if i % 2:  # at the same point of a round as a restore into a new store: cp to a new file
+            cp_new.append(_timed(lambda: _cp(path, copy + ".new", sync=False)))
+            os.unlink(copy + ".new")
         target = new_store(model, tokens)
-        started = time.perf_counter()
-        restored = hf_patch.restore_cache(model, path, target)
-        restore.append(time.perf_counter() - started)
-        assert restored.restored_tokens == tokens and restored.dropped_tokens == 0
-        restore_times.append(restored.times)
-        del target, restored
+        if i % 2 == 0:
+            started = time.perf_counter()
+            restored = hf_patch.restore_cache(model, path, target)
+            restore.append(time.perf_counter() - started)
+            assert restored.restored_tokens == tokens and restored.dropped_tokens == 0
+            restore_times.append(restored.times)
+        else:  # at the same point of a round: what merely touching the new pool's pages costs
+            touch.append(_timed(lambda p=target.pool: [t.fill_(0) for t in p.k + p.v]))
+        del target
+        gc.collect()  # a KVStore is in a reference cycle (its TaskPins): free its pool now
         cp.append(_timed(lambda: _cp(path, copy, sync=False)))
         warm.flush()
         again.append(_timed(lambda: hf_patch.restore_cache(model, path, warm)))
@@ -144,7 +156,7 @@ def _throughput(model, args, directory: str, mib: int) -> None:
     manifest = read_manifest(path)
     kv = manifest["counts"]["tokens"] * store.pool.bytes_per_token
     mb = size / 1e6
-    s, r, c, cs, w = (statistics.median(x) for x in (save, restore, cp, cp_sync, again))
+    s, r, c, cs, w, f, cn = (statistics.median(x) for x in (save, restore, cp, cp_sync, again, touch, cp_new))
     print(
         f"\n2. throughput: {mib} MiB of KV ({manifest['counts']['tokens']} tokens), median of {args.rounds} rounds"
     )
@@ -155,6 +167,8 @@ def _throughput(model, args, directory: str, mib: int) -> None:
     print(f"   save (with fsync)  {mb / s:8.0f} MB/s   = {cs / s:4.2f}x cp + fsync")
     print(f"   cp                 {mb / c:8.0f} MB/s")
     print(f"   restore            {mb / r:8.0f} MB/s   = {c / r:4.2f}x cp   (into a new store)")
+    print(f"   cp to a new file   {mb / cn:8.0f} MB/s   restore into a new store = {cn / r:4.2f}x it")
+    print(f"   zeros into a new store's pool (its first touch alone) {mb / f:6.0f} MB/s = {c / f:4.2f}x cp")
     print(
         f"   restore            {mb / w:8.0f} MB/s   = {c / w:4.2f}x cp   (into a flushed store: pages touched before)"
     )
