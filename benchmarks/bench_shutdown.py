@@ -123,7 +123,9 @@ def main() -> None:
             proc, url, boot = start(server, log)
             restored = RESTORED.search(open(log).read())
             if extra:  # wait for one periodic save to finish: its throughput is then known
-                while "radixkv.persist: saved" not in open(log).read():
+                waited = time.monotonic()
+                while not re.search(r"radixkv\.persist\S*: saved", open(log).read()):
+                    assert time.monotonic() - waited < 600, "no periodic save in 10 minutes"
                     time.sleep(0.2)
             ask(url, doc + q1)
             exit_seconds = stop(proc)
