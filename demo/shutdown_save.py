@@ -9,7 +9,8 @@ listener is closed first, so no request is taken meanwhile. Then ``save_before``
 - the bytes that fit are estimated from the throughput of the last large save of this
   process (file bytes over its whole time, fsync included), times ``SAFETY``; with none
   measured yet, a first save sized for ``PROBE_RATE`` over a quarter of the time left measures
-  it, and a second save of the rest follows when prefixes were left out and time remains;
+  it (its own throughput), and a second save sized by that follows when prefixes were left
+  out and time remains;
 - each save has the deadline minus ``EXIT_MARGIN``: a disk slower than measured stops it at a
   chunk boundary and the file keeps its previous content (the rename is atomic), or the
   whole first save when the second one is stopped;
@@ -44,26 +45,25 @@ def save_before(files, deadline: float) -> dict | None:
     watchdog = threading.Timer(max(0.0, deadline - 0.2 - time.monotonic()), _give_up, (files.cache_file,))
     watchdog.daemon = True
     watchdog.start()
-    started, result, measured = time.monotonic(), None, files.rate is not None
+    started, result, rate = time.monotonic(), None, files.rate
     try:
         for _ in range(2):
             left = stop_by - time.monotonic()
             if left <= 0:
                 break
-            rate = files.rate if files.rate is not None else PROBE_RATE
-            share = SAFETY if files.rate is not None else PROBE_SHARE
+            budget = rate * left * SAFETY if rate is not None else PROBE_RATE * left * PROBE_SHARE
             try:
-                result = files.save(
-                    files.cache_file, max_bytes=int(rate * left * share), deadline=stop_by, final=True
-                )
+                result = files.save(files.cache_file, max_bytes=int(budget), deadline=stop_by, final=True)
             except SaveAborted as e:
                 log.warning(
                     "shutdown save to %s %s; the file keeps its previous content", files.cache_file, e
                 )
                 break
-            if measured or not result["skipped_blocks"]:
+            if rate is not None or not result["skipped_blocks"]:
                 break
-            measured = True  # the first save measured the disk: size a second one with it
+            # The first save measured the disk (small as it is, its fixed costs make the figure
+            # low, not high): size a second one with it.
+            rate = result["file_bytes"] / max(result["seconds"], 1e-3)
     except Exception:
         log.exception("shutdown save to %s failed; the file keeps its previous content", files.cache_file)
         return None
