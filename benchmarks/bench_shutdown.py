@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=2048, help="MiB of KV in the cache (default 2048)")
     parser.add_argument("--timeout", type=float, default=10.0, help="--cache-save-timeout (default 10)")
     parser.add_argument("--dir", default=None, help="where the files go (default: a temporary directory)")
+    parser.add_argument("--scenarios", default="first,periodic", help="first, periodic or both")
     args = parser.parse_args()
     directory = args.dir or tempfile.mkdtemp(prefix="bench_shutdown.")
     original, path, log = (
@@ -131,6 +132,7 @@ def main() -> None:
             exit_seconds = stop(proc)
             text = open(log).read()
             saved = SAVED.search(text)
+            steps = re.findall(r"shutdown save step: (.*)", text)
             os.truncate(log, 0)
             proc, url, reboot = start(server, log)
             again = RESTORED.search(open(log).read())
@@ -139,6 +141,8 @@ def main() -> None:
             print(f"\n{scenario}:")
             print(f"   start-up, restoring {int(restored[1]) if restored else 0} tokens: {boot:.1f} s")
             print(f"   SIGTERM to exit: {exit_seconds:.2f} s (deadline {args.timeout:g} s)")
+            for step in steps:
+                print(f"   a save: {step}")
             if saved:
                 print(
                     f"   saved {saved[1]} tokens ({saved[2]} nodes, {saved[3]} MiB) in {saved[4]} s; "

@@ -9,11 +9,13 @@ listener is closed first, so no request is taken meanwhile. Then ``save_before``
 - the bytes that fit are estimated from the throughput of the last large save of this
   process (file bytes over its whole time, fsync included), times ``SAFETY``; with none
   measured yet, a first save sized for ``PROBE_RATE`` over a quarter of the time left measures
-  it (its own throughput), and a second save sized by that follows when prefixes were left
-  out and time remains;
+  it; while prefixes were left out and time remains, the next save is sized by the best
+  throughput measured so far (a small save's fixed costs make its figure low: on the test
+  machine 12.6 MiB in 0.051 s, then 180 MiB in 0.095 s), up to ``MAX_SAVES`` saves, each
+  replacing the last;
 - each save has the deadline minus ``EXIT_MARGIN``: a disk slower than measured stops it at a
-  chunk boundary and the file keeps its previous content (the rename is atomic), or the
-  whole first save when the second one is stopped;
+  chunk boundary and the file keeps what the last finished save wrote (the rename is atomic),
+  or its previous content;
 - a watchdog ends the process just before the deadline if the file system hangs (an fsync
   cannot be interrupted); the next start removes the temporary file left behind.
 
@@ -35,6 +37,7 @@ EXIT_MARGIN = 1.0  # seconds left for the process to exit after the save
 SAFETY = 0.8  # of the bytes the measured throughput allows: disk speed varies
 PROBE_RATE = 100e6  # bytes/s assumed before any save was measured (a network volume's order)
 PROBE_SHARE = 0.25  # of the time left, for that first save
+MAX_SAVES = 4  # a save measures the disk for the next one; each rewrites the most recent prefixes
 
 
 def save_before(files, deadline: float) -> dict | None:
@@ -46,12 +49,13 @@ def save_before(files, deadline: float) -> dict | None:
     watchdog.daemon = True
     watchdog.start()
     started, result, rate = time.monotonic(), None, files.rate
+    probing = rate is None  # a rate from a large save of this process is trusted: one save
     try:
-        for _ in range(2):
+        for _ in range(MAX_SAVES):
             left = stop_by - time.monotonic()
-            if left <= 0:
-                break
             budget = rate * left * SAFETY if rate is not None else PROBE_RATE * left * PROBE_SHARE
+            if left <= 0 or (result is not None and budget < 1.5 * result["file_bytes"]):
+                break  # out of time, or the next save would add little to the last one
             try:
                 result = files.save(files.cache_file, max_bytes=int(budget), deadline=stop_by, final=True)
             except SaveAborted as e:
@@ -59,11 +63,17 @@ def save_before(files, deadline: float) -> dict | None:
                     "shutdown save to %s %s; the file keeps its previous content", files.cache_file, e
                 )
                 break
-            if rate is not None or not result["skipped_blocks"]:
+            log.info(
+                "shutdown save step: planned %.1f MiB, wrote %.1f MiB in %.3fs",
+                budget / 2**20,
+                result["file_bytes"] / 2**20,
+                result["seconds"],
+            )
+            if not result["skipped_blocks"] or not probing:
                 break
-            # The first save measured the disk (small as it is, its fixed costs make the figure
-            # low, not high): size a second one with it.
-            rate = result["file_bytes"] / max(result["seconds"], 1e-3)
+            # Each save measures the disk again: a small one's fixed costs make its figure low,
+            # so the estimate only grows, and the next save is larger.
+            rate = max(rate or 0.0, result["file_bytes"] / max(result["seconds"], 1e-3))
     except Exception:
         log.exception("shutdown save to %s failed; the file keeps its previous content", files.cache_file)
         return None
