@@ -56,6 +56,9 @@ RATE_MIN_BYTES = 32 << 20  # smaller saves are mostly fixed costs: no throughput
 # scheduled: "idle" (Linux SCHED_IDLE: only CPU time the request threads leave), "nice" (nice
 # 10) or "normal". p99 request latency during 2 GiB saves: README "The cache on disk".
 PERIODIC_SCHEDULING = "idle"
+# Bytes/s of KV a periodic save writes at most: spread thin, its memory traffic (hash, copy into
+# the page cache) leaves requests their latency; None: as fast as it goes.
+PERIODIC_RATE: float | None = 256e6
 
 
 def background_priority(how: str) -> None:
@@ -117,6 +120,7 @@ class CacheFiles:
         max_bytes: int | None = None,
         deadline: float | None = None,
         final: bool = False,
+        max_rate: float | None = None,
     ) -> dict:
         """Save to ``path`` (default --cache-file); ``max_bytes`` / ``deadline``: see
         ``hf_patch.save_cache``. Saves but the ``final`` one stop once shutdown begins
@@ -135,6 +139,7 @@ class CacheFiles:
                 max_bytes=max_bytes,
                 deadline=deadline,
                 cancel=None if final else self._cancel,
+                max_rate=max_rate,
             )
         finally:
             self._lock.release()
@@ -220,7 +225,7 @@ class CacheFiles:
         background_priority(PERIODIC_SCHEDULING)
         while not self._stop.wait(self.every):
             try:
-                self.save(self.cache_file)
+                self.save(self.cache_file, max_rate=PERIODIC_RATE)
             except SaveAborted:
                 return  # shutting down
             except Exception:  # a full disk must not kill the thread: the next period retries

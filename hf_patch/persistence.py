@@ -116,6 +116,7 @@ def save_cache(
     max_bytes: int | None = None,
     deadline: float | None = None,
     cancel: threading.Event | None = None,
+    max_rate: float | None = None,
 ) -> SaveResult:
     """Write ``model``'s prefixes in ``store`` (default: its default store) to ``path``, atomically.
 
@@ -123,8 +124,9 @@ def save_cache(
     model's. Another model's prefixes in a shared store are never written. KV cached under
     weights that have changed since is flushed first, never saved under the new identity.
     Raises RuntimeError, writing nothing, if the weights change (the store is flushed) while
-    their identity is computed. ``max_bytes``, ``deadline``, ``cancel``: see ``KVStore.save``
-    (the most recent prefixes that fit; radixkv.SaveAborted once the deadline passes).
+    their identity is computed. ``max_bytes``, ``deadline``, ``cancel``, ``max_rate``: see
+    ``KVStore.save`` (the most recent prefixes that fit; radixkv.SaveAborted once the deadline
+    passes; a bandwidth cap for saves in the background of requests).
     """
     store = _store(model, store)
     flush_if_weights_changed(store, model)
@@ -147,6 +149,7 @@ def save_cache(
         max_bytes=max_bytes,
         deadline=deadline,
         cancel=cancel,
+        max_rate=max_rate,
     )
 
 

@@ -80,10 +80,10 @@ def test_a_save_that_cannot_finish_in_time_leaves_the_previous_file(tmp_path, mo
     chat(c, new)
     write = cache_write._write_tensors
 
-    def slow_disk(tensors, manifest, tmp, times, stop):
+    def slow_disk(tensors, manifest, tmp, times, stop, *pace):
         while stop() is None:  # the disk is slower than estimated: the deadline passes
             time.sleep(0.01)
-        write(tensors, manifest, tmp, times, stop)
+        write(tensors, manifest, tmp, times, stop, *pace)
 
     monkeypatch.setattr(cache_write, "_write_tensors", slow_disk)
     started = time.monotonic()
@@ -133,13 +133,13 @@ def test_a_periodic_save_running_at_shutdown_is_cancelled(tmp_path, monkeypatch)
     running = threading.Event()
     calls = []
 
-    def stuck(tensors, manifest, tmp, times, stop):
+    def stuck(tensors, manifest, tmp, times, stop, *pace):
         calls.append(stop)
         if len(calls) == 1:  # the periodic save: stuck on a slow disk until cancelled
             running.set()
             while stop() is None:
                 time.sleep(0.01)
-        write(tensors, manifest, tmp, times, stop)
+        write(tensors, manifest, tmp, times, stop, *pace)
 
     monkeypatch.setattr(cache_write, "_write_tensors", stuck)
     chat(c, text)

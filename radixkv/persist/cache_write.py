@@ -156,24 +156,26 @@ def _write_tensors(
     path: str,
     times: IoTimes,
     stop: Callable[[], str | None],
+    pace: Callable[[int], None] | None = None,
 ) -> None:
     """Write ``tensors`` as safetensors to ``path``, filling ``manifest["checksum(s)"]`` on the way.
 
-    Raises SaveAborted as soon as ``stop()`` gives a reason (checked between chunks).
+    Raises SaveAborted as soon as ``stop()`` gives a reason (checked between chunks);
+    ``pace(nbytes)`` is called after each chunk (it may sleep: a background save's rate).
     """
     manifest["checksum"] = WRITTEN
     manifest["checksums"] = {name: "0" * 64 for name in tensors}
     header = _header(tensors, manifest)
     f = open(path, "wb")  # closed below: its time counts with the fsync
     try:
-        _write_all(f, tensors, manifest, header, times, stop)
+        _write_all(f, tensors, manifest, header, times, stop, pace)
     finally:
         closing = time.perf_counter()
         f.close()  # may write the data back here rather than in the fsync
         times.fsync += time.perf_counter() - closing
 
 
-def _write_all(f, tensors, manifest: dict, header: bytes, times: IoTimes, stop) -> None:
+def _write_all(f, tensors, manifest: dict, header: bytes, times: IoTimes, stop, pace) -> None:
     block_bytes = max((t.block_bytes for t in tensors.values() if isinstance(t, Gathered)), default=0)
     f.write(len(header).to_bytes(8, "little"))
     f.write(header)
@@ -194,6 +196,8 @@ def _write_all(f, tensors, manifest: dict, header: bytes, times: IoTimes, stop) 
                 digest.update(item[0])
                 times.hash += time.perf_counter() - hashed
                 writer.put(*item)
+                if pace is not None:
+                    pace(len(item[0]))
             manifest["checksums"][name] = digest.hexdigest()
     except BaseException:
         writer.close(raise_error=False)
@@ -213,6 +217,7 @@ def atomic_save(
     *,
     deadline: float | None = None,
     cancel: threading.Event | None = None,
+    max_rate: float | None = None,
 ) -> IoTimes:
     """Write a cache file so ``path`` holds either its old content or the whole new one.
 
@@ -220,7 +225,9 @@ def atomic_save(
     fsync, ``os.replace``, fsync of the directory (so the rename itself survives a power
     loss). The file is created owner-only (0600): it holds users' token ids. ``deadline``
     (``time.monotonic()`` seconds) and ``cancel`` stop the save between chunks and before the
-    fsync: SaveAborted. An fsync itself cannot be interrupted. Returns where the time went.
+    fsync: SaveAborted. An fsync itself cannot be interrupted. ``max_rate`` (bytes/s): sleep
+    between chunks so the KV goes at most that fast (a save in the background of requests:
+    its memory traffic spread thin). Returns where the time went.
     """
     times, started = IoTimes(), time.perf_counter()
 
@@ -231,11 +238,19 @@ def atomic_save(
             return "deadline passed"
         return None
 
+    paced = [0]
+
+    def pace(nbytes: int) -> None:
+        paced[0] += nbytes
+        ahead = paced[0] / max_rate - (time.perf_counter() - started)
+        if ahead > 0:
+            cancel.wait(ahead) if cancel is not None else time.sleep(ahead)
+
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     os.close(fd)
     try:
-        _write_tensors(tensors, manifest, tmp, times, stop)
+        _write_tensors(tensors, manifest, tmp, times, stop, pace if max_rate else None)
         if (why := stop()) is not None:
             raise SaveAborted(f"save stopped ({why}) before the fsync")
         synced = time.perf_counter()

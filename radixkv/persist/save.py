@@ -119,6 +119,7 @@ def save_store(
     max_bytes: int | None = None,
     deadline: float | None = None,
     cancel: threading.Event | None = None,
+    max_rate: float | None = None,
 ) -> SaveResult:
     """Write ``store``'s cached prefixes (those of ``namespaces``: all when None) to ``path``.
 
@@ -126,7 +127,8 @@ def save_store(
     namespace to the one written (hf_patch drops its per-process model scope). ``max_bytes``:
     at most this many KV bytes, the most recently used prefixes first (a prefix always with
     the path above it). ``deadline`` (``time.monotonic()``) / ``cancel``: stop writing once
-    passed / set, raising radixkv.SaveAborted, the previous file intact.
+    passed / set, raising radixkv.SaveAborted, the previous file intact. ``max_rate``: at most
+    this many KV bytes per second (a save in the background of requests).
 
     Raises ValueError, writing nothing, for a namespace that has no file form (see
     ``encode_namespace``); OSError from the file system, leaving any previous file intact.
@@ -168,7 +170,7 @@ def save_store(
             "counts": {"nodes": len(snap.rows), "blocks": num_blocks, "tokens": num_blocks * pool.block_size},
             # "checksum", "checksums": filled in by the writer as it streams each tensor
         }
-        times = atomic_save(tensors, manifest, path, deadline=deadline, cancel=cancel)
+        times = atomic_save(tensors, manifest, path, deadline=deadline, cancel=cancel, max_rate=max_rate)
     finally:
         with store._exclusive() as again:
             for leaf in snap.leaves:

@@ -325,6 +325,7 @@ class KVStore:
         max_bytes: int | None = None,
         deadline: float | None = None,
         cancel: threading.Event | None = None,
+        max_rate: float | None = None,
     ) -> persist.SaveResult:
         """Write the cached prefixes of ``namespaces`` (a list/set or a predicate; None: all) to ``path``.
 
@@ -339,7 +340,8 @@ class KVStore:
         ``max_bytes``: write at most this many KV bytes, the most recently used prefixes first
         (``SaveResult.skipped_*`` counts the rest). ``deadline`` (a ``time.monotonic()`` value)
         and ``cancel`` (an Event) stop the save between chunks: ``radixkv.SaveAborted``, the
-        previous file unchanged, no temporary file left.
+        previous file unchanged, no temporary file left. ``max_rate``: at most this many KV
+        bytes per second (a save in the background of requests).
         """
         return persist.save_store(
             self,
@@ -351,6 +353,7 @@ class KVStore:
             max_bytes=max_bytes,
             deadline=deadline,
             cancel=cancel,
+            max_rate=max_rate,
         )
 
     def restore(
