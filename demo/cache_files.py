@@ -82,7 +82,8 @@ class CacheFiles:
         self.cache_dir = config.cache_dir
         self.every = config.cache_save_every
         self.timeout = config.cache_save_timeout
-        # bytes/s of the last save of >= RATE_MIN_BYTES, fsync included: sizes the shutdown save
+        # bytes/s of the last unpaced save of >= RATE_MIN_BYTES (an admin save), fsync included:
+        # sizes the shutdown save
         self.rate: float | None = None
         self._lock = threading.Lock()  # one save or restore at a time: no two writers of one file
         self._stop = threading.Event()
@@ -143,7 +144,7 @@ class CacheFiles:
             )
         finally:
             self._lock.release()
-        if result.file_bytes >= RATE_MIN_BYTES:
+        if result.file_bytes >= RATE_MIN_BYTES and max_rate is None:  # a paced save says little
             self.rate = result.file_bytes / result.seconds
         out = dataclasses.asdict(result)
         out["seconds"] = round(result.seconds, 3)

@@ -6,8 +6,9 @@ listener is closed first, so no request is taken meanwhile. Then ``save_before``
 
 - a periodic or admin save still running is cancelled (demo.cache_files: it stops at its
   next chunk and removes its temporary file);
-- the bytes that fit are estimated from the throughput of the last large save of this
-  process (file bytes over its whole time, fsync included), times ``SAFETY``; with none
+- the bytes that fit are estimated from the throughput of the last large unpaced save of
+  this process (an admin save: periodic saves are paced), file bytes over its whole time,
+  fsync included, times ``SAFETY``; with none
   measured yet, a first save sized for ``PROBE_RATE`` over a quarter of the time left measures
   it; while prefixes were left out and time remains, the next save is sized by the best
   throughput measured so far (a small save's fixed costs make its figure low: on the test

@@ -207,3 +207,15 @@ def test_a_restore_into_a_fragmented_pool(tmp_path, monkeypatch, chunk):
     expected = [store.tree.cached_prefix(d)[0] for d in DOCS]
     hits = [cached_prefix(target, d) for d in DOCS]
     assert result.dropped_blocks == 0 and hits == expected
+
+
+def test_max_rate_paces_a_save(tmp_path):
+    """A background save at ``max_rate`` takes at least its bytes over that rate (a lower bound:
+    it sleeps between chunks), and writes the same file as an unpaced save."""
+    store = fragmented_store()
+    fast, slow = tmp_path / "fast.safetensors", tmp_path / "slow.safetensors"
+    kv = store.save(fast, identity=IDENTITY).kv_bytes
+    started = time.monotonic()
+    store.save(slow, identity=IDENTITY, max_rate=kv / 0.3)
+    assert time.monotonic() - started >= 0.3 * 0.9
+    assert fast.read_bytes() == slow.read_bytes()
