@@ -53,12 +53,15 @@ def test_runs_in_place_and_gathered_blocks_write_the_same_file(tmp_path, monkeyp
     store = fragmented_store()
     expected = [store.tree.cached_prefix(d)[0] for d in DOCS]
     files = []
-    for min_run in (1, 10**9):  # every run written in place / every block gathered
+    monkeypatch.setattr(cache_write, "CHUNK", chunk)
+    # Every run written in place / every block gathered / runs and blocks copied out as from a
+    # GPU pool (forced here on CPU pools).
+    for min_run, host in ((1, True), (10**9, True), (1, False), (10**9, False)):
         monkeypatch.setattr(cache_write, "MIN_RUN_BYTES", min_run)
-        monkeypatch.setattr(cache_write, "CHUNK", chunk)
-        files.append(tmp_path / f"{min_run}.safetensors")
+        monkeypatch.setattr(cache_write, "_host_memory", lambda storage, host=host: host)
+        files.append(tmp_path / f"{min_run}-{host}.safetensors")
         store.save(files[-1], identity=IDENTITY)
-    assert files[0].read_bytes() == files[1].read_bytes()
+    assert all(f.read_bytes() == files[0].read_bytes() for f in files[1:])
     monkeypatch.setattr(cache_read, "CHUNK", 700)  # pieces that are no multiple of a block
     assert restored_hits(files[0]) == expected
     store.check_invariants()

@@ -103,18 +103,24 @@ class Gathered:
             cap = max(1, CHUNK // self.block_bytes)
             for at in range(0, piece.count, cap):
                 n = min(cap, piece.count - at)
-                if piece.ids is None and storage.device.type == "cpu":
+                host = _host_memory(storage)
+                if piece.ids is None and host:
                     yield _bytes(storage[piece.start + at : piece.start + at + n]), None
                     continue
                 buffer = take()
                 out = buffer[: n * self.block_bytes].view(self.dtype).view(n, *self.shape[1:])
-                if piece.ids is None:
+                if piece.ids is None:  # a run of a GPU pool: one device-to-host copy
                     out.copy_(storage[piece.start + at : piece.start + at + n])
-                elif storage.device.type == "cpu":
+                elif host:
                     torch.index_select(storage, 0, piece.ids[at : at + n], out=out)
                 else:
                     out.copy_(storage.index_select(0, piece.ids[at : at + n].to(storage.device)))
                 yield _bytes(out), buffer
+
+
+def _host_memory(storage: torch.Tensor) -> bool:
+    """Whether ``storage``'s blocks can be written from where they are (CPU memory)."""
+    return storage.device.type == "cpu"
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
