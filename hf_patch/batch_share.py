@@ -23,7 +23,6 @@ prefill would compute for it: real token j has position j in any left-padded row
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from transformers.cache_utils import Cache
 
 from hf_patch.keys import RowKey
 from hf_patch.layer import AppendLayer
+from hf_patch.model_spec import accepts
 from radixkv import KVStore, LayerSpec, Lease, PackedTokens, pack_tokens  # noqa: F401 (doctest)
 
 logger = logging.getLogger(__name__)
@@ -105,13 +105,6 @@ def shared_prefixes(rows: Sequence[PackedTokens], block_size: int) -> tuple[list
     return [PackedTokens(p) for p in prefixes], deepest
 
 
-def _accepts(model, name: str) -> bool:
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _forward_prefix(
     model,
     store: KVStore,
@@ -138,7 +131,7 @@ def _forward_prefix(
     scratch = Cache(layers=layers)
     device = model.device
     ids = torch.from_numpy(np.frombuffer(prefix, dtype=np.int64).copy()).to(device).unsqueeze(0)
-    extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}  # skip the vocab matmul
+    extra = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}  # skip the vocab matmul
     step = chunk_size or length
     for start in range(cached, length, step):
         stop = min(start + step, length)
