@@ -101,6 +101,16 @@ def adapter_digests(model) -> dict[str, str]:
     return {name: _adapter_digest(layers, name) for name in adapter_names(model)}
 
 
+def unwrap_peft(model):
+    """The transformers model a PEFT wrapper runs, its tuner layers injected (the model PEFT's
+    generate() calls, so its KV is keyed by the same model scope), or ``model`` itself: not a
+    PEFT wrapper, or prompt learning, whose wrapper's own forward adds virtual tokens."""
+    config = getattr(model, "active_peft_config", None)
+    if config is not None and hasattr(model, "get_base_model") and not config.is_prompt_learning:
+        return model.get_base_model()
+    return model
+
+
 def merge_state(model) -> tuple:
     """The merged adapters of every tuner layer (part of the weights fingerprint)."""
     return tuple(tuple(layer.merged_adapters) for _, layer in tuner_layers(model) if layer.merged_adapters)

@@ -20,6 +20,7 @@ the cached KV was computed for the same tokens at the same positions.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Callable, Hashable, Sequence
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from hf_patch.adapters import unwrap_peft
 from hf_patch.batch_plan import plan_batches
 from hf_patch.cache import RadixCache
 from hf_patch.call import key_parts, open_request, sharing
@@ -133,11 +135,12 @@ def _plain_logits(model, rows: list[_Row]) -> list[torch.Tensor]:
     for i, r in enumerate(rows):
         ids[i, : len(r.ids)] = torch.tensor(r.ids)
     logits = model(input_ids=ids.to(model.device)).logits
-    return [logits[i, len(r.ids) - r.keep : len(r.ids)] for i, r in enumerate(rows)]
+    extra = logits.shape[1] - width  # leading positions of virtual tokens (PEFT prompt learning)
+    return [logits[i, extra + len(r.ids) - r.keep : extra + len(r.ids)] for i, r in enumerate(rows)]
 
 
-def _score_batch(model, store, namespace, rows: list[_Row], conts, softmax_dtype, out: list) -> None:
-    """Score every member pair of ``rows`` (one batch) into ``out``."""
+def _score_batch(model, store, namespace, rows: list[_Row], conts, softmax_dtype, plain, out: list) -> None:
+    """Score every member pair of ``rows`` (one batch) into ``out``; ``plain``: without the store."""
     width = max(len(r.ids) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -145,8 +148,8 @@ def _score_batch(model, store, namespace, rows: list[_Row], conts, softmax_dtype
         ids[i, width - len(r.ids) :] = torch.tensor(r.ids)
         mask[i, width - len(r.ids) :] = 1
     cache = RadixCache(store=store, namespace=namespace)
-    with open_request(model, cache) as request:
-        if request.uncacheable:
+    with contextlib.nullcontext() if plain else open_request(model, cache) as request:
+        if plain or request.uncacheable:
             per_row = _plain_logits(model, rows)
             cached = [0] * len(rows)
         else:
@@ -162,15 +165,6 @@ def _score_batch(model, store, namespace, rows: list[_Row], conts, softmax_dtype
             token_lp = logprobs[-n:].gather(1, cont.unsqueeze(1)).squeeze(1)
             is_greedy = bool((greedy[-n:] == cont).all())
             out[i] = Score(float(token_lp.sum()), is_greedy, tuple(token_lp.tolist()), hit)
-
-
-def _target(model):
-    """The transformers model a PEFT wrapper runs (its tuner layers injected), unless it is
-    prompt learning: that one must run its own forward (then no reuse, see _plain_logits)."""
-    config = getattr(model, "active_peft_config", None)
-    if config is not None and hasattr(model, "get_base_model") and not config.is_prompt_learning:
-        return model.get_base_model()
-    return model
 
 
 @torch.no_grad()
@@ -205,8 +199,11 @@ def score(
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
     rows, conts = _rows(pairs, max_length, dedupe)
-    target = _target(model)
-    block_size = (store if store is not None else default_store(target)).block_size
+    target = unwrap_peft(model)
+    # PEFT prompt learning: its wrapper's forward prepends virtual tokens, so no KV of ours is
+    # valid for it; score it as lm-eval does, without the store.
+    plain = getattr(getattr(target, "active_peft_config", None), "is_prompt_learning", False)
+    block_size = 1 if plain else (store if store is not None else default_store(target)).block_size
     batches = plan_batches(
         [r.packed for r in rows], [""] * len(rows), block_size, max_batch_tokens or sys.maxsize, batch_size,
         [0] * len(rows), keep=[r.keep for r in rows],
@@ -214,7 +211,7 @@ def score(
     out: list[Score | None] = [None] * len(conts)
     for batch in batches:
         members = [rows[i] for i in batch]
-        _score_batch(target, store, namespace, members, conts, softmax_dtype, out)
+        _score_batch(target, store, namespace, members, conts, softmax_dtype, plain, out)
         if progress is not None:
             progress(sum(len(r.members) for r in members))
     return out  # type: ignore[return-value]

@@ -201,6 +201,22 @@ def test_a_peft_adapter_scores_with_its_own_kv():
     assert_same_as_reference(model, pairs, again)
 
 
+def test_peft_prompt_learning_is_scored_without_the_store():
+    """Its wrapper's forward prepends virtual tokens: scored by its own plain forward."""
+    peft = pytest.importorskip("peft")
+    base = build("llama-sdpa")
+    store = store_for(base, BS)
+    torch.manual_seed(4)
+    model = peft.get_peft_model(base, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    scores = score(model, PAIRS[:3], store=store, batch_size=2)
+    for (context, continuation), s in zip(PAIRS[:3], scores):
+        with torch.no_grad():
+            logits = model(input_ids=ids((context + continuation)[:-1])).logits[0, -len(continuation) :]
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(continuation)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(s.token_logprobs), expected, atol=ATOL) and s.cached_tokens == 0
+    assert store.stats()["query_tokens"] == 0
+
+
 @pytest.mark.parametrize(
     "pairs, message",
     [
