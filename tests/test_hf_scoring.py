@@ -59,15 +59,26 @@ def reusable_blocks(context, continuation, block_size=BS):
     return (len(context) - 1) // block_size * block_size
 
 
+def greedy_pair(model, context, n=3):
+    """``(context, the argmax continuation of n tokens)``: a pair whose greedy flag is True."""
+    sequence = list(context)
+    with torch.no_grad():
+        for _ in range(n):
+            sequence.append(int(model(ids(sequence)).logits[0, -1].argmax()))
+    return context, sequence[len(context) :]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_equals_an_uncached_forward_cold_and_warm(family):
     model, store = shared(family), store_for(shared(family), BS)
-    cold = score(model, PAIRS, store=store, batch_size=4)
-    assert_same_as_reference(model, PAIRS, cold)
+    pairs = [*PAIRS, greedy_pair(model, PREAMBLE + QUESTIONS[1])]
+    cold = score(model, pairs, store=store, batch_size=4)
+    assert_same_as_reference(model, pairs, cold)
+    assert cold[-1].is_greedy
     # Warm, one row per batch: each input is read from the store up to its continuation.
-    warm = score(model, PAIRS, store=store, batch_size=1)
-    assert_same_as_reference(model, PAIRS, warm)
-    assert [s.cached_tokens for s in warm] == [reusable_blocks(c, k) for c, k in PAIRS]
+    warm = score(model, pairs, store=store, batch_size=1)
+    assert_same_as_reference(model, pairs, warm)
+    assert [s.cached_tokens for s in warm] == [reusable_blocks(c, k) for c, k in pairs]
     store.check_invariants()
     assert store.stats()["pinned_blocks"] == 0, "scoring left blocks pinned"
 
