@@ -95,7 +95,9 @@ def test_radixkv_on_the_command_line_gives_the_numbers_of_model_hf(workspace, hf
 
 def test_simple_evaluate_with_a_radixlm_and_a_cache_file_starts_warm(workspace, hf, monkeypatch):
     import lm_eval
+    import torch
     from lm_eval.tasks import TaskManager
+    from transformers import AutoModelForCausalLM
 
     from evalrun import RadixLM
 
@@ -105,10 +107,11 @@ def test_simple_evaluate_with_a_radixlm_and_a_cache_file_starts_warm(workspace, 
     cache_file = tmp / "kv.safetensors"
     manager = TaskManager(include_path=str(tmp / "tasks"))
     computed = []
-    for _ in range(2):
+    # A path, then a model object loaded from it (same weights: the cache file's identity holds).
+    for pretrained in (str(model_dir), AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)):
         lm = RadixLM(
-            pretrained=str(model_dir), dtype="float32", max_length=128, batch_size=4, device="cpu",
-            cache_file=str(cache_file), block_size=4,
+            pretrained=pretrained, tokenizer=str(model_dir), dtype="float32", max_length=128, batch_size=4,
+            device="cpu", cache_file=str(cache_file), block_size=4,
         )  # fmt: skip
         out = lm_eval.simple_evaluate(model=lm, tasks=[tasks[0]], task_manager=manager, log_samples=True)
         assert compare_samples({tasks[0]: hf[0][tasks[0]]}, out["samples"]) == []
