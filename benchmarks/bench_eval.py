@@ -32,7 +32,9 @@ import torch
 
 from tests.eval_tasks import OFFLINE, compare_samples, offline_env, write_tasks
 
-MC_SHAPE = dict(shots=5, description_words=40, example_words=105, question_words=40)
+# MMLU's shape: a description and five worked examples (~600 tokens), a question with its four
+# choices listed, scored as " A".." D".
+MC_SHAPE = dict(shots=5, description_words=40, example_words=90, question_words=40, letters=True)
 
 
 def save_models(root: Path, names: list[str]) -> dict[str, Path]:

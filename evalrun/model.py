@@ -39,7 +39,7 @@ import hf_patch
 from evalrun import figures as cache_figures
 from evalrun.ranks import Ranks, check_split, start_cpu_ranks
 from hf_patch.adapters import unwrap_peft
-from radixkv import pack_tokens
+from radixkv import CacheFileError, pack_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,20 @@ def rank_path(path: str, ranks: Ranks) -> Path:
     """``path`` for this rank: itself with one rank, ``NAME.rankR.EXT`` with several."""
     p = Path(path)
     return p if ranks.world == 1 else p.with_name(f"{p.stem}.rank{ranks.rank}{p.suffix}")
+
+
+def _restorable(path: Path | None) -> Path | None:
+    """``path`` when it holds a cache file to start from; None when there is none yet. Raises
+    ValueError, before any work, where no cache file could ever be written."""
+    if path is None:
+        return None
+    if path.is_dir():
+        raise ValueError(
+            f"cache_file {path} is a directory; give a file path such as {path / 'kv.safetensors'}"
+        )
+    if not path.parent.is_dir():
+        raise ValueError(f"cache_file {path}: directory {path.parent} does not exist")
+    return path if path.exists() else None
 
 
 @register_model("radixkv")
@@ -84,7 +98,7 @@ class RadixLM(HFLM):
         self.ranks = Ranks.of(getattr(self, "accelerator", None), split)
         self._rank, self._world_size = self.ranks.evaluator_view
         self.cache_file = rank_path(cache_file, self.ranks) if cache_file else None
-        restore = self.cache_file if self.cache_file is not None and self.cache_file.exists() else None
+        restore = _restorable(self.cache_file)
         try:
             self.store = hf_patch.build_store(
                 self._kv_model, block_size=block_size, budget_tokens=cache_tokens,
@@ -94,6 +108,8 @@ class RadixLM(HFLM):
             raise hf_patch.UnsupportedModelError(
                 f"--model radixkv cannot serve this model ({exc}); use --model hf"
             ) from None
+        except CacheFileError as exc:  # damaged, or another model's: left as it is, never overwritten
+            raise type(exc)(f"cache_file {restore}: {exc} (delete it or pass another cache_file)") from None
         if restore is not None:
             logger.info("evalrun: restored %s (%d blocks)", restore, self.store.stats()["cached_blocks"])
         self._baseline = self.store.stats()

@@ -4,7 +4,8 @@ benchmarks/bench_eval.py, and the comparison of two runs' ``--log_samples`` outp
 Three task types, named ``{prefix}_mc``, ``{prefix}_ppl`` and ``{prefix}_gen``:
 
 - multiple choice in MMLU's shape: one description, ``shots`` worked examples (the same for
-  every question: ``sampler: first_n``), the question, 4 choices of 1-3 words;
+  every question: ``sampler: first_n``), the question, 4 choices of 1-3 words (scored as
+  text, or listed and scored as letters);
 - loglikelihood_rolling perplexity over texts (word/byte perplexity, bits per byte);
 - generate_until, 3-shot, with stop sequences (``until``; "how" is a piece the random tiny
   models emit often, so stops trigger) and a short ``max_gen_toks``.
@@ -57,9 +58,14 @@ def write_tasks(
     max_gen_toks: int = 12,
     texts: int = 5,
     text_words: int = 160,
+    letters: bool = False,
     seed: int = 0,
 ) -> list[str]:
-    """Write the three tasks' data and YAML files under ``directory``; returns the task names."""
+    """Write the three tasks' data and YAML files under ``directory``; returns the task names.
+
+    ``letters``: the choices are listed after the question and scored as " A".." D" (MMLU's
+    form: one-token continuations, one input per question); else each choice's text is scored
+    (1-3 tokens, four inputs per question, as ARC or HellaSwag)."""
     rng = random.Random(seed)
     directory.mkdir(parents=True, exist_ok=True)
 
@@ -85,8 +91,10 @@ def write_tasks(
         "num_fewshot": shots,
         "output_type": "multiple_choice",
         "description": description,
-        "doc_to_text": "Question: {{question}}\nAnswer:",
-        "doc_to_choice": "{{choices}}",
+        "doc_to_text": "Question: {{question}}\n"
+        + ("".join(f"{x}. {{{{choices[{i}]}}}}\n" for i, x in enumerate("ABCD")) if letters else "")
+        + "Answer:",
+        "doc_to_choice": ["A", "B", "C", "D"] if letters else "{{choices}}",
         "doc_to_target": "{{answer}}",
         "metric_list": [
             {"metric": "acc", "aggregation": "mean", "higher_is_better": True},

@@ -14,7 +14,6 @@ import math
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -152,6 +151,7 @@ def test_two_cpu_ranks_under_torchrun_give_the_numbers_of_model_hf(workspace, hf
 
 def test_bad_radixkv_arguments_are_refused_by_name(workspace):
     from evalrun import RadixLM
+    from radixkv import CorruptCacheFile
 
     _, model_dir, _ = workspace
     for kwargs, message in (
@@ -159,7 +159,15 @@ def test_bad_radixkv_arguments_are_refused_by_name(workspace):
         ({"cache_tokens": 0}, "cache_tokens must be a positive integer"),
         ({"host_cache_bytes": "1GB"}, "host_cache_bytes must be a positive integer"),
         ({"block_size": 3}, "block_size must be a power of two"),
+        ({"cache_file": str(model_dir)}, "is a directory"),
+        ({"cache_file": str(model_dir / "no" / "kv.safetensors")}, "does not exist"),
     ):
         with pytest.raises(ValueError, match=message):
             RadixLM(pretrained=str(model_dir), device="cpu", **kwargs)
-    assert not list(Path(model_dir).glob("*.rank*")), "nothing written"
+    damaged = model_dir.parent / "damaged.safetensors"
+    damaged.write_bytes(b"not a cache file")
+    with pytest.raises(
+        CorruptCacheFile, match="cache_file .*damaged.safetensors: .*delete it or pass another"
+    ):
+        RadixLM(pretrained=str(model_dir), device="cpu", cache_file=str(damaged))
+    assert damaged.read_bytes() == b"not a cache file", "a refused cache file was changed"
