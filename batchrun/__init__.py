@@ -6,5 +6,5 @@
 
 An application on top of hf_patch (like demo/): it imports hf_patch and radixkv, nothing
 imports it. Modules: ``openai_batch`` (the file format), ``runner`` (ranks, part files, merge,
-resume); which rank serves which request is ``hf_patch.routing`` (shared with evalrun).
+resume); which rank serves which request is ``hf_patch.planning.routing`` (shared with evalrun).
 """

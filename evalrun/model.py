@@ -38,7 +38,7 @@ from tqdm import tqdm
 import hf_patch
 from evalrun import figures as cache_figures
 from evalrun.ranks import Ranks, check_split, start_cpu_ranks
-from hf_patch.adapters import unwrap_peft
+from hf_patch.keys.adapters import unwrap_peft
 from radixkv import CacheFileError, pack_tokens
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ then holds every task's few-shot preamble, so each of W stores computes each pre
 
 ``split=affine`` (the default) routes by prefix instead: every rank builds all requests (the
 evaluator is told rank 0 of 1, as lm-eval's own tensor-parallel mode does), each request type
-is routed by ``hf_patch.routing.assign_ranks`` (requests sharing leading blocks go to one rank;
+is routed by ``hf_patch.planning.routing.assign_ranks`` (requests sharing leading blocks go to one rank;
 a group bigger than a rank's fair share is split where its members share least), each rank
 computes its share with its own store, and ``all_gather_object`` gives every rank all results
 in lm-eval's order. A preamble is then computed by one rank, or by as few as balance allows.
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from hf_patch.routing import assign_ranks
+from hf_patch.planning.routing import assign_ranks
 from radixkv import PackedTokens
 
 logger = logging.getLogger(__name__)

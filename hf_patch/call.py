@@ -21,13 +21,13 @@ from collections.abc import Iterator
 
 import torch
 
-from hf_patch.adapters import mixed_batch, row_adapters, unkeyable_reason
 from hf_patch.batch_share import can_share, compute_shared
 from hf_patch.cache import RadixCache
+from hf_patch.keys.adapters import mixed_batch, row_adapters, unkeyable_reason
+from hf_patch.keys.multimodal import Images
+from hf_patch.keys.weights import flush_if_weights_changed, model_scope
 from hf_patch.model_spec import check_store_fits, default_store, layer_specs
-from hf_patch.multimodal import Images
 from hf_patch.request import KeyParts, Request
-from hf_patch.weights import flush_if_weights_changed, model_scope
 
 
 @contextlib.contextmanager

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from hf_patch.batch_plan import plan_batches
 from hf_patch.cache import RadixCache
 from hf_patch.model_spec import default_store
+from hf_patch.planning.batches import plan_batches
 from radixkv import KVStore, pack_tokens
 
 

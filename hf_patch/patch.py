@@ -10,7 +10,7 @@
 
 What a row's KV is keyed by (namespace, PEFT adapter, shared prefix, extra ids, images) is
 gathered per row in ``call.key_parts`` (hf_patch.keys, adapters, multimodal). A call whose KV
-depends on something the key cannot see (a model input outside hf_patch.inputs.KEYED_INPUTS, a
+depends on something the key cannot see (a model input outside hf_patch.keys.inputs.KEYED_INPUTS, a
 replaced ``prepare_inputs_for_generation``) runs with the RadixCache as a plain cache: nothing
 read, nothing committed, counted as ``uncacheable_requests``. A third wrapper,
 ``_maybe_prepare_encoder_kwargs_for_generation``, keys a VLM call's images before generate()
@@ -30,11 +30,11 @@ import threading
 import torch
 from transformers.generation.utils import GenerationMixin
 
-from hf_patch import image_features
 from hf_patch.cache import RadixCache
 from hf_patch.call import key_parts, open_request, sharing
-from hf_patch.inputs import unkeyed_inputs
-from hf_patch.multimodal import (
+from hf_patch.keys import image_features
+from hf_patch.keys.inputs import unkeyed_inputs
+from hf_patch.keys.multimodal import (
     UnkeyableImages,
     drop_pixels,
     feed_features,
@@ -43,7 +43,7 @@ from hf_patch.multimodal import (
     keyed_inputs,
     remember_features,
 )
-from hf_patch.weights import watch_fused_optimizers
+from hf_patch.keys.weights import watch_fused_optimizers
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def _reuse_allowed(generation_config) -> bool:
 
 
 def _wrap_encode(original):
-    """``_maybe_prepare_encoder_kwargs_for_generation``: key the call's images (hf_patch.multimodal)
+    """``_maybe_prepare_encoder_kwargs_for_generation``: key the call's images (hf_patch.keys.multimodal)
     while their pixels are still there, and where the rows are final (one row per prompt), match
     now and drop the pixels of images the store serves, so they are never encoded."""
 

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from hf_patch.cache import RadixCache
-from hf_patch.inputs import log_once
 from hf_patch.keys import RowKey, SharedPrefix, row_key
+from hf_patch.keys.inputs import log_once
 from radixkv import KVStore, LayerSpec, Lease
 
 logger = logging.getLogger(__name__)
@@ -56,9 +56,9 @@ class KeyParts:
     """Per-row key parts of one call, rows as the first forward sees them (after generate()'s
     expansion by beams / num_return_sequences). See hf_patch.keys."""
 
-    scope: int  # the model (hf_patch.weights.model_scope)
+    scope: int  # the model (hf_patch.keys.weights.model_scope)
     namespaces: list[Hashable]
-    adapters: list[tuple]  # hf_patch.adapters.row_adapters
+    adapters: list[tuple]  # hf_patch.keys.adapters.row_adapters
     shared: list[SharedPrefix | None]
     extra_ids: torch.Tensor | None = None  # [B, T] int64 (uint64 bits), aligned with input_ids
 
@@ -94,14 +94,14 @@ class Request:
         self.matched = False
         self.common = 0  # leading columns served from the store (the cache's length after preload)
         self.computed: dict[int, int] = {}  # in-batch sharing: tokens each row computed for others
-        # The KV depends on inputs the key cannot see: no read, no commit (hf_patch.inputs)
+        # The KV depends on inputs the key cannot see: no read, no commit (hf_patch.keys.inputs)
         self.uncacheable = False
-        self.images = None  # hf_patch.multimodal.Images of the unexpanded prompt rows
+        self.images = None  # hf_patch.keys.multimodal.Images of the unexpanded prompt rows
         # Images not encoded (their index in pixel_values): served whole by the store, or with
         # features known from an earlier call (``known``: index -> feature rows).
         self.skipped: set = set()
         self.known: dict = {}
-        self.features = None  # the model's hf_patch.image_features.FeatureCache
+        self.features = None  # the model's hf_patch.keys.image_features.FeatureCache
         # generate() expands each prompt to max(num_beams, num_return_sequences) rows
         self.rows_per_prompt = 1
 
@@ -124,7 +124,7 @@ class Request:
         """Match every row and pin what is cached; fix ``common``, the columns to preload.
 
         Runs once per call: from ``preload``, or earlier, before generate() encodes images, so
-        that images the store serves are never encoded (hf_patch.multimodal); ``preload`` then
+        that images the store serves are never encoded (hf_patch.keys.multimodal); ``preload`` then
         reads exactly what was pinned here. ``reuse=False``: prepare the commit, match nothing.
         ``share``: None, or a callable ``share(rows, keep) -> SharedPrefixes`` that computes and
         commits the prefixes rows share and returns their pinned matches

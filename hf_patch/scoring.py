@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hf_patch.adapters import unwrap_peft
-from hf_patch.batch_plan import plan_batches
 from hf_patch.cache import RadixCache
 from hf_patch.call import key_parts, open_request, sharing
+from hf_patch.keys.adapters import unwrap_peft
 from hf_patch.model_spec import accepts, default_store
+from hf_patch.planning.batches import plan_batches
 from radixkv import KVStore, PackedTokens, pack_tokens
 
 logger = logging.getLogger(__name__)

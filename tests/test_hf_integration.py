@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerationMixin
 import hf_patch
 import hf_patch.call
 import hf_patch.patch
-from hf_patch.weights import model_scope
+from hf_patch.keys.weights import model_scope
 from tests.hf_models import (
     EOS,
     PAD,

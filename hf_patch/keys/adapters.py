@@ -14,7 +14,7 @@ transformers model itself; generate() runs on that model, so the wrapper sees th
 
 Merging (``merge_adapter``) writes the adapter into the base weights through ``.data``, which no
 version counter sees: ``merge_state`` feeds the merged adapter lists into the weights fingerprint
-(hf_patch.weights), so a merge or unmerge flushes the store like any other weight change.
+(hf_patch.keys.weights), so a merge or unmerge flushes the store like any other weight change.
 
 Prompt learning (prompt tuning, p-tuning, prefix tuning) replaces the model's
 ``prepare_inputs_for_generation``: ``unkeyable_reason`` names it, and the call then runs without
