@@ -281,8 +281,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
             reuse=engine.store is not None,
             queued=engine.queued,
             engine_histograms=(
-                ("radixkv_batch_size", "Requests per generate() call.", engine.batch_sizes),
-                ("radixkv_queue_wait_seconds", "Submit to the start of generation.", engine.queue_waits),
+                ("radixkv_batch_size", "Requests per generate() call.", engine.scheduler.batch_sizes),
+                ("radixkv_queue_wait_seconds", "Submit to the start of generation.", engine.scheduler.queue_waits),
             ),
         )
         return Response(text, mimetype="text/plain; version=0.0.4")

@@ -22,6 +22,9 @@ from demo.textstream import TextStream
 
 # How often (seconds) a waiting request asks its `alive` callback whether the client is there.
 ALIVE_EVERY = 0.25
+# Below this temperature, sampling is greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow to
+# inf and the softmax to NaN, which made generate() raise on a valid request.
+GREEDY_BELOW = 1e-5
 
 
 class Disconnected(RuntimeError):
@@ -31,7 +34,7 @@ class Disconnected(RuntimeError):
 @dataclass(frozen=True)
 class Params:
     max_new_tokens: int
-    temperature: float = 1.0  # below demo.engine.GREEDY_BELOW: greedy
+    temperature: float = 1.0  # below GREEDY_BELOW: greedy
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None

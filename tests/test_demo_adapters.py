@@ -139,7 +139,7 @@ def test_seeded_sampled_choices_under_an_adapter_equal_offline_peft(engine, refe
     out = model.generate(
         input_ids=torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        generation_config=engine._config(params),
+        generation_config=engine.runner.config(params),
     )
     stock_texts = [tokenizer.decode(row[len(prompt) :], skip_special_tokens=True) for row in out]
     assert [c.text for c in result.choices] == stock_texts

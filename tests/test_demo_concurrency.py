@@ -97,7 +97,7 @@ def endless():
     cancelled, so a cancellation test cannot pass because the reply happened to end early."""
     e = build_engine(Config(model="builtin-tiny", cache_tokens=1 << 14))
     cfg = e.model.generation_config
-    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e._eos]
+    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e.runner.eos]
     return e
 
 

@@ -24,7 +24,7 @@ from demo.server import Limits, serving
 def engine():
     e = build_engine(Config(model="builtin-tiny", cache_tokens=1 << 14))
     cfg = e.model.generation_config
-    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e._eos]  # replies run to max_tokens
+    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e.runner.eos]  # replies run to max_tokens
     return e
 
 
