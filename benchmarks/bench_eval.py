@@ -39,7 +39,7 @@ MC_SHAPE = dict(shots=5, description_words=40, example_words=90, question_words=
 
 def save_models(root: Path, names: list[str]) -> dict[str, Path]:
     from benchmarks.bench_hf import build_model
-    from demo.model import build_builtin, build_tokenizer
+    from demo.model.loading import build_builtin, build_tokenizer
 
     out = {}
     for name in names:

@@ -1,4 +1,4 @@
-"""Batched generation of queued requests (demo.batching): each row's greedy output equals
+"""Batched generation of queued requests (demo.engine.batching): each row's greedy output equals
 what the request gets alone and what stock generate() gives; rows stop on their own
 (max_tokens, stop string, EOS, a client gone) and cached_tokens is exact per request.
 
@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
-from demo import batching
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
 from demo.config import Config
-from demo.engine import Engine, Params
+from demo.engine import batching
+from demo.engine.engine import Engine, Params
 
 TABLE = "\n".join(f"| Chen {i} | {20 + i} | Osaka | nurse |" for i in range(12))
 
@@ -347,7 +347,7 @@ def test_over_http_a_short_request_is_answered_while_a_long_stream_runs(engine, 
     stream ends; both replies equal stock generate()."""
     import openai
 
-    from demo.server import serving
+    from demo.api.server import serving
 
     monkeypatch.setattr(engine.scheduler, "decode_chunk", 8)
     app = create_app(Config(model="builtin-tiny"), engine)

@@ -11,9 +11,9 @@ import uuid
 import pytest
 import torch
 
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
 from demo.config import Config
-from demo.processors import LogitBias, LogprobRecorder, OpenAIPenalties
+from demo.engine.processors import LogitBias, LogprobRecorder, OpenAIPenalties
 
 BLOCK = 16
 TABLE = "\n".join(f"| Chen {i} | {30 + i} | Lima | nurse |" for i in range(12))
@@ -207,7 +207,7 @@ def test_n_sampled_choices_equal_stock_generate_and_the_prompt_is_computed_once(
 
 
 def engine_params(max_new, **kw):
-    from demo.engine import Params
+    from demo.engine.engine import Params
 
     return Params(max_new, **kw)
 
@@ -285,7 +285,7 @@ def test_forged_turn_through_the_api_is_plain_text(client, engine):
 def test_openai_client_sends_each_option(engine):
     import openai
 
-    from demo.server import serving
+    from demo.api.server import serving
 
     app = create_app(Config(model="builtin-tiny", block_size=BLOCK, api_keys=("sk-o",)), engine)
     with serving(app) as url:

@@ -14,7 +14,7 @@ import subprocess
 
 import requests
 
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
 from demo.config import Config
 from tests.demo_process import start_demo
 

@@ -3,16 +3,16 @@
 Concurrency model: HTTP handling is concurrent (threaded server); one worker thread runs one
 generate() at a time. The engine is a scheduler plus a runner, as serving engines split it:
 
-- demo.scheduler.Scheduler owns the queue: admission (`reserve`, `submit`), which queued
+- demo.engine.scheduler.Scheduler owns the queue: admission (`reserve`, `submit`), which queued
   requests share the next generate() call, and when a running batch pauses so that a waiting
   request can join (continuous batching in decode chunks); it never touches the model.
-- demo.runner.Runner executes a batch: generate() with the request options' config, a
+- demo.engine.runner.Runner executes a batch: generate() with the request options' config, a
   RadixCache over the store (one namespace per row), PEFT adapters per row, a VLM's pixel
   inputs, under the model lock (adapters load and unload between calls).
 
 The worker loop (`_serve`) is the only place the two meet: take a batch, run it, queue what
 paused again. A request's own thread reads token ids from the worker through its Generation
-(demo.generation) and turns them into text.
+(demo.engine.generation) and turns them into text.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import logging
 import threading
 from collections.abc import Hashable, Sequence
 
-from demo import chat_tokens, vision
-from demo.generation import Disconnected, Generation, Params, Result
-from demo.model import CHAT_TEMPLATE
-from demo.runner import Runner
-from demo.scheduler import Busy, Scheduler, Slot
+from demo.engine.generation import Disconnected, Generation, Params, Result
+from demo.engine.runner import Runner
+from demo.engine.scheduler import Busy, Scheduler, Slot
+from demo.model import chat_tokens, vision
+from demo.model.loading import CHAT_TEMPLATE
 
 __all__ = ["Busy", "Disconnected", "Engine", "Generation", "Params", "Result"]
 
@@ -53,8 +53,8 @@ class Engine:
         processor=None,
     ):
         self.model, self.tokenizer, self.context = model, tokenizer, context
-        # demo.adapters.Adapters over ``model`` (None: this engine serves the base model only), and
-        # a vision-language model's processor (demo.vision; None: text only).
+        # demo.model.adapters.Adapters over ``model`` (None: this engine serves the base model only), and
+        # a vision-language model's processor (demo.model.vision; None: text only).
         self.adapters, self.processor = adapters, processor
         self.scheduler = Scheduler(max_queue, max_batch_size, max_batch_tokens, decode_chunk)
         self.store = None
@@ -71,8 +71,8 @@ class Engine:
     # -- prompts ---------------------------------------------------------------------------
     def chat_ids(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of a chat prompt ending with the assistant's turn; control tokens inside
-        message contents are plain text (demo.chat_tokens). Raises ValueError. A vision-language
-        model's chats are rendered by its processor (demo.vision), images or not."""
+        message contents are plain text (demo.model.chat_tokens). Raises ValueError. A vision-language
+        model's chats are rendered by its processor (demo.model.vision), images or not."""
         if self.processor is not None:
             return vision.render(self.processor, list(messages), []).ids
         template = None if getattr(self.tokenizer, "chat_template", None) else CHAT_TEMPLATE

@@ -1,12 +1,12 @@
 """The demo's scheduler: which queued requests run next, and when a running batch makes way.
 
-Every request becomes a `Generation` (demo.generation) in a FIFO queue of at most `max_queue`.
-`next_batch()` takes the oldest and, if its options allow (demo.batching.batch_key), up to
+Every request becomes a `Generation` (demo.engine.generation) in a FIFO queue of at most `max_queue`.
+`next_batch()` takes the oldest and, if its options allow (demo.engine.batching.batch_key), up to
 `max_batch_size` - 1 more queued requests with the same options (of any tenant), within
 `max_batch_tokens` (rows x padded prompt length). After `decode_chunk` steps a batch pauses if
 a request that could join it waits (`pause_for`): its requests are `requeue`d behind that one,
 carrying what they generated, and resume from their committed KV (continuous batching in
-chunks). The scheduler never touches the model: demo.runner executes what it hands out.
+chunks). The scheduler never touches the model: demo.engine.runner executes what it hands out.
 
 A queue place is taken with `reserve()` before the prompt is tokenised, so a full queue
 refuses at no cost; `submit(gen, slot)` then fills it. Thread-safe: HTTP threads reserve and
@@ -20,8 +20,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from demo import batching
-from demo.generation import GREEDY_BELOW, Generation
+from demo.engine import batching
+from demo.engine.generation import GREEDY_BELOW, Generation
 from demo.metrics import BATCH_SIZE_BUCKETS, Histogram
 
 __all__ = ["Busy", "Scheduler", "Slot"]
@@ -154,7 +154,7 @@ class Scheduler:
         """pause(generated): True once the batch has made `decode_chunk` steps while a request
         that could share its generate() call waits, so that the request starts within a chunk
         instead of after the batch. None when this batch never pauses (decode_chunk 0, or its
-        requests cannot resume: demo.batching.chunkable)."""
+        requests cannot resume: demo.engine.batching.chunkable)."""
         if not self.decode_chunk or not batch or not batching.chunkable(batch[0], GREEDY_BELOW):
             return None
         key = batching.batch_key(batch[0], GREEDY_BELOW)

@@ -2,10 +2,10 @@
 
 `run(batch, pause)` runs one request alone (`_generate`: n sampled choices as rows of one
 call, a seed owning the global RNG, a VLM's pixel inputs) or several as rows of one left-padded
-call (demo.batching.run_batch), each row under its own cache namespace and PEFT adapter. It
+call (demo.engine.batching.run_batch), each row under its own cache namespace and PEFT adapter. It
 owns what every call needs: the generation config of a request's options (`config`), the
 RadixCache over the store (`cache`, None with reuse off or cache_prompt=false), the model lock
-(adapters load and unload between calls: demo.adapters) and the operator's public task-prompt
+(adapters load and unload between calls: demo.model.adapters) and the operator's public task-prompt
 prefixes.
 
 A request's n sampled choices are n rows of one generate() call (num_return_sequences).
@@ -24,8 +24,9 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from demo import batching, processors, vision
-from demo.generation import GREEDY_BELOW, Generation, Params, Stopped, Streamer
+from demo.engine import batching, processors
+from demo.engine.generation import GREEDY_BELOW, Generation, Params, Stopped, Streamer
+from demo.model import vision
 
 __all__ = ["PUBLIC_NAMESPACE", "Runner"]
 
@@ -38,7 +39,7 @@ PUBLIC_NAMESPACE = "radixkv:task-prompts"
 
 class Runner:
     """Runs generate() for batches of requests: the model, its store (None with reuse off), its
-    adapters (demo.adapters.Adapters, or None) and its processor (a VLM's, or None)."""
+    adapters (demo.model.adapters.Adapters, or None) and its processor (a VLM's, or None)."""
 
     def __init__(self, model, tokenizer, store=None, adapters=None, processor=None):
         self.model, self.tokenizer, self.store = model, tokenizer, store
@@ -77,7 +78,7 @@ class Runner:
         name = gen.params.adapter
         if name is None or (self.adapters is not None and self.adapters.get(name) is not None):
             return True
-        from demo.schema import ApiError
+        from demo.errors import ApiError
 
         gen._events.put(
             ("error", ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found"))

@@ -5,7 +5,7 @@
 
 Which requests share a batch (`batch_key`): n == 1, no seed (a seed must own the global RNG
 for its whole generation), no model inputs beside the ids (images), the same adapter batch
-group (demo.adapters: the base and plain LoRA adapters mix through PEFT's adapter_names), equal
+group (demo.model.adapters: the base and plain LoRA adapters mix through PEFT's adapter_names), equal
 cache_prompt, equal sampling (greedy, or the same temperature and top_p), penalties,
 logit_bias and logprobs setting: generate() applies its warpers and our processors to every
 row alike. Everything else about a row is its own: prompt (left-padded to the longest),
@@ -33,8 +33,8 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from demo import processors
-from demo.generation import Generation
+from demo.engine import processors
+from demo.engine.generation import Generation
 
 log = logging.getLogger(__name__)
 

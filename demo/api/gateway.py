@@ -27,7 +27,7 @@ import weakref
 
 from flask import Blueprint, jsonify
 
-from demo.model import BUILTIN
+from demo.model.loading import BUILTIN
 
 _saved: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its directory
 _lock = threading.Lock()
