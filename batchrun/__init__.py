@@ -5,6 +5,6 @@
     accelerate launch -m batchrun --model DIR --input ... --output ...
 
 An application on top of hf_patch (like demo/): it imports hf_patch and radixkv, nothing
-imports it. Modules: ``openai_batch`` (the file format), ``routing`` (which rank serves which
-request), ``runner`` (ranks, part files, merge, resume).
+imports it. Modules: ``openai_batch`` (the file format), ``runner`` (ranks, part files, merge,
+resume); which rank serves which request is ``hf_patch.planning.routing`` (shared with evalrun).
 """

@@ -1,7 +1,7 @@
 """Run an OpenAI batch file over data-parallel ranks, each with its own model replica and store.
 
 Every rank reads the whole input, drops the ``custom_id``s a previous run finished, and routes
-the rest identically (``routing.assign_ranks``). A rank appends each finished chunk to its own
+the rest identically (``hf_patch.planning.routing.assign_ranks``). A rank appends each finished chunk to its own
 part file (``<output>.parts/rank<r>.jsonl``), so a rank that fails loses only its unfinished
 chunk. When every rank is done, rank 0 merges the previous output, the part files and the
 error lines into ``<output>`` in input order (written to a temporary file, then renamed) and
@@ -22,7 +22,7 @@ import torch
 
 import hf_patch
 from batchrun.openai_batch import BatchRequest, encode, error_line, parse_line, result_line
-from batchrun.routing import assign_ranks, round_robin
+from hf_patch.planning.routing import assign_ranks, round_robin
 from radixkv import pack_tokens
 
 logger = logging.getLogger(__name__)

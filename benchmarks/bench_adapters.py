@@ -41,7 +41,7 @@ def save_adapters(model: str, root: str) -> dict[str, str]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from demo.model import BUILTIN, build_builtin
+    from demo.model.loading import BUILTIN, build_builtin
 
     paths = {}
     for name, seed in (("a", 1), ("b", 2)):

@@ -140,7 +140,7 @@ def part_dp(model, args) -> None:
     import tempfile
     from pathlib import Path
 
-    from demo.model import build_builtin
+    from demo.model.loading import build_builtin
 
     work = Path(tempfile.mkdtemp(prefix="bench_dp_"))
     small, tokenizer = build_builtin("builtin")  # Llama 512x6, vocab 2048, with a tokenizer to save

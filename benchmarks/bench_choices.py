@@ -17,9 +17,9 @@ import statistics
 import time
 import uuid
 
-from demo.api import build_engine
+from demo.api.app import build_engine
 from demo.config import Config
-from demo.engine import Params
+from demo.engine.engine import Params
 
 
 def run(engine, n: int, length: int, cache_prompt: bool, new_tokens: int) -> float:

@@ -104,7 +104,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=240)
     p.add_argument("--clients", type=int, default=4)
     args = p.parse_args()
-    from demo.model import build_builtin
+    from demo.model.loading import build_builtin
 
     _, tokenizer = build_builtin("builtin-tiny")
     per_doc = len(tokenizer(document(0, args.lines))["input_ids"])

@@ -47,7 +47,7 @@ TEMPLATE = (
 def save_checkpoint(path: str, args) -> None:
     from transformers import AutoConfig, CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
 
-    from demo.model import BUILTIN, build_tokenizer, unreadable_ids
+    from demo.model.loading import BUILTIN, build_tokenizer, unreadable_ids
 
     spec = BUILTIN["builtin"]
     tokenizer = build_tokenizer(spec.vocab)
@@ -130,9 +130,9 @@ def main() -> None:
     p.add_argument("--vision-layers", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=4)
     args = p.parse_args()
-    from demo.api import create_app
+    from demo.api.app import create_app
+    from demo.api.server import serving
     from demo.config import Config
-    from demo.server import serving
 
     q1, q2 = "What is in this picture? Describe it.", "And which colour is the largest area?"
     with tempfile.TemporaryDirectory() as root:

@@ -33,8 +33,8 @@ from transformers import AutoConfig, AutoModelForImageTextToText
 import hf_patch
 from benchmarks.bench_hf import build_model
 from hf_patch import RadixCache, SharedPrefix
-from hf_patch.adapters import row_adapters, unkeyable_reason
-from hf_patch.inputs import unkeyed_inputs
+from hf_patch.keys.adapters import row_adapters, unkeyable_reason
+from hf_patch.keys.inputs import unkeyed_inputs
 
 
 def ttft(model, input_ids, cache, **kwargs) -> float:

@@ -41,8 +41,8 @@ import torch
 import hf_patch
 from benchmarks.bench_hf import build_model, document, ids, timed, ttft
 from hf_patch import RadixCache
+from hf_patch.keys.weights import model_scope
 from hf_patch.model_spec import layer_specs
-from hf_patch.weights import model_scope
 from radixkv.persist.cache_file import read_manifest
 
 

@@ -30,7 +30,7 @@ import torch
 import hf_patch
 from benchmarks.bench_hf import build_model, ids
 from hf_patch import RadixCache
-from hf_patch.weights import model_scope
+from hf_patch.keys.weights import model_scope
 
 BS = 16
 

@@ -27,7 +27,7 @@ import torch
 import demo.cache_files as cache_files
 from benchmarks.bench_http import questions, table
 from benchmarks.bench_persist import _fill
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
 from demo.config import Config
 from hf_patch.model_spec import layer_specs
 

@@ -38,7 +38,7 @@ import torch
 import hf_patch
 from benchmarks.bench_http import questions, table
 from benchmarks.bench_persist import _fill
-from demo.model import build_builtin
+from demo.model.loading import build_builtin
 from hf_patch.model_spec import layer_specs
 from tests.demo_process import start_demo
 

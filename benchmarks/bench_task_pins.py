@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
 from demo.config import Config
 from demo.task_prompts import TaskPromptError
 

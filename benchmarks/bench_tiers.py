@@ -88,7 +88,7 @@ def part_cost(model, args) -> None:
     n = 1024
     prefix = document(rng, n + 1)
     store = hf_patch.build_store(model, block_size=BS, budget_tokens=4 * n, host_cache_tokens=4 * n)
-    scope = (hf_patch.weights.model_scope(model), None)
+    scope = (hf_patch.keys.weights.model_scope(model), None)
     model.generate(ids(prefix), past_key_values=RadixCache(store=store), max_new_tokens=1)
     specs = store.pool.layers
     k_out = [torch.empty(1, s.num_kv_heads, n, s.k_head_dim, dtype=s.dtype) for s in specs]

@@ -20,11 +20,11 @@ def main(argv: list[str] | None = None) -> int:
         config = from_args(argv)
     except ValueError as e:
         parser().error(str(e))
-    from demo.adapters import AdapterError
-    from demo.api import create_app
-    from demo.auth import TenantSecretError
-    from demo.model import BUILTIN, ModelNotFound
-    from demo.server import Limits, serve_forever
+    from demo.api.app import create_app
+    from demo.api.auth import TenantSecretError
+    from demo.api.server import Limits, serve_forever
+    from demo.model.adapters import AdapterError
+    from demo.model.loading import BUILTIN, ModelNotFound
     from demo.task_prompts import TaskPromptError
 
     try:

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from flask import Blueprint, jsonify, request
 
 import hf_patch
-from demo.schema import ApiError
+from demo.errors import ApiError
 from radixkv import CacheFileError, CacheFileMismatch, SaveAborted
 from radixkv.persist.cache_file import read_manifest
 

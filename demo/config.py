@@ -12,8 +12,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
-from demo.adapters import LoraModule, parse_lora_modules
-from demo.images import MediaPolicy, parse_limit_mm
+from demo.api.images import MediaPolicy, parse_limit_mm
+from demo.model.adapters import LoraModule, parse_lora_modules
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("cpu", "cuda", "mps", "xpu")
@@ -24,7 +24,7 @@ _DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerat
 class Config:
     host: str = "127.0.0.1"
     port: int = 8000
-    model: str = "builtin"  # a demo.model.BUILTIN name, a local checkpoint directory or a Hub id
+    model: str = "builtin"  # a demo.model.loading.BUILTIN name, a local checkpoint directory or a Hub id
     revision: str | None = None  # Hub branch, tag or commit of `model`
     trust_remote_code: bool = False  # run a Hub repository's own modelling code
     device_map: str | None = None  # from_pretrained's device_map (accelerate), e.g. "auto"
@@ -57,9 +57,9 @@ class Config:
     tenant_secret_file: str | None = None
     task_prompts: str | None = None  # a JSON file of [{"task_id", "prompt"}] (demo.task_prompts)
     task_prompts_json: str | None = field(default=None, repr=False)  # the same JSON, from the env
-    # PEFT adapters served as extra model names (demo.adapters), vLLM's --lora-modules
+    # PEFT adapters served as extra model names (demo.model.adapters), vLLM's --lora-modules
     lora_modules: tuple[LoraModule, ...] = ()
-    # Images (a vision-language --model, demo.images): per request, encoded bytes per image, the
+    # Images (a vision-language --model, demo.api.images): per request, encoded bytes per image, the
     # hosts http(s) images may be fetched from (none: data: URLs only) and the fetch's time limit
     limit_images: int = 4
     max_image_bytes: int = 8 << 20
@@ -106,7 +106,7 @@ class Config:
 
     @property
     def media_policy(self) -> MediaPolicy:
-        """The image limits and URL policy of demo.images."""
+        """The image limits and URL policy of demo.api.images."""
         return MediaPolicy(
             self.limit_images, self.max_image_bytes, self.allowed_media_domains, self.media_fetch_timeout
         )

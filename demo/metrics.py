@@ -150,7 +150,7 @@ class Metrics:
                 self._seconds[endpoint].observe(seconds)
 
     def generation(self, endpoint: str, result) -> None:
-        """Record a finished demo.engine.Result."""
+        """Record a finished demo.engine.engine.Result."""
         with self._lock:
             self._ttft[endpoint].observe(result.ttft_s)
             self._tokens["prompt"] += result.prompt_tokens

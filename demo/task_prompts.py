@@ -19,7 +19,7 @@ import contextlib
 import json
 from collections.abc import Sequence
 
-from demo.schema import ApiError
+from demo.errors import ApiError
 
 ENV = "RADIXKV_TASK_PROMPTS"
 _PROBES = ("a", "b")  # two different continuations: their common token prefix is the task's
@@ -113,7 +113,7 @@ class TaskPrompts:
         TaskPromptError naming blocks needed and blocks that exist when the pool cannot hold them.
         """
         import hf_patch
-        from demo.engine import PUBLIC_NAMESPACE
+        from demo.engine.runner import PUBLIC_NAMESPACE
 
         forms: dict[tuple, list[int]] = {}
         for task_id, prompt in self.prompts.items():
@@ -131,5 +131,5 @@ class TaskPrompts:
                 pinned = hf_patch.pin_prompts(model, forms, store=engine.store, namespace=PUBLIC_NAMESPACE)
         except ValueError as e:
             raise TaskPromptError(f"task prompts cannot be pinned: {e}") from None
-        engine.set_public_prefixes(forms.values())
+        engine.runner.set_public_prefixes(forms.values())
         return sum(pinned.values())

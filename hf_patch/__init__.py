@@ -2,6 +2,7 @@
 
     import hf_patch
     out = model.generate(ids, past_key_values=hf_patch.RadixCache(), max_new_tokens=64)
+    scores = hf_patch.score(model, [(context_ids, continuation_ids), ...])   # log-likelihoods
 
 Importing installs the generate() integration once; for any other cache it changes nothing.
 """
@@ -9,17 +10,19 @@ Importing installs the generate() integration once; for any other cache it chang
 from hf_patch.cache import RadixCache
 from hf_patch.generate_many import Generated, generate_many
 from hf_patch.keys import SharedPrefix
+from hf_patch.keys.weights import drop_stale_adapters
 from hf_patch.model_spec import UnsupportedModelError, build_store, default_store
 from hf_patch.patch import install
 from hf_patch.persistence import model_identity, restore_cache, save_cache
+from hf_patch.scoring import Score, rolling_windows, score, score_rolling
 from hf_patch.task_prompts import pin_prompts, unpin_prompts
-from hf_patch.weights import drop_stale_adapters
 
 install()
 
 __all__ = [
     "Generated",
     "RadixCache",
+    "Score",
     "SharedPrefix",
     "UnsupportedModelError",
     "build_store",
@@ -29,7 +32,10 @@ __all__ = [
     "install",
     "model_identity",
     "restore_cache",
+    "rolling_windows",
     "save_cache",
+    "score",
+    "score_rolling",
     "pin_prompts",
     "unpin_prompts",
 ]

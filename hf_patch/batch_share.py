@@ -23,7 +23,6 @@ prefill would compute for it: real token j has position j in any left-padded row
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from transformers.cache_utils import Cache
 
 from hf_patch.keys import RowKey
 from hf_patch.layer import AppendLayer
+from hf_patch.model_spec import accepts
 from radixkv import KVStore, LayerSpec, Lease, PackedTokens, pack_tokens  # noqa: F401 (doctest)
 
 logger = logging.getLogger(__name__)
@@ -105,13 +105,6 @@ def shared_prefixes(rows: Sequence[PackedTokens], block_size: int) -> tuple[list
     return [PackedTokens(p) for p in prefixes], deepest
 
 
-def _accepts(model, name: str) -> bool:
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _forward_prefix(
     model,
     store: KVStore,
@@ -138,7 +131,7 @@ def _forward_prefix(
     scratch = Cache(layers=layers)
     device = model.device
     ids = torch.from_numpy(np.frombuffer(prefix, dtype=np.int64).copy()).to(device).unsqueeze(0)
-    extra = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}  # skip the vocab matmul
+    extra = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}  # skip the vocab matmul
     step = chunk_size or length
     for start in range(cached, length, step):
         stop = min(start + step, length)
@@ -184,6 +177,7 @@ def compute_shared(
     specs: Sequence[LayerSpec],
     epoch: int,
     rows: Sequence[RowKey],
+    keep: Sequence[int] | None = None,
     chunk_size: int | None = None,
 ) -> SharedPrefixes:
     """Compute and commit the prefixes that >= 2 of ``rows`` share; return pinned row matches.
@@ -197,9 +191,10 @@ def compute_shared(
     ``rows``: each row's key (hf_patch.keys.RowKey): rows share only under one namespace, by
     key tokens, and only their ``computable`` part (tokens whose KV depends on their ids alone:
     a forward over ids cannot compute an image's or an embedding table's KV). A row's last
-    token is never reused (a fully cached prompt would be fed again), so it takes no part in
-    the sharing. The leases cover every row that shares a prefix, acquired (matched and pinned)
-    right after its deepest prefix was committed; the caller owns and releases them. Side
+    ``keep[i]`` tokens (default 1: a fully cached prompt would be fed again; a scored
+    continuation's length for scoring) are never reused, so they take no part in the sharing.
+    The leases cover every row that shares a prefix, acquired (matched and pinned) right after
+    its deepest prefix was committed; the caller owns and releases them. Side
     effects: forwards of ``model`` on one-row scratch caches, commits to ``store``; the store's
     counters see the rows' lookups and commits only (a prefix lookup is not a prompt).
     """
@@ -207,7 +202,10 @@ def compute_shared(
     groups: dict[Hashable, list[int]] = {}
     for i, row in enumerate(rows):
         groups.setdefault(row.namespace, []).append(i)
-    reusable = [row.tokens.head(min(row.tokens.num_tokens - 1, row.computable)) for row in rows]
+    keep = [1] * len(rows) if keep is None else keep
+    reusable = [
+        row.tokens.head(max(0, min(row.tokens.num_tokens - k, row.computable))) for row, k in zip(rows, keep)
+    ]
     found = {
         ns: shared_prefixes([reusable[i] for i in members], store.block_size)
         for ns, members in groups.items()
@@ -220,8 +218,8 @@ def compute_shared(
         for ns, members in groups.items():
             prefixes, deepest = found[ns]
             _share_group(
-                model, store, specs, epoch, rows, reusable, members, ns, prefixes, deepest, chunk_size, out
-            )
+                model, store, specs, epoch, rows, keep, reusable, members, ns, prefixes, deepest, chunk_size, out
+            )  # fmt: skip
     except BaseException:
         for lease in out.leases.values():
             lease.release()
@@ -230,8 +228,8 @@ def compute_shared(
 
 
 def _share_group(
-    model, store, specs, epoch, rows, reusable, members, namespace, prefixes, deepest_of, chunk_size, out
-) -> None:
+    model, store, specs, epoch, rows, keep, reusable, members, namespace, prefixes, deepest_of, chunk_size, out
+) -> None:  # fmt: skip
     """compute_shared for the rows ``members`` of one namespace, whose shared ``prefixes`` and
     deepest prefix per member (``shared_prefixes``) are known."""
     bs = store.block_size
@@ -261,4 +259,4 @@ def _share_group(
                 out.computed[owner] = out.computed.get(owner, 0) + prefix.num_tokens - lease.num_tokens
         for row in waiting.get(p, ()):
             key = rows[row].tokens
-            out.leases[row] = store.acquire(key, namespace, max_tokens=key.num_tokens - 1)
+            out.leases[row] = store.acquire(key, namespace, max_tokens=max(0, key.num_tokens - keep[row]))

@@ -48,7 +48,7 @@ class RadixCache(Cache):
         namespace: any hashable; equal prompts under different namespaces never share KV
             (tenants, salts). Derive it on the server, never from a client field. A *list*
             gives one namespace per input row (rows of different tenants in one batch).
-            The active PEFT adapter is keyed on its own (hf_patch.adapters).
+            The active PEFT adapter is keyed on its own (hf_patch.keys.adapters).
         extra_ids: TensorRT-LLM's per-token extra ids, ``[batch, seq]`` integers aligned with
             ``input_ids`` (0 for plain tokens; the same nonzero id for tokens whose embedding
             is the same, e.g. one prompt table): equal (id, extra id) pairs reuse, others do not.

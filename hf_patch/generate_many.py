@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from hf_patch.batch_share import common_prefix_tokens
 from hf_patch.cache import RadixCache
 from hf_patch.model_spec import default_store
-from radixkv import KVStore, PackedTokens, pack_tokens
+from hf_patch.planning.batches import plan_batches
+from radixkv import KVStore, pack_tokens
 
 
 @dataclass(frozen=True)
@@ -66,66 +66,6 @@ def encode_prompt(prompt, tokenizer) -> list[int]:
 def _kwargs_key(kwargs: dict) -> str:
     """Prompts batch together only under equal generation arguments."""
     return json.dumps(kwargs, sort_keys=True, default=repr)
-
-
-def plan_batches(
-    packed: Sequence[PackedTokens],
-    keys: Sequence[str],
-    block_size: int,
-    max_batch_tokens: int,
-    max_batch_size: int,
-    new_tokens: Sequence[int],
-) -> list[list[int]]:
-    """Prompt indices per batch, in run order.
-
-    Sorted by (generation key, token bytes): prompts sharing a prefix are adjacent. A batch ends
-    at ``max_batch_size`` rows, at ``max_batch_tokens`` padded tokens (prompt + new tokens), at a
-    change of generation arguments, and before a row whose uncached part (its tokens beyond
-    what it shares with a neighbour) is more than twice (+ a block) as wide as the batch's widest
-    or less than half as wide: the batch's first forward is as wide as its widest uncached part,
-    for every row.
-    """
-    order = sorted(range(len(packed)), key=lambda i: (keys[i], packed[i]))
-    lcp = [0] + [
-        common_prefix_tokens(packed[a], packed[b]) // block_size * block_size if keys[a] == keys[b] else 0
-        for a, b in zip(order, order[1:])
-    ]
-    lcp.append(0)
-    cap = [(packed[i].num_tokens - 1) // block_size * block_size for i in order]
-    # Uncached tokens of the k-th prompt when its predecessor ran before it or with it, and when
-    # its successor also runs with it (in-batch sharing computes what they share once).
-    alone = [packed[i].num_tokens - min(lcp[k], cap[k]) for k, i in enumerate(order)]
-    paired = [packed[i].num_tokens - min(max(lcp[k], lcp[k + 1]), cap[k]) for k, i in enumerate(order)]
-    batches: list[list[int]] = []
-    batch: list[int] = []  # positions k in ``order``
-
-    def fits(rows: list[int], k: int) -> bool:
-        width = max(packed[order[j]].num_tokens + new_tokens[order[j]] for j in (*rows, k))
-        widest = max((paired[j] for j in rows), default=0)
-        return (
-            len(rows) < max_batch_size
-            and (len(rows) + 1) * width <= max_batch_tokens
-            and keys[order[k]] == keys[order[rows[-1]]]
-            and paired[k] <= 2 * widest + block_size
-            and widest <= 2 * paired[k] + block_size
-        )
-
-    for k in range(len(order)):
-        if batch and not fits(batch, k):
-            # A last row that shares more with its successor than with its predecessor would
-            # compute that part alone, widening the batch's first forward: it goes on with it.
-            moved = []
-            while len(batch) > 1 and alone[batch[-1]] > paired[batch[-1]]:
-                moved.insert(0, batch.pop())
-            batches.append([order[j] for j in batch])
-            batch = moved
-            if batch and not fits(batch, k):
-                batches.append([order[j] for j in batch])
-                batch = []
-        batch.append(k)
-    if batch:
-        batches.append([order[j] for j in batch])
-    return batches
 
 
 def _new_token_count(model, kwargs: dict) -> int:

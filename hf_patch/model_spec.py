@@ -6,6 +6,7 @@ reading one file.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
@@ -64,6 +65,14 @@ def check_supported(model) -> None:
                 f"{type(model).__name__} layer {i} keeps {type(layer).__name__} state "
                 "(recurrent/linear-attention, indexer or shared KV); radixkv can only reuse plain attention KV"
             )
+
+
+def accepts(model, name: str) -> bool:
+    """Whether ``model.forward`` takes the argument ``name`` (generate() asks the same way)."""
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _placement(model) -> tuple:

@@ -9,8 +9,8 @@
   consumer that raises).
 
 What a row's KV is keyed by (namespace, PEFT adapter, shared prefix, extra ids, images) is
-gathered per row in ``key_parts`` (hf_patch.keys, adapters, multimodal). A call whose KV
-depends on something the key cannot see (a model input outside hf_patch.inputs.KEYED_INPUTS, a
+gathered per row in ``call.key_parts`` (hf_patch.keys, adapters, multimodal). A call whose KV
+depends on something the key cannot see (a model input outside hf_patch.keys.inputs.KEYED_INPUTS, a
 replaced ``prepare_inputs_for_generation``) runs with the RadixCache as a plain cache: nothing
 read, nothing committed, counted as ``uncacheable_requests``. A third wrapper,
 ``_maybe_prepare_encoder_kwargs_for_generation``, keys a VLM call's images before generate()
@@ -30,14 +30,11 @@ import threading
 import torch
 from transformers.generation.utils import GenerationMixin
 
-from hf_patch import image_features
-from hf_patch.adapters import mixed_batch, row_adapters, unkeyable_reason
-from hf_patch.batch_share import can_share, compute_shared
 from hf_patch.cache import RadixCache
-from hf_patch.inputs import unkeyed_inputs
-from hf_patch.model_spec import check_store_fits, default_store, layer_specs
-from hf_patch.multimodal import (
-    Images,
+from hf_patch.call import key_parts, open_request, sharing
+from hf_patch.keys import image_features
+from hf_patch.keys.inputs import unkeyed_inputs
+from hf_patch.keys.multimodal import (
     UnkeyableImages,
     drop_pixels,
     feed_features,
@@ -46,8 +43,7 @@ from hf_patch.multimodal import (
     keyed_inputs,
     remember_features,
 )
-from hf_patch.request import KeyParts, Request
-from hf_patch.weights import flush_if_weights_changed, model_scope, watch_fused_optimizers
+from hf_patch.keys.weights import watch_fused_optimizers
 
 logger = logging.getLogger(__name__)
 
@@ -108,44 +104,6 @@ def _positional_to_keywords(names: list[str] | None, args: tuple, kwargs: dict) 
     return (), kwargs
 
 
-def _per_row(value, name: str, rows: int, rows_per_prompt: int) -> list:
-    """A per-prompt list expanded to generate()'s rows (each prompt repeated for its beams /
-    returned sequences), or a ValueError naming ``name``."""
-    if len(value) * rows_per_prompt == rows:
-        return [v for v in value for _ in range(rows_per_prompt)]
-    if len(value) != rows:
-        raise ValueError(
-            f"RadixCache {name} has {len(value)} entries for {rows // rows_per_prompt} prompts ({rows} rows)"
-        )
-    return list(value)
-
-
-def key_parts(
-    model, cache: RadixCache, shape: torch.Size, rows_per_prompt: int, images: Images | None = None
-) -> KeyParts:
-    """Each row's key parts for the first forward's ``input_ids`` of ``shape`` [rows, columns]."""
-    rows = shape[0]
-    ns = cache.namespace
-    namespaces = _per_row(ns, "namespace", rows, rows_per_prompt) if isinstance(ns, list) else [ns] * rows
-    sp = cache.shared_prefix
-    shared = _per_row(sp, "shared_prefix", rows, rows_per_prompt) if isinstance(sp, list) else [sp] * rows
-    extra = cache.extra_ids
-    if extra is not None:
-        if extra.shape[0] * rows_per_prompt == rows and rows_per_prompt > 1:
-            extra = extra.repeat_interleave(rows_per_prompt, dim=0)
-        if tuple(extra.shape) != tuple(shape):
-            raise ValueError(
-                f"RadixCache extra_ids is {list(cache.extra_ids.shape)}, but the prompt is "
-                f"{[rows // rows_per_prompt, shape[1]]}: give one extra id per input token"
-            )
-    if images is not None:  # an image's content id wins over a user's extra id on its tokens
-        extra = (
-            images.extra_ids if extra is None else torch.where(images.extra_ids != 0, images.extra_ids, extra)
-        )
-    adapters = row_adapters(model, rows, rows_per_prompt)
-    return KeyParts(model_scope(model), namespaces, adapters, shared, extra)
-
-
 def _wrap_generate(original):
     names = _positional_names(original)
 
@@ -156,36 +114,19 @@ def _wrap_generate(original):
             return original(self, *args, **kwargs)
         args, kwargs = _positional_to_keywords(names, args, kwargs)
         _reject_unsupported_kwargs(self, kwargs)
-        specs = layer_specs(self)  # also refuses recurrent / shared-KV models
-        # Resolved per call, never written back to the cache: the same RadixCache() may later
-        # serve another model (or this one after .half()), which needs its own default store.
-        if cache.store is None:
-            store = default_store(self)
-        else:
-            store = cache.store
-            check_store_fits(store, self)
-        flush_if_weights_changed(store, self)
         _clear_cache_implementation(self, kwargs)
-        if cache._request is not None:
-            raise RuntimeError("this RadixCache is already in use by a running generate() call")
-        cache.start(len(specs))
-        request = cache._request = Request(cache, store, specs)
         unkeyed = unkeyed_inputs(kwargs, keyed_inputs(self))
+        # With a reason, stock generate() runs with the RadixCache as a plain cache.
         reason = (
             f"generate() got {', '.join(unkeyed)}, which the cache key does not cover" if unkeyed else None
-        ) or unkeyable_reason(self)
-        if reason is not None:  # stock generate() with the RadixCache as a plain cache
-            request.mark_uncacheable(reason)
-        try:
+        )
+        with open_request(self, cache, reason) as request:
             output = original(self, *args, **kwargs)
             sequences = output if isinstance(output, torch.Tensor) else output.sequences
             cache.cached_tokens = request.cached_per_returned_row(sequences.shape[0])
             with torch.no_grad():
                 request.commit(sequences)
             return output
-        finally:
-            request.release()
-            cache._request = None
 
     setattr(generate, _MARK, True)
     return generate
@@ -202,7 +143,7 @@ def _reuse_allowed(generation_config) -> bool:
 
 
 def _wrap_encode(original):
-    """``_maybe_prepare_encoder_kwargs_for_generation``: key the call's images (hf_patch.multimodal)
+    """``_maybe_prepare_encoder_kwargs_for_generation``: key the call's images (hf_patch.keys.multimodal)
     while their pixels are still there, and where the rows are final (one row per prompt), match
     now and drop the pixels of images the store serves, so they are never encoded."""
 
@@ -272,12 +213,9 @@ def _wrap_prefill(original):
             reuse = _reuse_allowed(generation_config)
             rows_per_prompt = _rows_per_prompt(generation_config)
             images = None if request.images is None else request.images.expand(rows_per_prompt)
-            share = None
-            if reuse and can_share(model_kwargs) and not mixed_batch(self):
-                share = functools.partial(
-                    compute_shared, self, request.store, request.specs, request.epoch,
-                    chunk_size=generation_config.prefill_chunk_size,
-                )  # fmt: skip
+            share = (
+                sharing(self, request, model_kwargs, generation_config.prefill_chunk_size) if reuse else None
+            )
             request.preload(
                 input_ids,
                 model_kwargs.get("attention_mask"),

@@ -18,7 +18,7 @@ This module builds that identity from what the KV depends on:
 
 
 PEFT adapters are not part of the identity: ``weights_sha256`` covers the base model's weights
-only (hf_patch.adapters.base_named_parameters: adapter parameters left out, wrapped layers under
+only (hf_patch.keys.adapters.base_named_parameters: adapter parameters left out, wrapped layers under
 their plain names), so a model with adapters loaded and the same model without them share cache
 files. Each adapter's prefixes sit under a namespace carrying its name and weights digest; a
 restore keeps them only for adapters the model holds now with the same weights (load adapters
@@ -26,7 +26,7 @@ first) and drops the rest (``drop_stale_adapters``). Files written while the ide
 hashed adapter weights (with an ``adapter_keys`` field) no longer match and are refused.
 
 Namespaces: hf_patch keys the store by ``(model scope, namespace)``, where the scope is a
-per-process number (hf_patch.weights) and the namespace a ``KeyedNamespace`` when a PEFT
+per-process number (hf_patch.keys.weights) and the namespace a ``KeyedNamespace`` when a PEFT
 adapter computed the KV (its name and weights digest ride along). The file holds those
 namespaces without the scope; a restore puts them under the restoring model's scope, so they
 hit in a new process, and an adapter's KV only for the same adapter weights.
@@ -43,9 +43,9 @@ from collections.abc import Collection, Hashable
 
 import torch
 
-from hf_patch.adapters import base_named_parameters
+from hf_patch.keys.adapters import base_named_parameters
+from hf_patch.keys.weights import drop_stale_adapters, flush_if_weights_changed, model_scope
 from hf_patch.model_spec import check_store_fits, default_store
-from hf_patch.weights import drop_stale_adapters, flush_if_weights_changed, model_scope
 from radixkv import KeyedNamespace, KVStore, RestoreResult, SaveResult
 
 WEIGHT_SAMPLE = 4096
@@ -71,7 +71,7 @@ def config_sha256(model) -> str:
 @torch.no_grad()
 def weights_sha256(model, sample: int = WEIGHT_SAMPLE) -> str:
     """Hash of every base parameter's name, dtype, shape and ``sample`` evenly spaced elements
-    (adapter parameters left out: hf_patch.adapters.base_named_parameters)."""
+    (adapter parameters left out: hf_patch.keys.adapters.base_named_parameters)."""
     digest = hashlib.sha256()
     for name, param in sorted(base_named_parameters(model), key=lambda item: item[0]):
         if param.device.type == "meta":

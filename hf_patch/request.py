@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from hf_patch.cache import RadixCache
-from hf_patch.inputs import log_once
 from hf_patch.keys import RowKey, SharedPrefix, row_key
+from hf_patch.keys.inputs import log_once
 from radixkv import KVStore, LayerSpec, Lease
 
 logger = logging.getLogger(__name__)
@@ -56,9 +56,9 @@ class KeyParts:
     """Per-row key parts of one call, rows as the first forward sees them (after generate()'s
     expansion by beams / num_return_sequences). See hf_patch.keys."""
 
-    scope: int  # the model (hf_patch.weights.model_scope)
+    scope: int  # the model (hf_patch.keys.weights.model_scope)
     namespaces: list[Hashable]
-    adapters: list[tuple]  # hf_patch.adapters.row_adapters
+    adapters: list[tuple]  # hf_patch.keys.adapters.row_adapters
     shared: list[SharedPrefix | None]
     extra_ids: torch.Tensor | None = None  # [B, T] int64 (uint64 bits), aligned with input_ids
 
@@ -94,14 +94,14 @@ class Request:
         self.matched = False
         self.common = 0  # leading columns served from the store (the cache's length after preload)
         self.computed: dict[int, int] = {}  # in-batch sharing: tokens each row computed for others
-        # The KV depends on inputs the key cannot see: no read, no commit (hf_patch.inputs)
+        # The KV depends on inputs the key cannot see: no read, no commit (hf_patch.keys.inputs)
         self.uncacheable = False
-        self.images = None  # hf_patch.multimodal.Images of the unexpanded prompt rows
+        self.images = None  # hf_patch.keys.multimodal.Images of the unexpanded prompt rows
         # Images not encoded (their index in pixel_values): served whole by the store, or with
         # features known from an earlier call (``known``: index -> feature rows).
         self.skipped: set = set()
         self.known: dict = {}
-        self.features = None  # the model's hf_patch.image_features.FeatureCache
+        self.features = None  # the model's hf_patch.keys.image_features.FeatureCache
         # generate() expands each prompt to max(num_beams, num_return_sequences) rows
         self.rows_per_prompt = 1
 
@@ -119,15 +119,19 @@ class Request:
         keys: KeyParts,
         reuse: bool = True,
         share=None,
+        keep: list[int] | None = None,
     ) -> None:
         """Match every row and pin what is cached; fix ``common``, the columns to preload.
 
         Runs once per call: from ``preload``, or earlier, before generate() encodes images, so
-        that images the store serves are never encoded (hf_patch.multimodal); ``preload`` then
+        that images the store serves are never encoded (hf_patch.keys.multimodal); ``preload`` then
         reads exactly what was pinned here. ``reuse=False``: prepare the commit, match nothing.
-        ``share``: None, or a callable ``share(rows) -> SharedPrefixes`` that computes and commits
-        the prefixes rows share and returns their pinned matches (``batch_share.compute_shared``
-        bound to the model).
+        ``share``: None, or a callable ``share(rows, keep) -> SharedPrefixes`` that computes and
+        commits the prefixes rows share and returns their pinned matches
+        (``batch_share.compute_shared`` bound to the model). ``keep[i]``: trailing tokens of row
+        i that are never read from the store, because the caller wants their outputs: 1 (the
+        default) for generate(), whose first logits come from the last prompt token (and a fully
+        cached prompt would be fed again); a scored continuation's length for scoring.
         """
         if self.matched:
             return
@@ -144,15 +148,15 @@ class Request:
         shared: dict[int, Lease] = {}
         try:
             row_keys = [keys.row(i, row, pad) for i, (row, pad) in enumerate(zip(rows, self.pads))]
+            keep = [1] * batch if keep is None else keep
             if share is not None and batch > 1:
-                result = share(row_keys)
+                result = share(row_keys, keep)
                 shared, self.computed = result.leases, result.computed
             for i, key in enumerate(row_keys):
                 lease = shared.pop(i, None)
                 if lease is None:
-                    # Leave at least one token to compute: a fully cached prompt would be fed again.
                     lease = self.store.acquire(
-                        key.tokens, key.namespace, max_tokens=key.tokens.num_tokens - 1
+                        key.tokens, key.namespace, max_tokens=max(0, key.tokens.num_tokens - keep[i])
                     )
                 self.leases.append(lease)
             self.common = min(pad + lease.num_tokens for pad, lease in zip(self.pads, self.leases))
@@ -174,13 +178,15 @@ class Request:
         reuse: bool = True,
         rows_per_prompt: int = 1,
         share=None,
+        keep: list[int] | None = None,
     ) -> None:
         """Match every row (unless ``match`` ran already), copy the common reusable prefix into
         fresh layer buffers, and unpin.
 
         ``keys``: each row's namespace, adapter, shared prefix and extra ids.
         ``prompt_only``: commit only the prompt afterwards (beam search: the cache rows are
-        reordered running beams, not the returned sequences). ``reuse``, ``share``: see ``match``.
+        reordered running beams, not the returned sequences). ``reuse``, ``share``, ``keep``:
+        see ``match``.
         """
         self.eos_token_ids = eos_token_ids
         self.prompt_only = prompt_only
@@ -193,7 +199,7 @@ class Request:
             )
         self.cache.cached_tokens = [0] * batch
         try:
-            self.match(input_ids, attention_mask, keys, reuse, share)
+            self.match(input_ids, attention_mask, keys, reuse, share, keep)
             if self.common > 0:
                 self._copy_prefix(self.common, self.computed)
         finally:

@@ -5,7 +5,7 @@
     hf_patch.unpin_prompts(model, ["translate"], store=store)
 
 Pinned blocks are never evicted nor demoted (``radixkv.store.task_pins``). A weight change that
-flushes the store (see ``hf_patch.weights``) drops the pins with the stale KV: pin again. On a
+flushes the store (see ``hf_patch.keys.weights``) drops the pins with the stale KV: pin again. On a
 model with PEFT adapters the prompts are computed and keyed under the adapter active at the
 call (``with peft_model.disable_adapter():`` for the base model's).
 """
@@ -17,9 +17,9 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 import torch
 from transformers.cache_utils import DynamicCache
 
-from hf_patch.adapters import row_adapters
+from hf_patch.keys.adapters import row_adapters
+from hf_patch.keys.weights import flush_if_weights_changed, model_scope
 from hf_patch.model_spec import check_store_fits, default_store, layer_specs
-from hf_patch.weights import flush_if_weights_changed, model_scope
 from radixkv import KeyedNamespace, KVStore
 
 __all__ = ["pin_prompts", "unpin_prompts"]

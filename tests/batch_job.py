@@ -14,7 +14,7 @@ WORDS = "the cache prefix token block tree node pool key value model request rep
 
 def save_tiny_model(directory: Path) -> Path:
     """demo's built-in tiny Llama and BPE tokenizer (chat template included), saved as a checkpoint."""
-    from demo.model import build_builtin
+    from demo.model.loading import build_builtin
 
     model, tokenizer = build_builtin("builtin-tiny")
     model.save_pretrained(directory)

@@ -10,7 +10,7 @@ import io
 
 import torch
 
-from demo.model import build_builtin, build_tokenizer, unreadable_ids
+from demo.model.loading import build_builtin, build_tokenizer, unreadable_ids
 
 # Renders string contents and content-part lists alike (text parts, image parts as <image>).
 VLM_TEMPLATE = (

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from batchrun.routing import assign_ranks, prefix_groups, round_robin
 from batchrun.runner import run
+from hf_patch.planning.routing import assign_ranks, prefix_groups, round_robin
 from radixkv import pack_tokens
 from tests.batch_job import check_results, save_tiny_model, stock_answers, write_requests
 from tests.hf_models import one_torch_thread  # noqa: F401  (autouse)

@@ -1,4 +1,4 @@
-"""LoRA adapters as model names (demo.adapters): every reply equals offline stock generate() of a
+"""LoRA adapters as model names (demo.model.adapters): every reply equals offline stock generate() of a
 fresh model with the same adapter loaded by peft; adapters never read each other's KV nor the
 base's (exact cached_tokens); rows of different adapters share one generate(); run-time loading
 and unloading behind the admin token, with the unloaded adapter's KV dropped; cache files
@@ -16,12 +16,12 @@ import torch
 
 pytest.importorskip("peft")
 
-from demo import batching  # noqa: E402
 from demo.__main__ import main as demo_main  # noqa: E402
-from demo.adapters import LoraModule, parse_lora_modules, peft_name  # noqa: E402
-from demo.api import build_engine, create_app  # noqa: E402
+from demo.api.app import build_engine, create_app  # noqa: E402
 from demo.config import Config, from_args  # noqa: E402
-from demo.engine import Params  # noqa: E402
+from demo.engine import batching  # noqa: E402
+from demo.engine.engine import Params  # noqa: E402
+from demo.model.adapters import LoraModule, parse_lora_modules, peft_name  # noqa: E402
 from tests.demo_checkpoints import peft_reference, save_adapter, stock_reply  # noqa: E402
 
 BLOCK = 16
@@ -139,7 +139,7 @@ def test_seeded_sampled_choices_under_an_adapter_equal_offline_peft(engine, refe
     out = model.generate(
         input_ids=torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        generation_config=engine._config(params),
+        generation_config=engine.runner.config(params),
     )
     stock_texts = [tokenizer.decode(row[len(prompt) :], skip_special_tokens=True) for row in out]
     assert [c.text for c in result.choices] == stock_texts

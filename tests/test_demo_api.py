@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
 from demo.config import Config
 
 BLOCK = 16
@@ -358,7 +358,7 @@ def test_page(client):
 def test_openai_client_against_real_server(engine):
     import openai  # a dev dependency: a missing client must fail, not skip
 
-    from demo.server import serving
+    from demo.api.server import serving
 
     app = create_app(Config(model="builtin-tiny", api_keys=("sk-test",)), engine)
     with serving(app) as url:
@@ -392,7 +392,7 @@ def test_openai_client_against_real_server(engine):
 
 
 def test_serves_a_local_checkpoint_directory(tmp_path):
-    from demo.model import build_builtin
+    from demo.model.loading import build_builtin
 
     model, tokenizer = build_builtin("builtin-tiny")
     model.save_pretrained(tmp_path)

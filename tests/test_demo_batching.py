@@ -1,4 +1,4 @@
-"""Batched generation of queued requests (demo.batching): each row's greedy output equals
+"""Batched generation of queued requests (demo.engine.batching): each row's greedy output equals
 what the request gets alone and what stock generate() gives; rows stop on their own
 (max_tokens, stop string, EOS, a client gone) and cached_tokens is exact per request.
 
@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
-from demo import batching
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
 from demo.config import Config
-from demo.engine import Engine, Params
+from demo.engine import batching
+from demo.engine.engine import Engine, Params
 
 TABLE = "\n".join(f"| Chen {i} | {20 + i} | Osaka | nurse |" for i in range(12))
 
@@ -26,7 +26,7 @@ TABLE = "\n".join(f"| Chen {i} | {20 + i} | Osaka | nurse |" for i in range(12))
 def engine():
     e = build_engine(Config(model="builtin-tiny", cache_tokens=1 << 15, max_batch_size=8))
     cfg = e.model.generation_config
-    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e._eos]  # rows end only where we say
+    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e.runner.eos]  # rows end only where we say
     return e
 
 
@@ -82,7 +82,7 @@ def collect_all(gens) -> list:
 
 def stock(engine, ids: list[int], max_new: int) -> str:
     """Stock generate(), no cache, greedy: the oracle."""
-    cfg = engine._config(Params(max_new, temperature=0.0))
+    cfg = engine.runner.config(Params(max_new, temperature=0.0))
     out = engine.model.generate(
         torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), generation_config=cfg
     )
@@ -90,7 +90,7 @@ def stock(engine, ids: list[int], max_new: int) -> str:
 
 
 def greedy_ids(engine, ids: list[int], max_new: int) -> list[int]:
-    cfg = engine._config(Params(max_new, temperature=0.0))
+    cfg = engine.runner.config(Params(max_new, temperature=0.0))
     return engine.model.generate(torch.tensor([ids]), generation_config=cfg)[0, len(ids) :].tolist()
 
 
@@ -175,7 +175,7 @@ def test_rows_stop_at_their_own_stop_string_eos_and_hang_up(engine, monkeypatch)
         k for k in range(2, 10) if replies[1][k] not in others and replies[1][k] not in replies[1][:k]
     )
     eos, row1_ids = replies[1][step], replies[1]
-    monkeypatch.setattr(engine, "_eos", {eos})
+    monkeypatch.setattr(engine.runner, "eos", {eos})
     monkeypatch.setattr(engine.model.generation_config, "eos_token_id", eos)
     sizes = spy_batches(monkeypatch)
     held = Held(engine, monkeypatch)
@@ -219,7 +219,7 @@ def test_seeded_and_n_requests_run_alone_and_batch_size_one_never_batches(engine
     gens.append(engine.submit(engine.text_ids("n=2"), Params(4, temperature=1.0, n=2)))
     held.go()
     seeded = collect_all(gens)
-    assert sizes == [] and engine.batch_sizes.counts[0] >= 4  # all ran alone (bucket le=1)
+    assert sizes == [] and engine.scheduler.batch_sizes.counts[0] >= 4  # all ran alone (bucket le=1)
     again = [
         engine.submit(engine.text_ids(f"seeded {i}"), Params(4, temperature=1.0, seed=i)).collect()
         for i in range(3)
@@ -230,7 +230,7 @@ def test_seeded_and_n_requests_run_alone_and_batch_size_one_never_batches(engine
     gens = [one.submit(one.text_ids(f"q {i}"), Params(3, temperature=0.0)) for i in range(3)]
     held2.go()
     collect_all(gens)
-    assert sizes == [] and one.batch_sizes.counts[0] == 4 and sum(one.batch_sizes.counts) == 4
+    assert sizes == [] and one.scheduler.batch_sizes.counts[0] == 4 and sum(one.scheduler.batch_sizes.counts) == 4
 
 
 def test_metrics_show_batch_size_and_queue_wait_histograms(engine, monkeypatch):
@@ -252,7 +252,7 @@ def test_metrics_show_batch_size_and_queue_wait_histograms(engine, monkeypatch):
     total = int(
         next(line for line in text.splitlines() if line.startswith("radixkv_batch_size_count ")).split()[1]
     )
-    assert total == counts[-1] == sum(engine.batch_sizes.counts)
+    assert total == counts[-1] == sum(engine.scheduler.batch_sizes.counts)
     assert (
         f'radixkv_batch_size_bucket{{le="2"}} {counts[1]}' in text and counts[2] - counts[1] >= 1
     )  # the 3-row batch
@@ -302,7 +302,7 @@ def test_a_short_request_joins_a_running_batch_between_decode_chunks(engine, mon
     at the next chunk boundary and is answered while the long one goes on; the long one pauses,
     resumes from its committed KV (whole blocks hit, a partial block recomputed) and its reply,
     stop string included, equals stock generate() of it alone. cached_tokens is the prompt's."""
-    monkeypatch.setattr(engine, "decode_chunk", 4)
+    monkeypatch.setattr(engine.scheduler, "decode_chunk", 4)
     long_prompt = engine.text_ids("a long answer about " + TABLE[:300])
     ref = stock(engine, long_prompt, 120)
     stop = ref[len(ref) // 2 : len(ref) // 2 + 4]  # found only after several chunks
@@ -330,12 +330,12 @@ def test_without_a_waiting_request_or_with_decode_chunk_0_a_batch_never_pauses(e
     calls = []
     run = batching.run_batch
     monkeypatch.setattr(batching, "run_batch", lambda e, gens, *a: calls.append(len(gens)) or run(e, gens, *a))
-    monkeypatch.setattr(engine, "decode_chunk", 2)
+    monkeypatch.setattr(engine.scheduler, "decode_chunk", 2)
     prompt = engine.text_ids("nobody else is waiting")
     alone = engine.submit(prompt, Params(30, temperature=0.0)).collect()
     assert calls == [1] and sizes == []  # one generate() call for the whole reply
     assert alone.text == stock(engine, prompt, 30)
-    monkeypatch.setattr(engine, "decode_chunk", 0)
+    monkeypatch.setattr(engine.scheduler, "decode_chunk", 0)
     calls.clear()
     engine.submit(prompt, Params(3, temperature=0.0)).collect()
     assert calls == []  # decode_chunk 0: the single path, as before
@@ -347,9 +347,9 @@ def test_over_http_a_short_request_is_answered_while_a_long_stream_runs(engine, 
     stream ends; both replies equal stock generate()."""
     import openai
 
-    from demo.server import serving
+    from demo.api.server import serving
 
-    monkeypatch.setattr(engine, "decode_chunk", 8)
+    monkeypatch.setattr(engine.scheduler, "decode_chunk", 8)
     app = create_app(Config(model="builtin-tiny"), engine)
     long_text, short_text = "tell me everything about " + TABLE[:200], "and briefly?"
     with serving(app) as url:

@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 
-from demo.api import create_app
+from demo.api.app import create_app
+from demo.api.server import serving
 from demo.config import Config
-from demo.server import serving
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -127,7 +127,7 @@ def test_chat_page_attaches_an_image_and_the_next_turn_reads_it(tmp_path):
     from selenium.webdriver.common.by import By
 
     from tests.demo_checkpoints import data_url, png, save_vlm
-    from tests.test_demo_images import BLOCK, common, reference_for, stock, user
+    from tests.test_demo_images import BLOCK, common, reference_for, stock, stock_ids, user
 
     checkpoint = save_vlm(tmp_path / "tiny-llava")
     app = create_app(Config(model=checkpoint, block_size=BLOCK, cache_tokens=1 << 13))
@@ -151,11 +151,11 @@ def test_chat_page_attaches_an_image_and_the_next_turn_reads_it(tmp_path):
         driver.quit()
     reference = reference_for(checkpoint)
     turn1 = [user(data_url(png(21)), "what is in this picture?")]
-    ids1, reply1 = stock(reference, turn1)
+    ids1, reply1, reply_ids1 = stock_ids(reference, turn1)
     turn2 = [*turn1, {"role": "assistant", "content": reply1}, user("and why?")]
     ids2, reply2 = stock(reference, turn2)
     assert replies == [reply1, reply2]
-    seen = ids1 + reference[1].tokenizer(reply1)["input_ids"]
+    seen = ids1 + reply_ids1[:-1]  # what the store holds: the reply's ids but the last
     assert cached == [0, common(seen, ids2) // BLOCK * BLOCK] and cached[1] > len(ids1) - BLOCK
 
 
@@ -164,7 +164,7 @@ def test_chat_page_picks_an_adapter_and_adapters_never_share_kv(tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    from demo.adapters import LoraModule
+    from demo.model.adapters import LoraModule
     from tests.demo_checkpoints import peft_reference, save_adapter, stock_reply
 
     modules = tuple(

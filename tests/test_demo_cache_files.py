@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
 from demo.config import Config
 
 BLOCK = 16
@@ -160,7 +160,7 @@ def test_periodic_saves(tmp_path):
 
 
 def test_secret_file_with_loose_permissions_is_tightened(tmp_path):
-    from demo.auth import load_or_create_secret
+    from demo.api.auth import load_or_create_secret
 
     p = tmp_path / "s"
     first = load_or_create_secret(str(p))
@@ -238,7 +238,7 @@ def test_metrics_name_the_cache_file_endpoints(tmp_path):
 def test_a_bad_tenant_secret_file_stops_the_server_with_a_message_not_a_traceback(tmp_path, capsys, monkeypatch):
     import demo.__main__ as demo_main
 
-    monkeypatch.setattr("demo.server.serve_forever", lambda *a, **k: pytest.fail("the server started"))
+    monkeypatch.setattr("demo.api.server.serve_forever", lambda *a, **k: pytest.fail("the server started"))
     bad = tmp_path / "bad.secret"
     bad.write_text("not hex\n")
     with pytest.raises(SystemExit):

@@ -1,6 +1,6 @@
 """Several clients at once against a real server on 127.0.0.1 (threads + requests).
 
-The server handles HTTP concurrently and generates one request at a time (demo.engine): every
+The server handles HTTP concurrently and generates one request at a time (demo.engine.engine): every
 client must get the same answer it would get alone, the queue must refuse politely when full,
 a client that hangs up mid-stream must not hold the worker, and the store must stay intact.
 """
@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
+from demo.api.server import serving
 from demo.config import Config
-from demo.server import serving
 
 TABLE = "\n".join(f"| Bruno {i} | {30 + i} | Lima | pilot |" for i in range(25))
 QUESTIONS = [f"Question {i}: who is number {i}?" for i in range(8)]
@@ -97,7 +97,7 @@ def endless():
     cancelled, so a cancellation test cannot pass because the reply happened to end early."""
     e = build_engine(Config(model="builtin-tiny", cache_tokens=1 << 14))
     cfg = e.model.generation_config
-    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e._eos]
+    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e.runner.eos]
     return e
 
 

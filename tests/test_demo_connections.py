@@ -1,7 +1,7 @@
 """Issue 17: one client address cannot take every connection, and what waitress refuses itself
 (an oversized body, an absurd Content-Length) comes back in the API's JSON error shape.
 
-Against the real server (waitress, demo.server). Another client address is 127.0.0.2: Linux
+Against the real server (waitress, demo.api.server). Another client address is 127.0.0.2: Linux
 routes all of 127.0.0.0/8 to the loopback interface.
 """
 
@@ -14,9 +14,9 @@ import time
 import pytest
 import requests
 
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
+from demo.api.server import Limits, serving
 from demo.config import Config, from_args
-from demo.server import Limits, serving
 
 
 @pytest.fixture(scope="module")

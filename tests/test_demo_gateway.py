@@ -14,7 +14,7 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
 from demo.config import Config
 from tests.demo_process import start_demo
 
@@ -52,7 +52,7 @@ def test_get_load_counts_running_and_queued_requests_and_their_tokens(client):
     idle = c.get("/get_load").get_json()
     assert idle == [{"dp_rank": 0, "num_reqs": 0, "num_running_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
     # a request the worker is generating: counted while it runs
-    from demo.engine import Params
+    from demo.engine.engine import Params
 
     gen = engine.submit(engine.text_ids("a long answer please " * 4), Params(400, temperature=0.0))
     deadline = time.monotonic() + 30

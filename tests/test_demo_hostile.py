@@ -14,17 +14,17 @@ import time
 import pytest
 import requests
 
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
+from demo.api.server import Limits, serving
 from demo.config import Config
-from demo.engine import Engine
-from demo.server import Limits, serving
+from demo.engine.engine import Engine
 
 
 @pytest.fixture(scope="module")
 def engine():
     e = build_engine(Config(model="builtin-tiny", cache_tokens=1 << 14))
     cfg = e.model.generation_config
-    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e._eos]  # replies run to max_tokens
+    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e.runner.eos]  # replies run to max_tokens
     return e
 
 
@@ -188,7 +188,7 @@ def test_guessing_the_admin_token_on_the_cache_file_endpoints_is_throttled_too(e
 
 
 def test_throttle_memory_is_bounded_and_refills():
-    from demo.auth_throttle import Throttle
+    from demo.api.auth_throttle import Throttle
 
     now = [0.0]
     t = Throttle(burst=3, per_second=1.0, max_clients=100, clock=lambda: now[0])

@@ -7,9 +7,9 @@ import pytest
 import transformers
 
 from demo.__main__ import main as demo_main
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
 from demo.config import Config, from_args
-from demo.model import ModelNotFound, build_builtin
+from demo.model.loading import ModelNotFound, build_builtin
 
 HUB_ID = "Qwen/Qwen2.5-0.5B-Instruct"
 

@@ -11,9 +11,9 @@ import uuid
 import pytest
 import torch
 
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
 from demo.config import Config
-from demo.processors import LogitBias, LogprobRecorder, OpenAIPenalties
+from demo.engine.processors import LogitBias, LogprobRecorder, OpenAIPenalties
 
 BLOCK = 16
 TABLE = "\n".join(f"| Chen {i} | {30 + i} | Lima | nurse |" for i in range(12))
@@ -65,7 +65,7 @@ def oracle(engine, ids, steps, frequency=0.0, presence=0.0, bias=None, top=5):
         chosen.append(float(logprobs[token]))
         tops.append(list(zip(top_ids.tolist(), values.tolist())))
         seq.append(token)
-        if token in engine._eos:
+        if token in engine.runner.eos:
             break
     return out, chosen, tops
 
@@ -198,7 +198,7 @@ def test_n_sampled_choices_equal_stock_generate_and_the_prompt_is_computed_once(
         handle.remove()
     prompt_work = sum(b * t for b, t in seen if t > 1)
     assert prompt_work <= ids.shape[1] + 3 * (BLOCK + 1), (seen, ids.shape)  # not 3 x the prompt
-    cfg = engine._config(engine_params(6, n=3, temperature=1.0))
+    cfg = engine.runner.config(engine_params(6, n=3, temperature=1.0))
     torch.manual_seed(11)
     stock = engine.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
     expected = [engine.decode(row[ids.shape[1] :].tolist()) for row in stock]
@@ -207,7 +207,7 @@ def test_n_sampled_choices_equal_stock_generate_and_the_prompt_is_computed_once(
 
 
 def engine_params(max_new, **kw):
-    from demo.engine import Params
+    from demo.engine.engine import Params
 
     return Params(max_new, **kw)
 
@@ -285,7 +285,7 @@ def test_forged_turn_through_the_api_is_plain_text(client, engine):
 def test_openai_client_sends_each_option(engine):
     import openai
 
-    from demo.server import serving
+    from demo.api.server import serving
 
     app = create_app(Config(model="builtin-tiny", block_size=BLOCK, api_keys=("sk-o",)), engine)
     with serving(app) as url:

@@ -15,7 +15,7 @@ import time
 
 import requests
 
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
 from demo.config import Config
 from tests.demo_process import start_demo
 

@@ -12,11 +12,11 @@ import uuid
 import pytest
 import requests
 
-from demo.api import MAX_BODY_BYTES, build_engine, create_app
+from demo.api.app import MAX_BODY_BYTES, build_engine, create_app
+from demo.api.server import serving
 from demo.config import Config
-from demo.engine import Params
+from demo.engine.engine import Params
 from demo.metrics import number
-from demo.server import serving
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_chunked_body_over_the_limit_is_a_413(engine):
 def test_completion_tokens_stop_at_the_stop_string(engine, monkeypatch):
     """usage counts tokens up to the one completing the stop string, however far the worker
     ran ahead before it saw the cancel (here: a request thread slowed down, as under load)."""
-    import demo.textstream
+    import demo.engine.textstream
 
     ids = engine.chat_ids([{"role": "user", "content": f"[{uuid.uuid4().hex}] count"}])
     ref = engine.submit(ids, Params(40, 0.0))
@@ -148,13 +148,13 @@ def test_completion_tokens_stop_at_the_stop_string(engine, monkeypatch):
     stop = text[len(text) // 3 : len(text) // 3 + 2]
     expected = next(k for k in range(1, len(out) + 1) if stop in engine.decode(out[:k]))
 
-    push = demo.textstream.TextStream.push
+    push = demo.engine.textstream.TextStream.push
 
     def slow_push(self, new_ids):
         time.sleep(0.02)
         return push(self, new_ids)
 
-    monkeypatch.setattr(demo.textstream.TextStream, "push", slow_push)
+    monkeypatch.setattr(demo.engine.textstream.TextStream, "push", slow_push)
     gen = engine.submit(ids, Params(40, 0.0, stop=(stop,)))
     r = gen.collect()
     assert r.text == text[: text.index(stop)] and r.finish_reason == "stop"

@@ -155,7 +155,7 @@ def test_a_periodic_save_running_at_shutdown_is_cancelled(tmp_path, monkeypatch)
 
 def test_the_admin_restore_never_evicts_unless_asked(tmp_path):
     def small():
-        from demo.api import build_engine
+        from demo.api.app import build_engine
         from demo.config import Config
 
         return build_engine(Config(model="builtin-tiny", block_size=BLOCK, cache_tokens=48 * BLOCK))

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import demo.__main__ as demo_main
-from demo.api import build_engine, create_app
+from demo.api.app import build_engine, create_app
 from demo.config import Config, from_args
 from demo.task_prompts import ENV, TaskPromptError, TaskPrompts, load, parse
 
@@ -214,7 +214,7 @@ def test_the_file_flag_wins_and_a_missing_file_is_named(tmp_path):
 
 
 def test_the_server_refuses_to_start_with_malformed_or_oversized_task_prompts(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("demo.server.serve_forever", lambda *a, **k: pytest.fail("the server started"))
+    monkeypatch.setattr("demo.api.server.serve_forever", lambda *a, **k: pytest.fail("the server started"))
     bad = tmp_path / "bad.json"
     bad.write_text('[{"task_id": "a"}]')
     with pytest.raises(SystemExit):

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from demo.config import Config, from_args
+from demo.engine.textstream import TextStream
 from demo.metrics import Histogram
-from demo.textstream import TextStream
 
 
 def test_config_defaults_env_and_flags():
@@ -165,7 +165,7 @@ def test_histogram_buckets_are_cumulative():
 
 
 def test_builtin_model_is_deterministic_and_has_a_chat_template():
-    from demo.model import build_builtin
+    from demo.model.loading import build_builtin
 
     (m1, t1), (m2, t2) = build_builtin("builtin-tiny"), build_builtin("builtin-tiny")
     assert t1.get_vocab() == t2.get_vocab()

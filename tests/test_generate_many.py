@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_patch
-from hf_patch.generate_many import plan_batches
+from hf_patch.planning.batches import plan_batches
 from radixkv import pack_tokens
 from tests.hf_models import (
     EOS,

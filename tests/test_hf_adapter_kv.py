@@ -12,7 +12,7 @@ peft = pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 import hf_patch  # noqa: E402
-from hf_patch import image_features  # noqa: E402
+from hf_patch.keys import image_features  # noqa: E402
 from tests.hf_models import (  # noqa: E402
     assert_same_as_stock,
     build,

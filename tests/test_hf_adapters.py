@@ -132,7 +132,7 @@ def test_an_adapter_recreated_under_its_name_with_other_weights_misses():
     model.eval()
     run(model, store, ids(PROMPT), [0])
     # Only the scaling changes (same matrices): still another adapter's KV.
-    for layer in hf_patch.adapters.tuner_layers(model):
+    for layer in hf_patch.keys.adapters.tuner_layers(model):
         layer[1].scaling["y"] *= 2
     run(model, store, ids(PROMPT), [0])
     run(model, store, ids(PROMPT), [FULL])
@@ -158,7 +158,7 @@ def test_prompt_tuning_runs_without_reuse_and_says_why(caplog):
     store = store_for(base, BS)
     config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
     model = get_peft_model(base, config).eval()
-    with caplog.at_level("WARNING", logger="hf_patch.inputs"):
+    with caplog.at_level("WARNING", logger="hf_patch.keys.inputs"):
         run(model, store, ids(PROMPT), [0], attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long))
         run(model, store, ids(PROMPT), [0], attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long))
     assert any("prepare_inputs_for_generation" in r.getMessage() for r in caplog.records)

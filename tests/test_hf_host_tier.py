@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_patch
-from hf_patch.weights import model_scope
+from hf_patch.keys.weights import model_scope
 from tests.hf_models import (
     assert_same_as_stock,
     expected_full_hit,

@@ -17,8 +17,9 @@ from transformers import (
 from transformers.generation.utils import GenerationMixin
 
 import hf_patch
+import hf_patch.call
 import hf_patch.patch
-from hf_patch.weights import model_scope
+from hf_patch.keys.weights import model_scope
 from tests.hf_models import (
     EOS,
     PAD,
@@ -59,6 +60,8 @@ def test_other_caches_go_straight_to_unpatched_generate(monkeypatch):
         raise AssertionError("hf_patch ran for a call without a RadixCache")
 
     for name in ("layer_specs", "default_store", "flush_if_weights_changed", "Request"):
+        monkeypatch.setattr(hf_patch.call, name, untouchable)
+    for name in ("open_request", "key_parts", "sharing"):
         monkeypatch.setattr(hf_patch.patch, name, untouchable)
     original = GenerationMixin.generate.__wrapped__
     kwargs = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)

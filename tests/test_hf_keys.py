@@ -229,7 +229,7 @@ def test_inputs_the_key_cannot_see_turn_the_store_off_for_the_call(caplog):
     assert_same_as_stock(model, prompt, store)
     cached = store.stats()["cached_blocks"]
     types = torch.ones_like(prompt)
-    with caplog.at_level("WARNING", logger="hf_patch.inputs"):
+    with caplog.at_level("WARNING", logger="hf_patch.keys.inputs"):
         for _ in range(2):
             cache, _ = assert_same_as_stock(model, prompt, store, token_type_ids=types)
             assert cache.cached_tokens == [0]

@@ -139,14 +139,14 @@ def test_weights_changed_while_a_file_is_read_restore_no_stale_kv(saved, monkeyp
 
     model = build("llama-sdpa")
     store = store_for(model, BS)
-    hf_patch.weights.flush_if_weights_changed(store, model)  # the store has seen these weights
+    hf_patch.keys.weights.flush_if_weights_changed(store, model)  # the store has seen these weights
     read = radixkv.persist.restore.read_kv  # the KV is read without the store's lock
 
     def read_then_weights_change(*args, **kwargs):
         read(*args, **kwargs)
         with torch.no_grad():
             model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)
-        hf_patch.weights.flush_if_weights_changed(store, model)
+        hf_patch.keys.weights.flush_if_weights_changed(store, model)
 
     monkeypatch.setattr(radixkv.persist.restore, "read_kv", read_then_weights_change)
     with pytest.raises(RuntimeError, match="flushed"):

@@ -186,7 +186,7 @@ def test_weights_change_flushes_stale_kv(change, caplog):
     assert cache.cached_tokens[0] > 0
     flushes = store.stats()["flushes"]
     change(model, other)
-    with caplog.at_level(logging.WARNING, logger="hf_patch.weights"):
+    with caplog.at_level(logging.WARNING, logger="hf_patch.keys.weights"):
         cache, _ = assert_same_as_stock(model, ids(PROMPT), store)  # against stock of the changed model
     assert cache.cached_tokens == [0]
     assert store.stats()["flushes"] == flushes + 1

@@ -113,7 +113,7 @@ def test_a_flush_while_a_prompt_is_computed_pins_no_stale_kv():
         handle.remove()
         with torch.no_grad():
             next(model.parameters()).mul_(1.5)
-        hf_patch.weights.flush_if_weights_changed(store, model)
+        hf_patch.keys.weights.flush_if_weights_changed(store, model)
 
     handle = model.register_forward_hook(weights_change_meanwhile)
     with pytest.raises(RuntimeError, match="flushed"):

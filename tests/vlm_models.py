@@ -47,7 +47,7 @@ def _internvl():
     )
 
 
-def _gemma3():  # not keyed by hf_patch.multimodal: the test of a family it does not know
+def _gemma3():  # not keyed by hf_patch.keys.multimodal: the test of a family it does not know
     text = {**BASE, "model_type": "gemma3_text", "head_dim": 16}
     vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip

@@ -49,7 +49,7 @@ _lock = threading.Lock()
 
 def unkeyed_inputs(kwargs: dict, also_keyed: frozenset[str] = frozenset()) -> list[str]:
     """Names of the model inputs in generate()'s ``kwargs`` that the key does not cover
-    (``also_keyed``: inputs the caller keys for this model, e.g. hf_patch.multimodal's images)."""
+    (``also_keyed``: inputs the caller keys for this model, e.g. hf_patch.keys.multimodal's images)."""
     return sorted(
         name
         for name, value in kwargs.items()

@@ -1,11 +1,11 @@
 """Answers to POST /v1/chat/completions and /v1/completions: one JSON body, or an SSE stream.
 
-    respond = responder(engine, config, metrics, model_id)   # demo.api's create_app does this
+    respond = responder(engine, config, metrics, model_id)   # demo.api.app's create_app does this
     return respond("chat", prompt_ids, sampling, opts, namespace, started, slot)
 
-The request is checked already (demo.schema, demo.options) and holds a queue slot; ``respond``
+The request is checked already (demo.api.schema, demo.api.options) and holds a queue slot; ``respond``
 submits it to the engine, and either collects the result or streams chunks as they come,
-counting both in ``metrics``. Response shapes are built in demo.responses.
+counting both in ``metrics``. Response shapes are built in demo.api.responses.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from collections.abc import Callable
 
 from flask import Response, jsonify, request
 
-from demo import options, responses, schema
+from demo.api import options, responses, schema
+from demo.api.server import client_alive
 from demo.config import Config
-from demo.engine import Disconnected, Engine, Generation, Params
-from demo.generation import Result
+from demo.engine.engine import Disconnected, Engine, Generation, Params
+from demo.engine.generation import Result
+from demo.errors import ApiError
 from demo.metrics import Metrics
-from demo.schema import ApiError
-from demo.server import client_alive
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,14 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from demo.processors import LogprobRecorder, TokenLogprobs
-from demo.textstream import TextStream
+from demo.engine.processors import LogprobRecorder, TokenLogprobs
+from demo.engine.textstream import TextStream
 
 # How often (seconds) a waiting request asks its `alive` callback whether the client is there.
 ALIVE_EVERY = 0.25
+# Below this temperature, sampling is greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow to
+# inf and the softmax to NaN, which made generate() raise on a valid request.
+GREEDY_BELOW = 1e-5
 
 
 class Disconnected(RuntimeError):
@@ -31,7 +34,7 @@ class Disconnected(RuntimeError):
 @dataclass(frozen=True)
 class Params:
     max_new_tokens: int
-    temperature: float = 1.0  # below demo.engine.GREEDY_BELOW: greedy
+    temperature: float = 1.0  # below GREEDY_BELOW: greedy
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
@@ -41,7 +44,7 @@ class Params:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     top_logprobs: int | None = None  # None: no logprobs
     cache_prompt: bool = True  # False: generate without the prefix cache (no read, no write)
-    adapter: str | None = None  # the LoRA adapter computing the reply (demo.adapters); None: the base
+    adapter: str | None = None  # the LoRA adapter computing the reply (demo.model.adapters); None: the base
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class Generation:
         self.inputs = inputs or {}
         self.batch_group = batch_group  # requests of different groups never share a generate()
         # What the next generate() of this request feeds: the prompt, then what earlier decode
-        # chunks generated (demo.batching: a paused request resumes in a re-formed batch).
+        # chunks generated (demo.engine.batching: a paused request resumes in a re-formed batch).
         self.context_ids = prompt_ids
         self.cached: int | None = None  # the prompt's cached tokens, fixed by its first chunk
         self.submitted = time.perf_counter()

@@ -19,7 +19,7 @@ import os
 import stat
 from collections.abc import Hashable, Iterable, Mapping
 
-from demo.schema import ApiError
+from demo.errors import ApiError
 
 log = logging.getLogger(__name__)
 SECRET_BYTES = 32

@@ -26,7 +26,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from hf_patch.adapters import adapter_digests, adapter_parameter_ids, merge_state
+from hf_patch.keys.adapters import adapter_digests, adapter_parameter_ids, merge_state
 from radixkv import KeyedNamespace, KVStore
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def model_scope(model) -> int:
 def fingerprint(model) -> int:
     """The base weights' addresses and versions, and PEFT's merge state (a merge or unmerge writes
     the base weights through ``.data``: no version bump). Adapter parameters are left out: each
-    adapter's KV is keyed by its own weights digest (hf_patch.adapters), so loading, deleting or
+    adapter's KV is keyed by its own weights digest (hf_patch.keys.adapters), so loading, deleting or
     training an adapter changes that adapter's key, not every prefix's."""
     adapter = adapter_parameter_ids(model)
     versions = tuple((p.data_ptr(), p._version) for p in model.parameters() if id(p) not in adapter)

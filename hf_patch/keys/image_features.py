@@ -4,11 +4,11 @@ The prefix store holds an image's KV only in whole blocks, and an image rarely e
 boundary: a second question about an image usually reuses its KV up to the block that also
 holds the new question, and the model still needs the features of that image's last
 placeholders. Keeping each image's features (one row per placeholder) by its content id
-(hf_patch.multimodal) lets that prefill, and any prompt that shows a known image in a new
+(hf_patch.keys.multimodal) lets that prefill, and any prompt that shows a known image in a new
 context, skip the vision tower entirely.
 
 One LRU per model, bounded in bytes (``RADIXKV_IMAGE_FEATURES_BYTES``, default 64 MiB; 0 turns
-it off), dropped whole when the model's weights change (hf_patch.weights.fingerprint), and not
+it off), dropped whole when the model's weights change (hf_patch.keys.weights.fingerprint), and not
 used at all for a model with PEFT adapters (the features may depend on the adapter).
 Features stay on the device they were computed on. Thread-safe.
 """
@@ -22,8 +22,8 @@ from collections import OrderedDict
 
 import torch
 
-from hf_patch.adapters import tuner_layers
-from hf_patch.weights import fingerprint
+from hf_patch.keys.adapters import tuner_layers
+from hf_patch.keys.weights import fingerprint
 
 DEFAULT_BYTES = 64 << 20
 

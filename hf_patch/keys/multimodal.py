@@ -27,7 +27,7 @@ Supported families, by how their processor lays out ``pixel_values``:
 - ``rows`` (Idefics3, SmolVLM): ``[batch, max_images, C, H, W]``, an all-zero image is padding
   (the model skips it), so a cached image is zeroed out.
 
-Any other family passing image inputs runs without the store (hf_patch.inputs: its image
+Any other family passing image inputs runs without the store (hf_patch.keys.inputs: its image
 kwargs are not on the allowlist), as does a call whose placeholders do not split evenly over
 its images.
 """

@@ -116,9 +116,9 @@ def row_key(
 
     The tree namespace is ``(scope, namespace)``, or, under a shared prefix of ``length > 0``,
     ``(scope, shared.namespace)`` with the tail salted by the private namespace; with an active
-    adapter (``adapter``: its key parts, see hf_patch.adapters) the second element is a
+    adapter (``adapter``: its key parts, see hf_patch.keys.adapters) the second element is a
     ``KeyedNamespace`` carrying them, public part included (an adapter changes every token's KV).
-    ``scope`` names the model (hf_patch.weights.model_scope).
+    ``scope`` names the model (hf_patch.keys.weights.model_scope).
     """
     if extra is not None and not extra.any():
         extra = None

@@ -1,11 +1,11 @@
 """Batched generation: queued requests that can share a generate() call run as its rows.
 
     key = batch_key(gen)                  # None: the request runs alone
-    run_batch(engine, gens)               # gens: >= 2 requests with one key
+    run_batch(runner, gens)               # gens: >= 2 requests with one key
 
 Which requests share a batch (`batch_key`): n == 1, no seed (a seed must own the global RNG
 for its whole generation), no model inputs beside the ids (images), the same adapter batch
-group (demo.adapters: the base and plain LoRA adapters mix through PEFT's adapter_names), equal
+group (demo.model.adapters: the base and plain LoRA adapters mix through PEFT's adapter_names), equal
 cache_prompt, equal sampling (greedy, or the same temperature and top_p), penalties,
 logit_bias and logprobs setting: generate() applies its warpers and our processors to every
 row alike. Everything else about a row is its own: prompt (left-padded to the longest),
@@ -33,8 +33,8 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from demo import processors
-from demo.generation import Generation
+from demo.engine import processors
+from demo.engine.generation import Generation
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class RowStop(StoppingCriteria):
         return torch.tensor([e is not None for e in rows.ended], dtype=torch.bool, device=input_ids.device)
 
 
-def run_batch(engine, gens: list[Generation], pause=None) -> list[Generation]:
+def run_batch(runner, gens: list[Generation], pause=None) -> list[Generation]:
     """One left-padded generate() for `gens` (all with one batch_key) over each request's
     context (its prompt, then what earlier chunks generated). Every request gets its ("done",
     cached) or ("error", exc) event, except those paused by ``pause(generated)`` (see Rows),
@@ -184,22 +184,22 @@ def run_batch(engine, gens: list[Generation], pause=None) -> list[Generation]:
     width = max(len(g.context_ids) for g in gens)
     first = gens[0].params
     remaining = max(g.params.max_new_tokens - g.replied for g in gens)
-    config = engine._config(dataclasses.replace(first, max_new_tokens=remaining))
+    config = runner.config(dataclasses.replace(first, max_new_tokens=remaining))
     ids = torch.full((len(gens), width), config.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(gens), width), dtype=torch.long)
     for i, g in enumerate(gens):
         ids[i, width - len(g.context_ids) :] = torch.tensor(g.context_ids)
         mask[i, width - len(g.context_ids) :] = 1
-    cache = engine._cache(gens)
-    rows = Rows(gens, width, engine._eos, cache, pause)
+    cache = runner.cache(gens)
+    rows = Rows(gens, width, runner.eos, cache, pause)
     logits_processor, recorder = processors.build(
         width, first.frequency_penalty, first.presence_penalty, dict(first.logit_bias), first.top_logprobs
     )
     try:
-        engine.generate(
+        runner.generate(
             gens,
-            ids.to(engine.model.device),
-            attention_mask=mask.to(engine.model.device),
+            ids.to(runner.model.device),
+            attention_mask=mask.to(runner.model.device),
             past_key_values=cache,
             generation_config=config,
             logits_processor=logits_processor,

@@ -27,7 +27,7 @@ import weakref
 
 from flask import Blueprint, jsonify
 
-from demo.model import BUILTIN
+from demo.model.loading import BUILTIN
 
 _saved: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its directory
 _lock = threading.Lock()
@@ -74,8 +74,8 @@ def install(app, engine, config) -> None:
             else None,
             "page_size": engine.store.block_size if engine.store is not None else None,
             "disable_radix_cache": engine.store is None,
-            "max_running_requests": engine.max_batch_size,
-            "max_queued_requests": engine.max_queue,
+            "max_running_requests": engine.scheduler.max_batch_size,
+            "max_queued_requests": engine.scheduler.max_queue,
             "dp_size": 1,
             "tp_size": 1,
             "version": "radixkv",

@@ -35,7 +35,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from flask import Blueprint, Response, request
 
-from demo.schema import ApiError
+from demo.errors import ApiError
 
 log = logging.getLogger(__name__)
 BASE = "__base__"  # PEFT's adapter_names entry for "no adapter"

@@ -14,7 +14,7 @@ transformers model itself; generate() runs on that model, so the wrapper sees th
 
 Merging (``merge_adapter``) writes the adapter into the base weights through ``.data``, which no
 version counter sees: ``merge_state`` feeds the merged adapter lists into the weights fingerprint
-(hf_patch.weights), so a merge or unmerge flushes the store like any other weight change.
+(hf_patch.keys.weights), so a merge or unmerge flushes the store like any other weight change.
 
 Prompt learning (prompt tuning, p-tuning, prefix tuning) replaces the model's
 ``prepare_inputs_for_generation``: ``unkeyable_reason`` names it, and the call then runs without
@@ -99,6 +99,16 @@ def adapter_digests(model) -> dict[str, str]:
     rows are keyed by)."""
     layers = tuner_layers(model)
     return {name: _adapter_digest(layers, name) for name in adapter_names(model)}
+
+
+def unwrap_peft(model):
+    """The transformers model a PEFT wrapper runs, its tuner layers injected (the model PEFT's
+    generate() calls, so its KV is keyed by the same model scope), or ``model`` itself: not a
+    PEFT wrapper, or prompt learning, whose wrapper's own forward adds virtual tokens."""
+    config = getattr(model, "active_peft_config", None)
+    if config is not None and hasattr(model, "get_base_model") and not config.is_prompt_learning:
+        return model.get_base_model()
+    return model
 
 
 def merge_state(model) -> tuple:

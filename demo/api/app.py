@@ -6,12 +6,12 @@
 
 Routes: GET / (chat page), GET /health, GET /v1/models, POST /v1/chat/completions,
 POST /v1/completions, POST /v1/cache/flush (admin token), GET /metrics (Prometheus), and
-POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin token; demo.adapters). A request's
+POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin token; demo.model.adapters). A request's
 ``model`` picks the base model or a LoRA adapter; a vision-language model takes image_url
-content parts (demo.images, demo.vision).
+content parts (demo.api.images, demo.model.vision).
 Every error is JSON: {"error": {"message", "type", "param", "code"}}. Request fields are
-checked in demo.schema and demo.options; response shapes are built in demo.responses; the
-generation routes' answers (JSON or an SSE stream) in demo.completions.
+checked in demo.api.schema and demo.api.options; response shapes are built in demo.api.responses; the
+generation routes' answers (JSON or an SSE stream) in demo.api.completions.
 """
 
 from __future__ import annotations
@@ -23,16 +23,18 @@ import time
 from flask import Flask, Response, jsonify, render_template, request
 from werkzeug.exceptions import HTTPException
 
-from demo import adapters, cache_files, gateway, images, options, schema, vision
-from demo.adapters import Adapters
-from demo.auth import Auth, tenant_secret
-from demo.auth_throttle import Throttle
-from demo.completions import responder
+from demo import cache_files
+from demo.api import gateway, images, options, schema
+from demo.api.auth import Auth, tenant_secret
+from demo.api.auth_throttle import Throttle
+from demo.api.completions import responder
 from demo.config import Config
-from demo.engine import Busy, Engine
+from demo.engine.engine import Busy, Engine
+from demo.errors import ApiError
 from demo.metrics import Metrics
-from demo.model import BUILTIN
-from demo.schema import ApiError
+from demo.model import adapters, vision
+from demo.model.adapters import Adapters
+from demo.model.loading import BUILTIN
 from demo.task_prompts import TaskPrompts
 from demo.task_prompts import load as load_task_prompts
 
@@ -53,7 +55,7 @@ _ROUTES = {
 
 
 def build_engine(config: Config) -> Engine:
-    from demo import model as model_lib
+    from demo.model import loading as model_lib
 
     device = config.resolve_device()
     options = model_lib.LoadOptions(config.revision, config.trust_remote_code, config.device_map)
@@ -281,8 +283,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
             reuse=engine.store is not None,
             queued=engine.queued,
             engine_histograms=(
-                ("radixkv_batch_size", "Requests per generate() call.", engine.batch_sizes),
-                ("radixkv_queue_wait_seconds", "Submit to the start of generation.", engine.queue_waits),
+                ("radixkv_batch_size", "Requests per generate() call.", engine.scheduler.batch_sizes),
+                ("radixkv_queue_wait_seconds", "Submit to the start of generation.", engine.scheduler.queue_waits),
             ),
         )
         return Response(text, mimetype="text/plain; version=0.0.4")

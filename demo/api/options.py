@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from demo.schema import _bad, _int, _number
+from demo.api.schema import _bad, _int, _number
 
 MAX_N = 16  # choices per request: each is a row of the batch, on a server with one worker
 MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's limits

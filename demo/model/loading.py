@@ -172,13 +172,13 @@ class LoadOptions:
 
 def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype, options: LoadOptions = LoadOptions()):
     """(model, tokenizer, processor) from a local checkpoint directory (never downloads) or a Hub
-    id. ``processor``: a vision-language checkpoint's (demo.vision), else None.
+    id. ``processor``: a vision-language checkpoint's (demo.model.vision), else None.
 
     Raises ModelNotFound when neither is there (no such repository or revision, no network).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from demo import vision
+    from demo.model import vision
 
     local = os.path.isdir(name_or_path)
     kwargs: dict = {"trust_remote_code": options.trust_remote_code}

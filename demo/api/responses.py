@@ -1,7 +1,7 @@
 """OpenAI response shapes: choices, logprobs, usage and stream chunks, as plain dicts.
 
 Logprobs (of the distribution after penalties and logit_bias, before temperature and top_p;
-see demo.processors) in OpenAI's two shapes:
+see demo.engine.processors) in OpenAI's two shapes:
 
 - chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
   "bytes"}]}], "refusal": None}``;
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from demo.generation import Choice, Delta, Result
-from demo.processors import TokenLogprobs
+from demo.engine.generation import Choice, Delta, Result
+from demo.engine.processors import TokenLogprobs
 
 TokenText = Callable[[int], str]  # token id -> its text (special tokens included)
 

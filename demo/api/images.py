@@ -27,7 +27,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
-from demo.schema import ApiError
+from demo.errors import ApiError
 
 MAX_PIXELS = 40_000_000  # per image, width x height (Pillow's own bomb guard is ~179 M)
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
@@ -82,7 +82,7 @@ def parse_limit_mm(text: str) -> int:
 
 
 def image_parts(messages: list[dict]) -> list[ImagePart]:
-    """The image parts of checked chat messages (demo.schema), in prompt order."""
+    """The image parts of checked chat messages (demo.api.schema), in prompt order."""
     return [
         ImagePart(part["url"], part["param"])
         for m in messages

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from demo.chat_tokens import control_tokens
-from demo.schema import ApiError
+from demo.errors import ApiError
+from demo.model.chat_tokens import control_tokens
 
 _TEXT_INPUTS = ("input_ids", "attention_mask")
 
@@ -86,7 +86,7 @@ def _conversation(processor, messages: list[dict], images: list) -> list[dict]:
 
 
 def render(processor, messages: list[dict], images: list) -> Prompt:
-    """The prompt of checked chat ``messages`` (demo.schema) with ``images`` (PIL, one per image
+    """The prompt of checked chat ``messages`` (demo.api.schema) with ``images`` (PIL, one per image
     part in order), ending with the assistant's turn. ApiError 400 when the processor refuses."""
     extra = {"sanitize_control_tokens": True} if _sanitizes(processor) else {}
     try:

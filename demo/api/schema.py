@@ -3,7 +3,7 @@
 Unknown fields are ignored (as vLLM and llama.cpp do); known fields are checked for type
 and range, and the first problem is reported with its parameter name. The options beyond
 plain sampling (penalties, logit_bias, logprobs, n, cache control) are parsed in
-demo.options.
+demo.api.options.
 """
 
 from __future__ import annotations
@@ -11,29 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from demo.errors import ApiError
+
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
-
-
-class ApiError(Exception):
-    """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-        retry_after: int | None = None,  # seconds, sent as Retry-After (503, 429)
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-        self.retry_after = retry_after
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True)
@@ -95,7 +77,7 @@ def _utf8(v: str, param: str) -> str:
 def _content(v: Any, param: str) -> str | list[dict]:
     """A message's content: a string, or content parts. Text-only parts are joined into one string;
     with an image part, the parts as ``[{"type": "text", "text"}, {"type": "image_url", "url",
-    "param"}]`` (demo.images loads them; ``param`` names the part in errors)."""
+    "param"}]`` (demo.api.images loads them; ``param`` names the part in errors)."""
     if isinstance(v, str):
         return _utf8(v, param)
     if not isinstance(v, list):

@@ -1,0 +1,151 @@
+"""The demo's engine: prompts to token ids, one worker thread, streamed text out.
+
+Concurrency model: HTTP handling is concurrent (threaded server); one worker thread runs one
+generate() at a time. The engine is a scheduler plus a runner, as serving engines split it:
+
+- demo.engine.scheduler.Scheduler owns the queue: admission (`reserve`, `submit`), which queued
+  requests share the next generate() call, and when a running batch pauses so that a waiting
+  request can join (continuous batching in decode chunks); it never touches the model.
+- demo.engine.runner.Runner executes a batch: generate() with the request options' config, a
+  RadixCache over the store (one namespace per row), PEFT adapters per row, a VLM's pixel
+  inputs, under the model lock (adapters load and unload between calls).
+
+The worker loop (`_serve`) is the only place the two meet: take a batch, run it, queue what
+paused again. A request's own thread reads token ids from the worker through its Generation
+(demo.engine.generation) and turns them into text.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Hashable, Sequence
+
+from demo.engine.generation import Disconnected, Generation, Params, Result
+from demo.engine.runner import Runner
+from demo.engine.scheduler import Busy, Scheduler, Slot
+from demo.model import chat_tokens, vision
+from demo.model.loading import CHAT_TEMPLATE
+
+__all__ = ["Busy", "Disconnected", "Engine", "Generation", "Params", "Result"]
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Owns the model, the tokenizer, the KV store (None with reuse off), the scheduler, the
+    runner and the worker thread."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        context: int,
+        *,
+        reuse: bool = True,
+        block_size: int = 16,
+        cache_tokens: int | None = None,
+        max_queue: int = 32,
+        max_batch_size: int = 8,
+        max_batch_tokens: int = 16384,
+        decode_chunk: int = 16,
+        adapters=None,
+        processor=None,
+    ):
+        self.model, self.tokenizer, self.context = model, tokenizer, context
+        # demo.model.adapters.Adapters over ``model`` (None: this engine serves the base model only), and
+        # a vision-language model's processor (demo.model.vision; None: text only).
+        self.adapters, self.processor = adapters, processor
+        self.scheduler = Scheduler(max_queue, max_batch_size, max_batch_tokens, decode_chunk)
+        self.store = None
+        if reuse:
+            import hf_patch  # importing installs the generate() integration
+
+            self.store = hf_patch.build_store(model, block_size=block_size, budget_tokens=cache_tokens)
+        if adapters is not None:
+            adapters.store = self.store  # an unloaded adapter's KV is dropped from it
+        self.runner = Runner(model, tokenizer, self.store, adapters, processor)
+        self._worker = threading.Thread(target=self._serve, name="radixkv-generate", daemon=True)
+        self._worker.start()
+
+    # -- prompts ---------------------------------------------------------------------------
+    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of a chat prompt ending with the assistant's turn; control tokens inside
+        message contents are plain text (demo.model.chat_tokens). Raises ValueError. A vision-language
+        model's chats are rendered by its processor (demo.model.vision), images or not."""
+        if self.processor is not None:
+            return vision.render(self.processor, list(messages), []).ids
+        template = None if getattr(self.tokenizer, "chat_template", None) else CHAT_TEMPLATE
+        return chat_tokens.chat_ids(self.tokenizer, list(messages), template)
+
+    def text_ids(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt)["input_ids"]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # -- requests ----------------------------------------------------------------------------
+    def reserve(self) -> Slot:
+        """A place in the queue for a request about to be submitted; raises Busy if full. O(1)."""
+        return self.scheduler.reserve()
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: Params,
+        namespace: Hashable = None,
+        slot: Slot | None = None,
+        inputs: dict | None = None,
+    ) -> Generation:
+        """Queue a request in `slot` (default: reserve one now; raises Busy if the queue is
+        full). ``inputs``: model inputs beside the ids (a VLM's pixel_values). Iterate the
+        result for text."""
+        slot = slot or self.reserve()
+        group = self.adapters.batch_group(params.adapter) if self.adapters is not None else None
+        gen = Generation(prompt_ids, params, namespace, self.decode, self.runner.eos, inputs, group)
+        self.scheduler.submit(gen, slot)
+        return gen
+
+    def exclusive(self) -> threading.RLock:
+        """The model lock: held, no generate() runs (the worker waits for it between batches)."""
+        return self.runner.lock
+
+    def _serve(self) -> None:
+        while True:
+            batch = self.scheduler.next_batch()
+            if not batch:
+                continue
+            paused: list[Generation] = []
+            try:
+                pause = self.scheduler.pause_for(batch) if self.store is not None else None
+                paused = self.runner.run(batch, pause)
+            finally:
+                self.scheduler.finished(paused)
+
+    # -- load ------------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        """Requests submitted and not yet taken by the worker."""
+        return self.scheduler.queued
+
+    @property
+    def running(self) -> int:
+        """Requests in the generate() call now running (0 when idle)."""
+        return self.scheduler.running
+
+    @property
+    def load_tokens(self) -> int:
+        """Prompt and generated tokens running or queued (the SGLang gateway's load signal)."""
+        return self.scheduler.load_tokens
+
+    # -- cache -----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return self.store.stats() if self.store is not None else {}
+
+    def flush(self) -> None:
+        if self.store is not None:
+            self.store.flush()
+
+    def check_invariants(self) -> None:
+        if self.store is not None:
+            self.store.check_invariants()

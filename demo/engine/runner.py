@@ -1,0 +1,198 @@
+"""The demo's model runner: executes the batches the scheduler hands out as generate() calls.
+
+`run(batch, pause)` runs one request alone (`_generate`: n sampled choices as rows of one
+call, a seed owning the global RNG, a VLM's pixel inputs) or several as rows of one left-padded
+call (demo.engine.batching.run_batch), each row under its own cache namespace and PEFT adapter. It
+owns what every call needs: the generation config of a request's options (`config`), the
+RadixCache over the store (`cache`, None with reuse off or cache_prompt=false), the model lock
+(adapters load and unload between calls: demo.model.adapters) and the operator's public task-prompt
+prefixes.
+
+A request's n sampled choices are n rows of one generate() call (num_return_sequences).
+With the prefix cache on, the prompt is first committed by a one-token greedy pass, so the
+n rows read its KV from the store instead of computing the prompt n times. n greedy choices
+are equal: one row is generated and copied.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+from demo.engine import batching, processors
+from demo.engine.generation import GREEDY_BELOW, Generation, Params, Stopped, Streamer
+from demo.model import vision
+
+__all__ = ["PUBLIC_NAMESPACE", "Runner"]
+
+log = logging.getLogger(__name__)
+
+# The cache namespace of the operator's task prompts: pinned once, read by every tenant (each
+# request's own text after them stays in its tenant's namespace: hf_patch.SharedPrefix).
+PUBLIC_NAMESPACE = "radixkv:task-prompts"
+
+
+class Runner:
+    """Runs generate() for batches of requests: the model, its store (None with reuse off), its
+    adapters (demo.model.adapters.Adapters, or None) and its processor (a VLM's, or None)."""
+
+    def __init__(self, model, tokenizer, store=None, adapters=None, processor=None):
+        self.model, self.tokenizer, self.store = model, tokenizer, store
+        self.adapters, self.processor = adapters, processor
+        # Held while a batch runs: adapters load and unload between generate() calls.
+        self.lock = adapters.lock if adapters is not None else threading.RLock()
+        self.eos = self._eos_ids()
+        # Token prefixes pinned under PUBLIC_NAMESPACE (the operator's task prompts, longest
+        # first): a request starting with one reads it there, whatever its tenant.
+        self._public: list[list[int]] = []
+
+    # -- one batch ---------------------------------------------------------------------------
+    def run(self, batch: list[Generation], pause: Callable[[int], bool] | None = None) -> list[Generation]:
+        """Run ``batch`` (holding the model lock) and give every request its ("done", cached) or
+        ("error", exc) event; returns the requests ``pause`` paused (to be queued again). A
+        request whose adapter was unloaded while it waited gets the API's 404. Never raises for
+        a generation failure: the worker keeps serving."""
+        with self.lock:
+            batch = [gen for gen in batch if self._adapter_present(gen)]
+            if not batch:
+                return []
+            if len(batch) > 1 or pause is not None:
+                return batching.run_batch(self, batch, pause)
+            gen = batch[0]
+            try:
+                gen._events.put(("done", self._generate(gen)))
+            except Exception as e:  # report to the request; the worker keeps serving
+                log.exception("generate failed")
+                gen._events.put(("error", e))
+            finally:
+                gen.finished.set()
+            return []
+
+    def _adapter_present(self, gen: Generation) -> bool:
+        """Whether ``gen``'s adapter is still loaded; if not, it gets the API's 404."""
+        name = gen.params.adapter
+        if name is None or (self.adapters is not None and self.adapters.get(name) is not None):
+            return True
+        from demo.errors import ApiError
+
+        gen._events.put(
+            ("error", ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found"))
+        )
+        gen.finished.set()
+        return False
+
+    def generate(self, gens: Sequence[Generation], *args, **kwargs):
+        """``model.generate(*args, **kwargs)`` for rows ``gens``, each under its own adapter."""
+        if self.adapters is None:
+            return self.model.generate(*args, **kwargs)
+        return self.adapters.generate([g.params.adapter for g in gens], *args, **kwargs)
+
+    def _generate(self, gen: Generation) -> int:
+        """Run generate() for one request; returns the prompt tokens read from the store."""
+        p = gen.params
+        ids = torch.tensor([gen.prompt_ids], device=self.model.device)
+        inputs = vision.on_model(gen.inputs, self.model)
+        cache = self.cache([gen])
+        cached = None
+        rows = p.n if p.temperature >= GREEDY_BELOW else 1
+        if cache is not None and rows > 1:
+            # Commit the prompt once (a greedy one-token pass: no RNG used), so the n rows
+            # below read it from the store instead of each computing it.
+            self.generate(
+                [gen],
+                ids,
+                attention_mask=torch.ones_like(ids),
+                past_key_values=cache,
+                generation_config=self.config(Params(1, temperature=0.0)),
+                **inputs,
+            )
+            cached = cache.cached_tokens[0] if cache.cached_tokens else 0
+        logits_processor, recorder = processors.build(
+            len(gen.prompt_ids),
+            p.frequency_penalty,
+            p.presence_penalty,
+            dict(p.logit_bias),
+            p.top_logprobs,
+        )
+        if p.seed is not None:
+            # int64 seeds (schema.SEED_MIN..SEED_MAX) onto torch's uint64 range one to one;
+            # torch's own mapping of negatives (2**64 - 1 + seed) sends -2**63 onto 2**63 - 1.
+            torch.manual_seed(p.seed % 2**64)
+        self.generate(
+            [gen],
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            generation_config=self.config(p),
+            logits_processor=logits_processor,
+            streamer=Streamer(gen, recorder, rows),
+            stopping_criteria=StoppingCriteriaList([Stopped(gen, rows)]),
+            **inputs,
+        )
+        if cached is None:
+            cached = cache.cached_tokens[0] if cache is not None and cache.cached_tokens else 0
+        return cached
+
+    # -- what every call needs ----------------------------------------------------------------
+    def config(self, p: Params):
+        """The model's generation config with a request's options applied (a copy)."""
+        cfg = copy.deepcopy(self.model.generation_config)
+        cfg.max_new_tokens, cfg.min_new_tokens, cfg.max_length = p.max_new_tokens, None, None
+        cfg.do_sample = p.temperature >= GREEDY_BELOW
+        cfg.temperature, cfg.top_p, cfg.top_k = (
+            (p.temperature, p.top_p, 0) if cfg.do_sample else (1.0, 1.0, None)
+        )
+        cfg.num_return_sequences = p.n if cfg.do_sample else 1
+        # A row that ends before the others (a batch's row, one of n choices) is fed the pad
+        # token until the call ends. hf_patch commits a row up to its first EOS, so an EOS as
+        # the pad keeps those fillers out of the cache; any other id would be cached as if
+        # generated. (Left-pad columns are masked: their id does not matter.)
+        eos = cfg.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if eos:
+            cfg.pad_token_id = eos[0]
+        elif cfg.pad_token_id is None:
+            cfg.pad_token_id = (
+                self.tokenizer.pad_token_id
+                if self.tokenizer.pad_token_id is not None
+                else min(self.eos, default=0)
+            )
+        return cfg
+
+    def cache(self, gens: Sequence[Generation]):
+        """A RadixCache on the store for ``gens`` (one request, or the rows of a batch, each
+        with its own namespace), or None: reuse off, or the request said cache_prompt=false
+        (then plain generate(): the store is neither read nor written)."""
+        if self.store is None or not gens[0].params.cache_prompt:
+            return None
+        from hf_patch import RadixCache  # the store exists: hf_patch is imported
+
+        namespace = gens[0].namespace if len(gens) == 1 else [g.namespace for g in gens]
+        shared = [self.shared_prefix(g.prompt_ids) for g in gens] if self._public else None
+        return RadixCache(store=self.store, namespace=namespace, shared_prefix=shared)
+
+    def set_public_prefixes(self, prefixes: Sequence[Sequence[int]]) -> None:
+        """Token prefixes whose KV is pinned under PUBLIC_NAMESPACE (demo.task_prompts)."""
+        self._public = sorted((list(p) for p in prefixes), key=len, reverse=True)
+
+    def shared_prefix(self, prompt_ids: Sequence[int]):
+        """``hf_patch.SharedPrefix`` over the longest public prefix ``prompt_ids`` starts with,
+        or None. The rest of the prompt stays keyed by the request's own namespace."""
+        from hf_patch import SharedPrefix  # set only with reuse on: hf_patch is imported
+
+        for p in self._public:
+            if len(prompt_ids) >= len(p) and list(prompt_ids[: len(p)]) == p:
+                return SharedPrefix(PUBLIC_NAMESPACE, len(p))
+        return None
+
+    def _eos_ids(self) -> set[int]:
+        eos = self.model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        return set(eos)

@@ -1,0 +1,186 @@
+"""The demo's scheduler: which queued requests run next, and when a running batch makes way.
+
+Every request becomes a `Generation` (demo.engine.generation) in a FIFO queue of at most `max_queue`.
+`next_batch()` takes the oldest and, if its options allow (demo.engine.batching.batch_key), up to
+`max_batch_size` - 1 more queued requests with the same options (of any tenant), within
+`max_batch_tokens` (rows x padded prompt length). After `decode_chunk` steps a batch pauses if
+a request that could join it waits (`pause_for`): its requests are `requeue`d behind that one,
+carrying what they generated, and resume from their committed KV (continuous batching in
+chunks). The scheduler never touches the model: demo.engine.runner executes what it hands out.
+
+A queue place is taken with `reserve()` before the prompt is tokenised, so a full queue
+refuses at no cost; `submit(gen, slot)` then fills it. Thread-safe: HTTP threads reserve and
+submit, the engine's one worker takes batches.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from demo.engine import batching
+from demo.engine.generation import GREEDY_BELOW, Generation
+from demo.metrics import BATCH_SIZE_BUCKETS, Histogram
+
+__all__ = ["Busy", "Scheduler", "Slot"]
+
+
+class Busy(RuntimeError):
+    """The generation queue is full."""
+
+
+class Slot:
+    """A reserved place in the queue (`Scheduler.reserve()`); a context manager that gives the
+    place back unless `Scheduler.submit` used it."""
+
+    def __init__(self, scheduler: Scheduler):
+        self._scheduler, self.used = scheduler, False
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._scheduler._give_back(self)
+
+
+class Scheduler:
+    """The request queue, batch selection and the pause decision of continuous batching."""
+
+    def __init__(self, max_queue: int = 32, max_batch_size: int = 8, max_batch_tokens: int = 16384,
+                 decode_chunk: int = 16):  # fmt: skip
+        if max_queue < 1 or max_batch_size < 1 or max_batch_tokens < 1:
+            raise ValueError("max_queue, max_batch_size and max_batch_tokens must be >= 1")
+        if decode_chunk < 0:
+            raise ValueError(f"decode_chunk must be >= 0 (0: never pause), got {decode_chunk}")
+        self.max_queue, self.max_batch_size, self.max_batch_tokens = (
+            max_queue,
+            max_batch_size,
+            max_batch_tokens,
+        )
+        self.decode_chunk = decode_chunk
+        self._cond = threading.Condition()
+        self._waiting: deque[Generation] = deque()
+        self._reserved = 0  # slots handed out, not yet submitted
+        self._running: list[Generation] = []  # the batch now running (read by /get_load)
+        # Observed here, rendered by /metrics.
+        self.batch_sizes = Histogram(BATCH_SIZE_BUCKETS)
+        self.queue_waits = Histogram()
+
+    # -- admission (HTTP threads) ------------------------------------------------------------
+    def reserve(self) -> Slot:
+        """A place in the queue for a request about to be submitted; raises Busy if full. O(1)."""
+        with self._cond:
+            if self._reserved + len(self._waiting) >= self.max_queue:
+                raise Busy(f"{self.max_queue} requests are already waiting")
+            self._reserved += 1
+        return Slot(self)
+
+    def _give_back(self, slot: Slot) -> None:
+        with self._cond:
+            if not slot.used:
+                slot.used = True
+                self._reserved -= 1
+
+    def submit(self, gen: Generation, slot: Slot) -> None:
+        """Queue ``gen`` in ``slot``. Raises ValueError if the slot was used or given back."""
+        with self._cond:
+            if slot.used:
+                raise ValueError("this queue slot was already used or given back")
+            slot.used = True
+            self._reserved -= 1
+            self._waiting.append(gen)
+            self._cond.notify()
+
+    # -- the worker's side ---------------------------------------------------------------------
+    def next_batch(self) -> list[Generation]:
+        """Wait for a request; return the oldest with the queued ones that can share its
+        generate() call, minus those whose client left while they waited (answered here). The
+        batch counts as running until `finished()`. May return an empty list."""
+        with self._cond:
+            while not self._waiting:
+                self._cond.wait()
+            taken = self._take()
+        now = time.perf_counter()
+        batch = []
+        for gen in taken:
+            if gen.started is None:  # a resumed request waited once, at its start
+                gen.started = now
+                self.queue_waits.observe(now - gen.submitted)
+            if gen.cancelled.is_set():
+                gen._events.put(("done", gen.cached or 0))
+                gen.finished.set()
+            else:
+                batch.append(gen)
+        if batch:
+            self.batch_sizes.observe(len(batch))
+            self._running = batch
+        return batch
+
+    def finished(self, paused: Sequence[Generation] = ()) -> None:
+        """The running batch ended; ``paused`` requests queue again, behind the ones that waited
+        for them (time slices of a chunk)."""
+        self._running = []
+        if paused:
+            with self._cond:
+                self._waiting.extend(paused)
+
+    def _take(self) -> list[Generation]:
+        """The oldest request, plus the queued ones that can share its generate() call (oldest
+        first, within max_batch_size and max_batch_tokens). Call holding _cond. O(queue)."""
+        first = self._waiting.popleft()
+        key = batching.batch_key(first, GREEDY_BELOW)
+        batch, width = [first], len(first.context_ids)
+        if key is None or self.max_batch_size == 1:
+            return batch
+        rest: deque[Generation] = deque()  # one pass: no deque.remove
+        while self._waiting:
+            gen = self._waiting.popleft()
+            new_width = max(width, len(gen.context_ids))
+            if (
+                len(batch) < self.max_batch_size
+                and new_width * (len(batch) + 1) <= self.max_batch_tokens
+                and batching.batch_key(gen, GREEDY_BELOW) == key
+            ):
+                batch.append(gen)
+                width = new_width
+            else:
+                rest.append(gen)
+        self._waiting = rest
+        return batch
+
+    def pause_for(self, batch: Sequence[Generation]) -> Callable[[int], bool] | None:
+        """pause(generated): True once the batch has made `decode_chunk` steps while a request
+        that could share its generate() call waits, so that the request starts within a chunk
+        instead of after the batch. None when this batch never pauses (decode_chunk 0, or its
+        requests cannot resume: demo.engine.batching.chunkable)."""
+        if not self.decode_chunk or not batch or not batching.chunkable(batch[0], GREEDY_BELOW):
+            return None
+        key = batching.batch_key(batch[0], GREEDY_BELOW)
+
+        def pause(generated: int) -> bool:
+            if generated < self.decode_chunk:
+                return False
+            with self._cond:
+                return any(batching.batch_key(g, GREEDY_BELOW) == key for g in self._waiting)
+
+        return pause
+
+    # -- load (/get_load, /metrics) ------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        """Requests submitted and not yet taken by the worker."""
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        """Requests in the generate() call now running (0 when idle)."""
+        return len(self._running)
+
+    @property
+    def load_tokens(self) -> int:
+        """Tokens the worker holds or has queued: prompt plus generated tokens of the requests
+        now running, prompt tokens of the queued ones (the SGLang gateway's load signal)."""
+        running = sum(len(g.prompt_ids) + g.generated for g in self._running)
+        return running + sum(len(g.prompt_ids) for g in list(self._waiting))
