@@ -22,7 +22,7 @@ only (hf_patch.keys.adapters.base_named_parameters: adapter parameters left out,
 their plain names), so a model with adapters loaded and the same model without them share cache
 files. Each adapter's prefixes sit under a namespace carrying its name and weights digest; a
 restore keeps them only for adapters the model holds now with the same weights (load adapters
-first) and drops the rest (``drop_stale_adapters``). Files written while the identity still
+first) and leaves the rest out before any room is taken (``stale_adapter_filter``). Files written while the identity still
 hashed adapter weights (with an ``adapter_keys`` field) no longer match and are refused.
 
 Namespaces: hf_patch keys the store by ``(model scope, namespace)``, where the scope is a
@@ -34,7 +34,6 @@ hit in a new process, and an adapter's KV only for the same adapter weights.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -44,7 +43,7 @@ from collections.abc import Collection, Hashable
 import torch
 
 from hf_patch.keys.adapters import base_named_parameters
-from hf_patch.keys.weights import drop_stale_adapters, flush_if_weights_changed, model_scope
+from hf_patch.keys.weights import flush_if_weights_changed, model_scope, stale_adapter_filter
 from hf_patch.model_spec import check_store_fits, default_store
 from radixkv import KeyedNamespace, KVStore, RestoreResult, SaveResult
 
@@ -163,8 +162,8 @@ def restore_cache(
     weights changed (the store was flushed) while the file was read; the store is then
     unchanged. See ``KVStore.restore`` for merging, a pool too small and ``evict`` (the file's
     prefixes may evict or demote the store's least recently used unpinned blocks). Prefixes of
-    PEFT adapters that ``model`` does not hold now with the same weights are dropped after the
-    restore (counted as dropped): load the adapters first.
+    PEFT adapters that ``model`` does not hold now with the same weights are left out (counted
+    as dropped): load the adapters first.
     """
     store = _store(model, store)
     # Record the current weights first: KV cached under older ones goes now, and the first
@@ -174,17 +173,14 @@ def restore_cache(
     # the file's KV stale, and the store then refuses it.
     epoch = store.epoch
     scope = model_scope(model)
-    result = store.restore(
-        path, identity=model_identity(model), rename=lambda ns: (scope, ns), epoch=epoch, evict=evict
-    )
-    stale = drop_stale_adapters(model, store)  # prefixes of adapters not loaded now, or with other weights
-    if not stale:
-        return result
-    kept = max(0, result.restored_blocks - stale)
-    return dataclasses.replace(
-        result,
-        restored_blocks=kept,
-        restored_tokens=kept * store.block_size,
-        dropped_blocks=result.dropped_blocks + result.restored_blocks - kept,
-        dropped_tokens=result.dropped_tokens + (result.restored_blocks - kept) * store.block_size,
+    # Prefixes of adapters not loaded now (or with other weights) are left out of the restore:
+    # they could never be served, and with ``evict`` they would have evicted useful blocks.
+    stale = stale_adapter_filter(model)
+    return store.restore(
+        path,
+        identity=model_identity(model),
+        rename=lambda ns: (scope, ns),
+        epoch=epoch,
+        evict=evict,
+        namespaces=lambda ns: not stale(ns),
     )

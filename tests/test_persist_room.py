@@ -80,6 +80,24 @@ def test_the_default_never_evicts_and_evict_true_makes_room(tmp_path):
     store.check_invariants()
 
 
+def test_a_namespace_filter_leaves_prefixes_out_before_they_take_room(tmp_path):
+    # The file: two documents of "keep" (the older), then two of "gone" (the most recent).
+    source = make_store(64)
+    for ns, d in (("keep", FILE[0]), ("keep", FILE[1]), ("gone", FILE[2]), ("gone", FILE[3])):
+        put(source, d, namespace=ns)
+    path = str(tmp_path / "file.safetensors")
+    source.save(path, identity=IDENTITY)
+    store = full_store()
+    result = store.restore(path, identity=IDENTITY, evict=True, namespaces=lambda ns: ns != "gone")
+    store.check_invariants()
+    # Only "keep" takes room: 8 blocks evicted for it, none for the filtered (more recent) ones.
+    assert (result.restored_blocks, result.dropped_blocks, result.evicted_blocks) == (8, 8, 8)
+    assert [cached_prefix(store, d, "keep") for d in FILE[:2]] == [16, 16]
+    assert [cached_prefix(store, d, "gone") for d in FILE[2:]] == [0, 0]
+    assert [cached_prefix(store, d) for d in OLD] == [0, 0, 16, 16]
+    store.check_invariants()
+
+
 def test_restored_prefixes_are_the_most_recent_in_the_files_order(tmp_path):
     path = saved_docs(tmp_path, FILE)
     store = full_store()
@@ -151,8 +169,8 @@ def test_free_blocks_are_read_into_directly_and_the_rest_after_room_is_made(tmp_
     staged = []
     claim = restore._claim
 
-    def spy(locked, tree, evict):
-        got = claim(locked, tree, evict)
+    def spy(*args):
+        got = claim(*args)
         staged.append(len(got.staged))
         return got
 

@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -106,14 +106,16 @@ def restore_store(
     rename: Rename | None = None,
     epoch: int | None = None,
     evict: bool = False,
+    namespaces: Callable[[Hashable], bool] | None = None,
 ) -> RestoreResult:
     """Merge the prefixes saved in ``path`` into ``store``; see ``KVStore.restore``."""
     started = time.perf_counter()
     with open_cache_file(path, store.pool, identity) as head:
         tree = _FileTree.of(head, rename, store.block_size)
+        skip = None if namespaces is None else [not namespaces(ns) for ns in tree.namespaces]
         with store._exclusive() as locked:
             _check_epoch(store, epoch, path)
-            claim = _claim(locked, tree, evict)
+            claim = _claim(locked, tree, evict, skip)
         try:
             staging = _read(head, tree, claim, locked.pools)
         except BaseException:
@@ -171,7 +173,7 @@ def _check_epoch(store, epoch: int | None, path) -> None:
         )
 
 
-def _claim(locked, tree: _FileTree, evict: bool) -> _Claim:
+def _claim(locked, tree: _FileTree, evict: bool, skip: list[bool] | None = None) -> _Claim:
     """Step 1, under the lock: pin what the file finds cached, place it, take free blocks."""
     live, pools = locked.tree, locked.pools
     bs = pools[DEVICE].block_size
@@ -179,6 +181,9 @@ def _claim(locked, tree: _FileTree, evict: bool) -> _Claim:
     try:
         held = []
         for i in range(len(tree.rows)):
+            if skip is not None and skip[i]:  # left out: nothing to look up or pin
+                held.append((0, DEVICE))
+                continue
             node, tokens, tier = live.cached_node(tree.paths[i], tree.namespaces[i])
             if node is not None:  # the placeholders of this prefix stay valid until we insert
                 live.pin(node)
@@ -190,7 +195,9 @@ def _claim(locked, tree: _FileTree, evict: bool) -> _Claim:
         if evict:  # the file wins over the store's unpinned blocks
             host_unpinned = live.num_host_blocks - live.num_host_pinned_blocks
             room = [free[DEVICE] + live.num_evictable_blocks - host_unpinned, free[HOST] + host_unpinned]
-        plan = claim.plan = place(tree.rows, tree.first, held, room[DEVICE], room[HOST] if host else None)
+        plan = claim.plan = place(
+            tree.rows, tree.first, held, room[DEVICE], room[HOST] if host else None, skip
+        )
         # The most recent placed nodes take the free blocks now; the rest wait for room (staged).
         direct = []
         for i in sorted(plan.tier, key=lambda i: (-tree.rows[i][3], i)):

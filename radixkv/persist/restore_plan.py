@@ -10,6 +10,9 @@ never less recent than its children, and at equal recency comes first), each one
 - else on the host tier, if there is one with room (device blocks never hang below host ones);
 - else dropped, with everything below it (a dropped node's ``have`` blocks stay cached).
 
+A node the caller ``skip``s (a namespace it does not want restored) is dropped with its subtree
+before anything is placed, so it takes no room and evicts nothing.
+
 So when the file is larger than the room, its least recently used prefixes are the ones left
 out, and what the device cannot take lands on the host tier instead of being dropped.
 
@@ -46,6 +49,7 @@ def place(
     held: Sequence[tuple[int, int]],
     device_room: int,
     host_room: int | None,
+    skip: Sequence[bool] | None = None,
 ) -> Placement:
     """Place every node of a file into ``device_room`` / ``host_room`` free blocks.
 
@@ -53,7 +57,8 @@ def place(
     (radixkv.persist's node table); ``first[i]``: the index of node i's first block in its
     path from the root; ``held[i]``: ``(blocks, tier)``: how many blocks of node i's whole path
     the store holds, and the tier of the last of them (any tier when none). ``host_room``
-    None: the store has no host tier. O(N log N) for N nodes.
+    None: the store has no host tier. ``skip[i]``: leave node i (and so its subtree) out,
+    counted as dropped. O(N log N) for N nodes.
     """
     order = sorted(range(len(rows)), key=lambda i: (-rows[i][3], i))
     ends: dict[int, int] = {}  # kept node -> tier its path ends in (where its children may go)
@@ -63,7 +68,7 @@ def place(
     duplicate = dropped = 0
     for i in order:
         parent, _, blocks, _ = rows[i]
-        if parent != -1 and parent not in ends:  # below a dropped node: nothing of it is cached
+        if (skip is not None and skip[i]) or (parent != -1 and parent not in ends):  # skipped, or below a dropped node
             dropped += blocks
             continue
         cached, cached_tier = held[i]

@@ -364,6 +364,7 @@ class KVStore:
         rename: Callable[[Hashable], Hashable] | None = None,
         epoch: int | None = None,
         evict: bool = False,
+        namespaces: Callable[[Hashable], bool] | None = None,
     ) -> persist.RestoreResult:
         """Merge the prefixes saved in ``path`` into this store: cached ones stay, new ones go in.
 
@@ -376,10 +377,15 @@ class KVStore:
         ``evict=True``: the file wins over the store's unpinned blocks: the least recently used
         are demoted to the host tier or evicted to make room. Either way, what does not fit is
         dropped, least recently used first, and counted in the result.
+        ``namespaces(ns)`` (``ns`` after ``rename``): restore only the prefixes it accepts; the
+        others are left out before anything is placed (no room taken, nothing evicted) and
+        counted as dropped.
         ``epoch``: ``self.epoch`` read when ``identity`` was computed; if the store was flushed
         since (weights changed), raises RuntimeError, changing nothing.
         """
-        return persist.restore_store(self, path, identity=identity, rename=rename, epoch=epoch, evict=evict)
+        return persist.restore_store(
+            self, path, identity=identity, rename=rename, epoch=epoch, evict=evict, namespaces=namespaces
+        )
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[persist.Locked]:
