@@ -68,7 +68,8 @@ def place(
     duplicate = dropped = 0
     for i in order:
         parent, _, blocks, _ = rows[i]
-        if (skip is not None and skip[i]) or (parent != -1 and parent not in ends):  # skipped, or below a dropped node
+        # Skipped by the caller, or below a dropped node: nothing of it is restored.
+        if (skip is not None and skip[i]) or (parent != -1 and parent not in ends):
             dropped += blocks
             continue
         cached, cached_tier = held[i]
