@@ -27,7 +27,6 @@ KV per token):
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import random
 import shutil
@@ -148,7 +147,6 @@ def _throughput(model, args, directory: str, mib: int) -> None:
         else:  # at the same point of a round: what merely touching the new pool's pages costs
             touch.append(_timed(lambda p=target.pool: [t.fill_(0) for t in p.k + p.v]))
         del target
-        gc.collect()  # a KVStore is in a reference cycle (its TaskPins): free its pool now
         cp.append(_timed(lambda: _cp(path, copy, sync=False)))
         warm.flush()
         again.append(_timed(lambda: hf_patch.restore_cache(model, path, warm)))

@@ -346,3 +346,24 @@ def test_two_threads_releasing_one_lease_unpin_it_once():
     assert other._match.node.own_pins == 1  # the other lease's pin survived
     other.release()
     store.check_invariants()
+
+
+def test_a_dropped_store_frees_its_pool_without_waiting_for_the_gc():
+    # A server that replaces its store (another model, another budget) must get the old pool's
+    # memory back at once: the store's task pins and their leases must not hold it in a cycle.
+    import gc
+    import weakref
+
+    store = make_store(8)
+    tokens = list(range(2 * BS))
+    store.tasks.pin("task", tokens, *kv_for(tokens))
+    with store.acquire(tokens) as lease:
+        assert lease.num_tokens == 2 * BS  # the pinned prompt is served
+    del lease  # a lease held by its user keeps its store alive, as it should
+    dead = weakref.ref(store.pool)
+    gc.disable()
+    try:
+        del store
+        assert dead() is None
+    finally:
+        gc.enable()

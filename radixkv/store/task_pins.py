@@ -8,6 +8,7 @@ weights; the owner pins again). The model side (computing the KV) is ``hf_patch.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection, Hashable, Sequence
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,9 @@ class TaskPins:
     """The pinned task prompts of one store; every method takes the store's lock itself."""
 
     def __init__(self, store: KVStore) -> None:
-        self._store = store
+        # Weak, as is every pin lease's store: the store owns its task pins, and a strong
+        # reference back would keep a dropped store (its whole pool) alive until the next GC.
+        self._store = weakref.proxy(store)
         self._leases: dict[Hashable, Lease] = {}  # by task id, in pinning order
 
     def pin(
