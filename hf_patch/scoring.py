@@ -184,7 +184,8 @@ def score(
     """Log-likelihood of each continuation given its context; results in input order.
 
     ``pairs``: ``(context ids, continuation ids)``, both non-empty lists of ints. ``store``:
-    default, the model's own store; ``namespace``: as RadixCache's. Batches hold at most
+    default, the model's own store; ``namespace``: one hashable for every pair (RadixCache's
+    per-row list is refused: pairs are reordered and deduplicated into rows). Batches hold at most
     ``batch_size`` rows and ``max_batch_tokens`` padded tokens, inputs sorted by their token
     bytes (pairs sharing a preamble run together). ``max_length``: inputs longer than this are
     left-truncated (lm-eval's rule). ``softmax_dtype``: the dtype of the log-softmax (default
@@ -198,6 +199,10 @@ def score(
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+    if isinstance(namespace, list):  # RadixCache's per-row form: rows here are sorted and deduplicated
+        raise ValueError(
+            "score takes one namespace for every pair, got a list: call score once per namespace"
+        )
     rows, conts = _rows(pairs, max_length, dedupe)
     target = unwrap_peft(model)
     # PEFT prompt learning: its wrapper's forward prepends virtual tokens, so no KV of ours is

@@ -248,3 +248,17 @@ def test_bad_pairs_are_refused_by_index_before_anything_runs(pairs, message):
     assert store.stats()["query_tokens"] == 0
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         score(model, [([3], [4])], store=store, batch_size=0)
+
+
+def test_a_list_of_namespaces_is_refused_not_applied_to_reordered_rows():
+    """RadixCache takes one namespace per row, but score() reorders and deduplicates its pairs:
+    a list would land on other pairs' rows (a tenant reading another's prefixes)."""
+    model, store = shared("llama-sdpa"), store_for(shared("llama-sdpa"), BS)
+    alice, bob = (PREAMBLE + [10, 11], [5]), (PREAMBLE + [20, 21], [5])
+    score(model, [alice], store=store, namespace="alice")
+    before = store.stats()["hit_tokens"]
+    # Sorted by token bytes, alice's input runs first: bob's namespace would key it, and
+    # alice's would key bob's row, which would then read alice's preamble.
+    with pytest.raises(ValueError, match="one namespace for every pair"):
+        score(model, [bob, alice], store=store, namespace=["bob", "alice"])
+    assert store.stats()["hit_tokens"] == before, "a refused call read the store"
