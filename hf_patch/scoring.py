@@ -157,7 +157,10 @@ def _score_batch(model, store, namespace, rows: list[_Row], conts, softmax_dtype
             per_row = [logits[i, logits.shape[1] - r.keep :] for i, r in enumerate(rows)]
             cached = cache.cached_tokens
     for r, row_logits, hit in zip(rows, per_row, cached):
-        logprobs = F.log_softmax(row_logits, dim=-1, dtype=softmax_dtype)  # [keep, V]
+        # Outside the caller's autocast (lm-eval's mixed_precision_dtype), as HFLM computes it:
+        # CUDA autocast would run it in fp32 whatever the logits' dtype or softmax_dtype.
+        with torch.autocast(device_type=row_logits.device.type, enabled=False):
+            logprobs = F.log_softmax(row_logits, dim=-1, dtype=softmax_dtype)  # [keep, V]
         greedy = logprobs.argmax(dim=-1)
         for i in r.members:
             cont = torch.tensor(conts[i], device=logprobs.device)

@@ -262,3 +262,24 @@ def test_a_list_of_namespaces_is_refused_not_applied_to_reordered_rows():
     with pytest.raises(ValueError, match="one namespace for every pair"):
         score(model, [bob, alice], store=store, namespace=["bob", "alice"])
     assert store.stats()["hit_tokens"] == before, "a refused call read the store"
+
+
+def test_the_log_softmax_runs_outside_the_callers_autocast(monkeypatch):
+    """lm-eval's HFLM runs the forward under ``mixed_precision_dtype``'s autocast and the
+    log-softmax outside it, in the logits' dtype (or ``softmax_dtype``); evalrun calls score
+    inside that autocast. CUDA autocast runs log_softmax in fp32, so a log-softmax inside it
+    would differ from ``--model hf`` by bf16 rounding (CPU autocast leaves it alone: the test
+    checks where it runs)."""
+    import torch.nn.functional as F
+
+    model, store = shared("llama-sdpa"), store_for(shared("llama-sdpa"), BS)
+    original, autocast_on = F.log_softmax, []
+
+    def spy(*args, **kwargs):
+        autocast_on.append(torch.is_autocast_enabled("cpu"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(F, "log_softmax", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        score(model, PAIRS[:2], store=store)
+    assert autocast_on and not any(autocast_on)
