@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import sys
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -200,7 +201,9 @@ def score(
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if max_length is not None and max_length < 1:
+    if max_length is not None and (
+        not isinstance(max_length, numbers.Integral) or isinstance(max_length, bool) or max_length < 1
+    ):
         raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
     if isinstance(namespace, list):  # RadixCache's per-row form: rows here are sorted and deduplicated
         raise ValueError(

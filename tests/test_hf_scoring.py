@@ -283,3 +283,10 @@ def test_the_log_softmax_runs_outside_the_callers_autocast(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         score(model, PAIRS[:2], store=store)
     assert autocast_on and not any(autocast_on)
+
+
+@pytest.mark.parametrize("max_length", [True, 2.5, "128", 0])
+def test_a_max_length_that_is_not_a_positive_int_is_refused_as_such(max_length):
+    model, store = shared("llama-sdpa"), store_for(shared("llama-sdpa"), BS)
+    with pytest.raises(ValueError, match="max_length must be a positive int or None"):
+        score(model, [([3, 4], [5])], store=store, max_length=max_length)
