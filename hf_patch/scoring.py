@@ -205,6 +205,12 @@ def score(
         not isinstance(max_length, numbers.Integral) or isinstance(max_length, bool) or max_length < 1
     ):
         raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+    if max_batch_tokens is not None and (
+        not isinstance(max_batch_tokens, numbers.Integral)
+        or isinstance(max_batch_tokens, bool)
+        or max_batch_tokens < 1
+    ):
+        raise ValueError(f"max_batch_tokens must be a positive int or None, got {max_batch_tokens!r}")
     if isinstance(namespace, list):  # RadixCache's per-row form: rows here are sorted and deduplicated
         raise ValueError(
             "score takes one namespace for every pair, got a list: call score once per namespace"

@@ -290,3 +290,11 @@ def test_a_max_length_that_is_not_a_positive_int_is_refused_as_such(max_length):
     model, store = shared("llama-sdpa"), store_for(shared("llama-sdpa"), BS)
     with pytest.raises(ValueError, match="max_length must be a positive int or None"):
         score(model, [([3, 4], [5])], store=store, max_length=max_length)
+
+
+@pytest.mark.parametrize("max_batch_tokens", [0, -5, 2.5])
+def test_a_max_batch_tokens_that_is_not_a_positive_int_is_refused(max_batch_tokens):
+    """0 meant no limit and a negative one a batch per row, silently (generate_many refuses both)."""
+    model, store = shared("llama-sdpa"), store_for(shared("llama-sdpa"), BS)
+    with pytest.raises(ValueError, match="max_batch_tokens must be a positive int or None"):
+        score(model, [([3, 4], [5])], store=store, max_batch_tokens=max_batch_tokens)
