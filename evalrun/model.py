@@ -16,8 +16,8 @@ changes is where the model runs:
 
 Results come back in lm-eval's order. Own arguments: ``cache_tokens`` (store budget per rank,
 tokens), ``block_size``, ``host_cache_bytes`` (a host-memory tier), ``cache_file`` (restored at
-start when it exists, written after each request type that cached something new; one file per
-rank, ``NAME.rankR.EXT``, under several ranks) and ``split`` (``affine`` | ``docs``, see
+start when it exists, written after each request type that cached something new, a write that
+fails only logged; one file per rank, ``NAME.rankR.EXT``, under several ranks) and ``split`` (``affine`` | ``docs``, see
 evalrun.ranks).
 """
 
@@ -132,7 +132,11 @@ class RadixLM(HFLM):
         self.figures.prompt_tokens = stats["query_tokens"] - self._baseline["query_tokens"]
         self.figures.cached_tokens = stats["hit_tokens"] - self._baseline["hit_tokens"]
         if self.cache_file is not None and stats["inserted_tokens"] > self._saved_inserted:
-            result = hf_patch.save_cache(self._kv_model, self.cache_file, self.store)
+            try:
+                result = hf_patch.save_cache(self._kv_model, self.cache_file, self.store)
+            except OSError as exc:  # a full disk: the file keeps its previous content; the results stand
+                logger.warning("evalrun: could not save %s (%s); a rerun starts colder", self.cache_file, exc)
+                return
             self._saved_inserted = stats["inserted_tokens"]
             logger.info("evalrun: saved %s (%s)", self.cache_file, result)
 

@@ -99,8 +99,10 @@ def generate_many(
     ``generate_kwargs``: passed to every ``model.generate()`` call (``max_new_tokens``,
     ``do_sample``...); ``per_prompt_kwargs[i]`` adds to them for prompt i (prompts batch only
     with prompts of equal arguments). ``store``: default, the model's own store. ``progress``:
-    a tqdm bar with prompts/s and the cache hit rate. Greedy results equal those of stock
-    generate() per prompt (up to float rounding between batch shapes).
+    a tqdm bar with prompts/s and the cache hit rate. ``namespace``: one hashable for every
+    prompt (RadixCache's per-row list is refused: prompts are reordered into batches). Greedy
+    results equal those of stock generate() per prompt (up to float rounding between batch
+    shapes).
 
     Raises ValueError, before generating anything, for a prompt it cannot read or for
     ``num_return_sequences`` > 1 (one result per prompt).
@@ -109,6 +111,10 @@ def generate_many(
         raise ValueError(f"per_prompt_kwargs has {len(per_prompt_kwargs)} entries for {len(prompts)} prompts")
     if max_batch_tokens < 1 or max_batch_size < 1:
         raise ValueError("max_batch_tokens and max_batch_size must be positive")
+    if isinstance(namespace, list):  # RadixCache's per-row form: prompts here are sorted into batches
+        raise ValueError(
+            "generate_many takes one namespace for every prompt, got a list: call it once per namespace"
+        )
     kwargs_list = [
         {**generate_kwargs, **(per_prompt_kwargs[i] if per_prompt_kwargs else {})}
         for i in range(len(prompts))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import sys
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -157,7 +158,10 @@ def _score_batch(model, store, namespace, rows: list[_Row], conts, softmax_dtype
             per_row = [logits[i, logits.shape[1] - r.keep :] for i, r in enumerate(rows)]
             cached = cache.cached_tokens
     for r, row_logits, hit in zip(rows, per_row, cached):
-        logprobs = F.log_softmax(row_logits, dim=-1, dtype=softmax_dtype)  # [keep, V]
+        # Outside the caller's autocast (lm-eval's mixed_precision_dtype), as HFLM computes it:
+        # CUDA autocast would run it in fp32 whatever the logits' dtype or softmax_dtype.
+        with torch.autocast(device_type=row_logits.device.type, enabled=False):
+            logprobs = F.log_softmax(row_logits, dim=-1, dtype=softmax_dtype)  # [keep, V]
         greedy = logprobs.argmax(dim=-1)
         for i in r.members:
             cont = torch.tensor(conts[i], device=logprobs.device)
@@ -184,7 +188,8 @@ def score(
     """Log-likelihood of each continuation given its context; results in input order.
 
     ``pairs``: ``(context ids, continuation ids)``, both non-empty lists of ints. ``store``:
-    default, the model's own store; ``namespace``: as RadixCache's. Batches hold at most
+    default, the model's own store; ``namespace``: one hashable for every pair (RadixCache's
+    per-row list is refused: pairs are reordered and deduplicated into rows). Batches hold at most
     ``batch_size`` rows and ``max_batch_tokens`` padded tokens, inputs sorted by their token
     bytes (pairs sharing a preamble run together). ``max_length``: inputs longer than this are
     left-truncated (lm-eval's rule). ``softmax_dtype``: the dtype of the log-softmax (default
@@ -196,8 +201,20 @@ def score(
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if max_length is not None and max_length < 1:
+    if max_length is not None and (
+        not isinstance(max_length, numbers.Integral) or isinstance(max_length, bool) or max_length < 1
+    ):
         raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+    if max_batch_tokens is not None and (
+        not isinstance(max_batch_tokens, numbers.Integral)
+        or isinstance(max_batch_tokens, bool)
+        or max_batch_tokens < 1
+    ):
+        raise ValueError(f"max_batch_tokens must be a positive int or None, got {max_batch_tokens!r}")
+    if isinstance(namespace, list):  # RadixCache's per-row form: rows here are sorted and deduplicated
+        raise ValueError(
+            "score takes one namespace for every pair, got a list: call score once per namespace"
+        )
     rows, conts = _rows(pairs, max_length, dedupe)
     target = unwrap_peft(model)
     # PEFT prompt learning: its wrapper's forward prepends virtual tokens, so no KV of ours is

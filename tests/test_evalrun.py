@@ -171,3 +171,28 @@ def test_bad_radixkv_arguments_are_refused_by_name(workspace):
     ):
         RadixLM(pretrained=str(model_dir), device="cpu", cache_file=str(damaged))
     assert damaged.read_bytes() == b"not a cache file", "a refused cache file was changed"
+
+
+def test_a_cache_file_that_cannot_be_written_costs_the_file_not_the_results(workspace, monkeypatch, caplog):
+    """The cache file only makes a rerun faster: a full disk when it is written after a request
+    type must not throw away the results lm-eval computed (``--model hf`` would have them)."""
+    import errno
+
+    from lm_eval.api.instance import Instance
+
+    import hf_patch
+    from evalrun import RadixLM
+
+    tmp, model_dir, _ = workspace
+    lm = RadixLM(pretrained=str(model_dir), device="cpu", dtype="float32", block_size=4,
+                 cache_file=str(tmp / "full-disk.safetensors"))  # fmt: skip
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hf_patch, "save_cache", full_disk)
+    requests = [Instance("loglikelihood", {}, ("The cache of the tree", " is"), 0)]
+    with caplog.at_level("WARNING", logger="evalrun.model"):
+        (answer,) = lm.loglikelihood(requests, disable_tqdm=True)
+    assert isinstance(answer[0], float) and isinstance(answer[1], bool)
+    assert "No space left on device" in caplog.text and "full-disk.safetensors" in caplog.text

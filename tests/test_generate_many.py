@@ -129,3 +129,18 @@ def test_bad_input_is_refused_before_generating(prompts, kwargs, message):
     model = shared("llama-sdpa")
     with pytest.raises(ValueError, match=message):
         hf_patch.generate_many(model, prompts, progress=False, **kwargs)
+
+
+def test_a_list_of_namespaces_is_refused_not_applied_to_reordered_prompts():
+    """RadixCache's per-row namespace list is positional; generate_many sorts its prompts into
+    batches, so a list would key one prompt's row by another's namespace."""
+    model = shared("llama-sdpa")
+    store = store_for(model, BS)
+    alice, bob = DOCS[0] + [10, 11], DOCS[0] + [20, 21]
+    hf_patch.generate_many(model, [alice], store=store, namespace="alice", max_new_tokens=1, progress=False)
+    before = store.stats()["hit_tokens"]
+    with pytest.raises(ValueError, match="one namespace for every prompt"):
+        hf_patch.generate_many(
+            model, [bob, alice], store=store, namespace=["bob", "alice"], max_new_tokens=1, progress=False
+        )
+    assert store.stats()["hit_tokens"] == before, "a refused call read the store"

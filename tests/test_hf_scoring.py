@@ -248,3 +248,53 @@ def test_bad_pairs_are_refused_by_index_before_anything_runs(pairs, message):
     assert store.stats()["query_tokens"] == 0
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         score(model, [([3], [4])], store=store, batch_size=0)
+
+
+def test_a_list_of_namespaces_is_refused_not_applied_to_reordered_rows():
+    """RadixCache takes one namespace per row, but score() reorders and deduplicates its pairs:
+    a list would land on other pairs' rows (a tenant reading another's prefixes)."""
+    model, store = shared("llama-sdpa"), store_for(shared("llama-sdpa"), BS)
+    alice, bob = (PREAMBLE + [10, 11], [5]), (PREAMBLE + [20, 21], [5])
+    score(model, [alice], store=store, namespace="alice")
+    before = store.stats()["hit_tokens"]
+    # Sorted by token bytes, alice's input runs first: bob's namespace would key it, and
+    # alice's would key bob's row, which would then read alice's preamble.
+    with pytest.raises(ValueError, match="one namespace for every pair"):
+        score(model, [bob, alice], store=store, namespace=["bob", "alice"])
+    assert store.stats()["hit_tokens"] == before, "a refused call read the store"
+
+
+def test_the_log_softmax_runs_outside_the_callers_autocast(monkeypatch):
+    """lm-eval's HFLM runs the forward under ``mixed_precision_dtype``'s autocast and the
+    log-softmax outside it, in the logits' dtype (or ``softmax_dtype``); evalrun calls score
+    inside that autocast. CUDA autocast runs log_softmax in fp32, so a log-softmax inside it
+    would differ from ``--model hf`` by bf16 rounding (CPU autocast leaves it alone: the test
+    checks where it runs)."""
+    import torch.nn.functional as F
+
+    model, store = shared("llama-sdpa"), store_for(shared("llama-sdpa"), BS)
+    original, autocast_on = F.log_softmax, []
+
+    def spy(*args, **kwargs):
+        autocast_on.append(torch.is_autocast_enabled("cpu"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(F, "log_softmax", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        score(model, PAIRS[:2], store=store)
+    assert autocast_on and not any(autocast_on)
+
+
+@pytest.mark.parametrize("max_length", [True, 2.5, "128", 0])
+def test_a_max_length_that_is_not_a_positive_int_is_refused_as_such(max_length):
+    model, store = shared("llama-sdpa"), store_for(shared("llama-sdpa"), BS)
+    with pytest.raises(ValueError, match="max_length must be a positive int or None"):
+        score(model, [([3, 4], [5])], store=store, max_length=max_length)
+
+
+@pytest.mark.parametrize("max_batch_tokens", [0, -5, 2.5])
+def test_a_max_batch_tokens_that_is_not_a_positive_int_is_refused(max_batch_tokens):
+    """0 meant no limit and a negative one a batch per row, silently (generate_many refuses both)."""
+    model, store = shared("llama-sdpa"), store_for(shared("llama-sdpa"), BS)
+    with pytest.raises(ValueError, match="max_batch_tokens must be a positive int or None"):
+        score(model, [([3, 4], [5])], store=store, max_batch_tokens=max_batch_tokens)

@@ -222,3 +222,22 @@ def test_max_rate_paces_a_save(tmp_path):
     store.save(slow, identity=IDENTITY, max_rate=kv / 0.3)
     assert time.monotonic() - started >= 0.3 * 0.9
     assert fast.read_bytes() == slow.read_bytes()
+
+
+def test_a_paced_save_stops_at_its_deadline_not_after_its_pause(tmp_path):
+    """``max_rate`` sleeps between chunks; a deadline that falls inside such a pause ends the
+    save then (a shutdown's deadline), not after the pause."""
+    store = make_store(64)
+    for d in DOCS[:6]:
+        put(store, d)
+    path = tmp_path / "kv.safetensors"
+    kv = store.save(path, identity=IDENTITY).kv_bytes
+    before = path.read_bytes()
+    started = time.monotonic()
+    with pytest.raises(SaveAborted, match="deadline passed"):
+        # Paced to take 300 s: the pause after the first chunk (the node table, ~2% of the
+        # bytes) alone would run 5 s past the deadline.
+        store.save(path, identity=IDENTITY, max_rate=kv / 300, deadline=started + 0.2)
+    assert time.monotonic() - started < 2.0
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["kv.safetensors"]
+    assert store.stats()["pinned_blocks"] == 0

@@ -249,3 +249,26 @@ def test_blocks_for_a_gpu_pool_go_through_a_bounce_buffer(tmp_path, monkeypatch)
     FAULTS["last KV byte flipped"][0](damaged)
     with pytest.raises(CorruptCacheFile, match="checksum"):
         make_store().restore(damaged, identity=IDENTITY)
+
+
+def test_prefixes_left_out_by_the_namespace_filter_are_not_reported_as_not_fitting(tmp_path, caplog):
+    """Left out on purpose (hf_patch leaves out unloaded adapters' prefixes): the warning that
+    blocks did not fit, and that evict=True would make room for them, would send a user after
+    room that is there already."""
+    source = make_store(64)
+    for ns, d in (("keep", FILE[0]), ("gone", FILE[1])):
+        put(source, d, namespace=ns)
+    path = str(tmp_path / "file.safetensors")
+    source.save(path, identity=IDENTITY)
+    store = make_store(64)  # room for all of it
+    with caplog.at_level("INFO", logger="radixkv.persist.restore"):
+        result = store.restore(path, identity=IDENTITY, namespaces=lambda ns: ns != "gone")
+    assert (result.restored_blocks, result.dropped_blocks) == (4, 4)
+    assert "did not fit" not in caplog.text and "evict=True" not in caplog.text
+    assert "left out 4 blocks" in caplog.text
+    # Both reasons at once: only the blocks that lacked room are said not to fit.
+    caplog.clear()
+    with caplog.at_level("INFO", logger="radixkv.persist.restore"):
+        result = make_store(2).restore(path, identity=IDENTITY, namespaces=lambda ns: ns != "gone")
+    assert (result.restored_blocks, result.dropped_blocks) == (0, 8)
+    assert "4 blocks did not fit" in caplog.text and "left out 4 blocks" in caplog.text

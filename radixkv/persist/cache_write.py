@@ -249,6 +249,8 @@ def atomic_save(
     def pace(nbytes: int) -> None:
         paced[0] += nbytes
         ahead = paced[0] / max_rate - (time.perf_counter() - started)
+        if deadline is not None:  # a pause never runs past the deadline: stop() ends the save then
+            ahead = min(ahead, deadline - time.monotonic())
         if ahead > 0:
             cancel.wait(ahead) if cancel is not None else time.sleep(ahead)
 

@@ -155,13 +155,17 @@ def restore_store(
         seconds=head.times.total,
         times=head.times,
     )
-    if dropped:
+    # Dropped blocks of nodes the filter refused were left out on purpose: room was not the reason.
+    left_out = 0 if skip is None else sum(row[2] for row, s in zip(tree.rows, skip) if s)
+    if dropped > left_out:
         logger.warning(
             "restore from %s: %d blocks did not fit (the least recently used part of the file)%s",
             path,
-            dropped,
+            dropped - left_out,
             "" if evict else "; evict=True would make room for them",
         )
+    if left_out:
+        logger.info("restore from %s: left out %d blocks of namespaces not asked for", path, left_out)
     return result
 
 

@@ -70,7 +70,7 @@ class RestoreResult:
 
     restored_tokens: int  # newly cached
     duplicate_tokens: int  # saved, but the store held them already (kept as they were)
-    dropped_tokens: int  # did not fit: the least recently used part of the file
+    dropped_tokens: int  # did not fit (the least recently used first), or left out by ``namespaces``
     restored_blocks: int
     dropped_blocks: int
     num_nodes: int  # nodes in the file
