@@ -177,6 +177,31 @@ def test_max_bytes_keeps_the_most_recently_used_prefixes_with_their_parents(tmp_
     assert store.stats()["pinned_blocks"] == 0
 
 
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"max_bytes": -1}, "max_bytes"),
+        ({"max_bytes": True}, "max_bytes"),
+        ({"max_bytes": 1.5e6}, "max_bytes"),
+        ({"max_rate": 0}, "max_rate"),
+        ({"max_rate": -5.0}, "max_rate"),
+        ({"max_rate": "fast"}, "max_rate"),
+    ],
+)
+def test_a_bad_budget_or_rate_is_refused_and_the_previous_file_kept(tmp_path, kwargs, named):
+    # max_bytes=-1 once saved an empty file over the previous one: a typo that lost the cache.
+    store = make_store(64)
+    seq = [5] * (3 * BS)
+    put(store, seq)
+    path = tmp_path / "kv.safetensors"
+    store.save(path, identity=IDENTITY)
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match=named):
+        store.save(path, identity=IDENTITY, **kwargs)
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["kv.safetensors"]
+    assert store.stats()["pinned_blocks"] == 0
+
+
 def test_save_and_restore_say_where_the_time_went(tmp_path):
     store = fragmented_store()
     path = tmp_path / "kv.safetensors"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import numbers
 import os
 import threading
 import time
@@ -131,11 +132,23 @@ def save_store(
     this many KV bytes per second (a save in the background of requests).
 
     Raises ValueError, writing nothing, for a namespace that has no file form (see
-    ``encode_namespace``); OSError from the file system, leaving any previous file intact.
+    ``encode_namespace``) and for a ``max_bytes`` below 0 or a ``max_rate`` not above 0; OSError from the file system, leaving any previous file intact.
     ``epoch``: ``store.epoch`` read before ``identity`` was computed; RuntimeError, writing
     nothing, if the store was flushed since (its KV may be of other weights than ``identity``).
     """
     started = time.perf_counter()
+    if max_bytes is not None and (
+        isinstance(max_bytes, bool) or not isinstance(max_bytes, numbers.Integral) or max_bytes < 0
+    ):
+        raise ValueError(
+            f"save to {path}: max_bytes must be an int >= 0 or None, got {max_bytes!r}; nothing was written"
+        )
+    if max_rate is not None and (
+        isinstance(max_rate, bool) or not isinstance(max_rate, numbers.Real) or not max_rate > 0
+    ):
+        raise ValueError(
+            f"save to {path}: max_rate must be a number of bytes per second > 0 or None, got {max_rate!r}; nothing was written"
+        )
     identity = canonical(identity)
     keep = _namespace_filter(namespaces)
     path = os.fspath(path)
@@ -146,9 +159,7 @@ def save_store(
                 f"save to {path}: the store was flushed (weights changed?) after the identity was "
                 "computed; nothing was written"
             )
-        max_blocks = (
-            None if max_bytes is None else max(0, max_bytes) // (pool.block_size * pool.bytes_per_token)
-        )
+        max_blocks = None if max_bytes is None else max_bytes // (pool.block_size * pool.bytes_per_token)
         snap = _snapshot(tree, keep, rename, max_blocks)
         for leaf in snap.leaves:  # the saved blocks can be neither evicted nor reused until written
             tree.pin(leaf)
