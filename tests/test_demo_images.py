@@ -392,3 +392,38 @@ def test_a_vision_checkpoint_by_hub_id_loads_with_its_processor_offline(tmp_path
     assert client.get("/v1/models").get_json()["data"][0]["id"] == "someone/tiny-llava"
     messages = [user(data_url(png(12)), "what is it?")]
     assert text(post(client, messages, model="someone/tiny-llava")) == stock(reference, messages)[1]
+
+
+def test_a_transparent_image_is_seen_as_offline_on_white(client, reference):
+    """An RGBA PNG: offline, the processor composites its transparency onto white (transformers'
+    convert_to_rgb, as vLLM does); the server's pixels and reply must be the same."""
+    import io
+
+    from PIL import Image
+
+    from demo.api.images import ImagePart, MediaPolicy, decode
+
+    g = torch.Generator().manual_seed(13)
+    pixels = torch.randint(0, 256, (48, 40, 4), generator=g, dtype=torch.uint8)
+    pixels[..., 3] = torch.where(pixels[..., 3] > 128, 255, 0)  # half the pixels transparent
+    out = io.BytesIO()
+    Image.fromarray(pixels.numpy(), "RGBA").save(out, format="PNG")
+    raw = out.getvalue()
+    model, processor = reference
+    served = decode(raw, ImagePart("data:", "messages[0].content[0]"), MediaPolicy())
+    offline = Image.open(io.BytesIO(raw))  # what a user hands the processor
+    assert torch.equal(
+        processor.image_processor(served, return_tensors="pt")["pixel_values"],
+        processor.image_processor(offline, return_tensors="pt")["pixel_values"],
+    )
+    question = f"[{uuid.uuid4().hex}] what is it?"
+    conv = [
+        {"role": "user", "content": [{"type": "image", "image": offline}, {"type": "text", "text": question}]}
+    ]
+    inputs = processor.apply_chat_template(
+        conv, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    stock_out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    reply = processor.tokenizer.decode(stock_out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    r = post(client, [user(data_url(raw), question)])
+    assert cached(r) == 0 and text(r) == reply
