@@ -356,3 +356,48 @@ def test_task_prompts_are_pinned_as_the_base_models_kv(paths, references):
     prompt = tokenizer.apply_chat_template(system, add_generation_prompt=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     assert cached(r) == 0 and text(r) == stock_reply(model, tokenizer, prompt, 6)[1]
+
+
+def test_an_adapter_that_does_not_fit_the_model_is_a_400_and_leaves_no_layers(paths, references, tmp_path):
+    """Target modules the model lacks, or a module type LoRA cannot wrap (found after some layers
+    were injected): a 400 (vLLM: BadRequestError), and the model exactly as before, whether it
+    is the first adapter (PEFT's wrapper is being built) or one more; the base still answers as
+    stock generate()."""
+    bad = {}
+    for name, targets in (("nowhere", ["nope_proj"]), ("norm", ["q_proj", "input_layernorm"])):
+        shutil.copytree(paths["a"], tmp_path / name)
+        config_file = tmp_path / name / "adapter_config.json"
+        settings = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({**settings, "target_modules": targets}))
+        bad[name] = str(tmp_path / name)
+    cfg = Config(model="builtin-tiny", block_size=BLOCK, cache_tokens=1 << 14, admin_token=TOKEN)
+    engine = build_engine(cfg)
+    client = create_app(cfg, engine).test_client()
+    for first in (True, False):
+        modules = set(dict(engine.model.named_modules()))
+        for name, path in bad.items():
+            r = admin(client, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            assert r.status_code == 400, r.get_json()
+            assert f"cannot load adapter '{name}'" in r.get_json()["error"]["message"]
+            assert set(dict(engine.model.named_modules())) == modules, (first, name)
+        assert engine.adapters.names() == ([] if first else ["a"])
+        content = question()
+        r = chat(client, "builtin-tiny", content)
+        assert cached(r) == 0 and text(r) == stock(references, None, content)
+        if first:
+            assert (
+                admin(
+                    client, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": paths["a"]}
+                ).status_code
+                == 200
+            )
+    assert engine.store.stats()["flushes"] == 0
+
+
+def test_a_lora_modules_entry_that_does_not_fit_the_model_is_a_usage_error(paths, tmp_path, capsys):
+    shutil.copytree(paths["a"], tmp_path / "x")
+    settings = json.loads((tmp_path / "x" / "adapter_config.json").read_text())
+    (tmp_path / "x" / "adapter_config.json").write_text(json.dumps({**settings, "target_modules": ["nope"]}))
+    with pytest.raises(SystemExit) as exit_:
+        demo_main(["--model", "builtin-tiny", "--port", "0", "--lora-modules", f"x={tmp_path / 'x'}"])
+    assert exit_.value.code == 2 and "cannot load adapter 'x'" in capsys.readouterr().err

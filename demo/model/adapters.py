@@ -165,8 +165,12 @@ class Adapters:
         internal = peft_name(name)
         config.inference_mode = True
         fresh = self.peft is None
-        peft = PeftModelForCausalLM(self.model, config, adapter_name=internal) if fresh else self.peft
+        peft = None if fresh else self.peft
         try:
+            # The wrapper injects the first adapter's layers as it is built: an adapter that does
+            # not fit the model (target modules it lacks, a module type LoRA cannot wrap) fails
+            # here, possibly after some layers went in.
+            peft = PeftModelForCausalLM(self.model, config, adapter_name=internal) if fresh else peft
             result = peft.load_adapter(path, adapter_name=internal, is_trainable=False)
             missing = [k for k in getattr(result, "missing_keys", ()) if f".{internal}." in k]
             if missing:
@@ -190,10 +194,25 @@ class Adapters:
 
     def _undo(self, peft, internal: str, fresh: bool) -> None:
         """Take a half-loaded adapter out again (PEFT injects its layers before reading weights)."""
-        if fresh:
+        if not fresh:
+            if internal in peft.peft_config:
+                peft.delete_adapter(internal)
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            for layer in self.model.modules():  # injected before the failure, not in peft_config
+                held = (getattr(layer, attr, {}) for attr in getattr(layer, "adapter_layer_names", ()))
+                if isinstance(layer, BaseTunerLayer) and any(internal in (d or {}) for d in held):
+                    layer.delete_adapter(internal)
+        elif peft is not None:
             peft.base_model.unload()  # the model's own modules back in place
-        elif internal in peft.peft_config:
-            peft.delete_adapter(internal)
+        else:  # the wrapper failed while injecting: the layers it did inject, back to their own
+            from peft.tuners.tuners_utils import BaseTunerLayer
+            from peft.utils import _get_submodules
+
+            injected = [k for k, m in self.model.named_modules() if isinstance(m, BaseTunerLayer)]
+            for key in injected:
+                parent, layer, attr = _get_submodules(self.model, key)
+                setattr(parent, attr, layer.get_base_layer())
 
     def unload(self, name: str) -> Adapter:
         """Remove adapter ``name`` between generate() calls and drop its KV from the store;
