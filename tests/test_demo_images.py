@@ -319,6 +319,20 @@ def test_remote_images_only_from_allowed_hosts_within_limits(engine, checkpoint,
     )
 
 
+def test_malformed_remote_urls_are_400s_naming_the_part(engine, checkpoint):
+    """URLs that pass the host check but that urllib cannot even open (a port that is no
+    number, a userinfo trick: http.client.InvalidURL) are the caller's error, not the server's."""
+    cfg = make_config(checkpoint, allowed_media_domains=("allowed.example",), media_fetch_timeout=1.0)
+    client = create_app(cfg, engine).test_client()
+    for url in (
+        "http://allowed.example:abc/x.png",
+        "http://127.0.0.1:1\\@allowed.example/x.png",
+    ):
+        _refused(
+            post(client, [user(url, "what?")], status=400), "messages[0].content[0]", "fetching the image"
+        )
+
+
 def test_image_flags_and_environment():
     assert parse_limit_mm("image=3") == 3 and parse_limit_mm('{"image": 0}') == 0
     for bad in ("video=2", "image=-1", "image=x", '{"image": 1, "audio": 1}', "3"):

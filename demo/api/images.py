@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import io
 import json
 import time
@@ -178,6 +179,10 @@ def _download(part: ImagePart, policy: MediaPolicy) -> bytes:
         if isinstance(reason, TimeoutError) or "timed out" in str(reason):
             raise _bad(part, f"fetching the image took longer than {policy.fetch_timeout} s") from None
         raise _bad(part, f"fetching the image failed: {reason}") from None
+    except (http.client.HTTPException, ValueError, OverflowError) as e:
+        # A URL urllib cannot open (a port that is no number or out of range, a host that is
+        # no name) or a response cut short: the caller's URL or the remote host, not the server.
+        raise _bad(part, f"fetching the image failed: {type(e).__name__}: {e}") from None
     return b"".join(chunks)
 
 
