@@ -401,3 +401,49 @@ def test_a_lora_modules_entry_that_does_not_fit_the_model_is_a_usage_error(paths
     with pytest.raises(SystemExit) as exit_:
         demo_main(["--model", "builtin-tiny", "--port", "0", "--lora-modules", f"x={tmp_path / 'x'}"])
     assert exit_.value.code == 2 and "cannot load adapter 'x'" in capsys.readouterr().err
+
+
+def test_an_adapter_peft_cannot_mix_runs_in_batches_of_its_own(paths, references, tmp_path, monkeypatch):
+    """A LoRA on parameters (``target_parameters``: PEFT's ParamWrapper, MoE experts' usual
+    LoRA) is plain LoRA by type, but while it is loaded PEFT refuses every ``adapter_names``
+    batch. Requests batched before it was loaded (the base and a plain LoRA) and its own
+    each get a generate() call of their own, and every request its stock reply; once it is
+    unloaded, the others share calls again."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.demo_checkpoints import build_builtin
+
+    base, _ = build_builtin("builtin-tiny")
+    torch.manual_seed(6)
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=[],
+        target_parameters=["mlp.gate_proj.weight"],
+        init_lora_weights=False,
+    )
+    get_peft_model(base, lora).save_pretrained(str(tmp_path / "param"))
+    engine = build_engine(config(paths))
+    calls, generate = [], engine.adapters.generate
+    monkeypatch.setattr(
+        engine.adapters,
+        "generate",
+        lambda names, *a, **k: calls.append(sorted(map(str, names))) or generate(names, *a, **k),
+    )
+    contents = {name: question() for name in ("a", None, "p")}
+
+    def submit(name):
+        prompt = engine.chat_ids([{"role": "user", "content": contents[name]}])
+        return engine.submit(prompt, Params(6, temperature=0.0, adapter=name))
+
+    with engine.exclusive():  # no generate() starts: a and the base are batched before p loads
+        gens = {name: submit(name) for name in ("a", None)}
+        engine.adapters.load(LoraModule("p", str(tmp_path / "param")))
+        gens["p"] = submit("p")
+    results = {name: gen.collect() for name, gen in gens.items()}
+    assert sorted(calls) == [["None"], ["a"], ["p"]]
+    references = {**references, "p": peft_reference(str(tmp_path / "param"))}
+    for name, result in results.items():
+        assert result.cached_tokens == 0 and result.text == stock(references, name, contents[name])
+    engine.adapters.unload("p")
+    assert engine.adapters.batch_group("a") is None and engine.adapters.batch_group(None) is None

@@ -9,8 +9,9 @@
 A request's ``model`` picks an adapter by name (the base model's names pick the base). PEFT holds
 every adapter in one ``PeftModelForCausalLM`` over the served model and loads it its own way
 (adapter_config.json + weights, a local directory or a Hub id). Rows of different adapters share a
-generate() call through PEFT's ``adapter_names=`` where PEFT allows it (plain LoRA: no DoRA, no
-other tuner types; those get batches of their own, ``batch_group``). hf_patch keys each row's KV
+generate() call through PEFT's ``adapter_names=`` where PEFT allows it (plain LoRA on modules: no
+DoRA, aLoRA, LoRA on parameters or attention modules, no other tuner types; those get batches of
+their own, ``batch_group``). hf_patch keys each row's KV
 by its adapter's name and weights digest: adapters never share KV with each other nor with the
 base, and a re-load of other weights under the same name never reads the old KV, which is
 dropped anyway (``hf_patch.drop_stale_adapters`` after every load and unload).
@@ -39,6 +40,9 @@ from demo.errors import ApiError
 
 log = logging.getLogger(__name__)
 BASE = "__base__"  # PEFT's adapter_names entry for "no adapter"
+# PEFT LoRA layers that refuse ``adapter_names`` (mixed batches) whatever the config says: a LoRA
+# on parameters (``target_parameters``, MoE experts) and on nn.MultiheadAttention.
+_UNMIXABLE_LAYERS = ("ParamWrapper", "MultiheadAttention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +105,7 @@ class Adapter:
     peft_name: str
     mixable: bool  # PEFT can run it in a mixed adapter_names batch
     created: int
+    blocks_mixing: bool = False  # while it is loaded PEFT runs no adapter_names batch at all
 
 
 class Adapters:
@@ -129,9 +134,19 @@ class Adapters:
 
     def batch_group(self, name: str | None) -> Hashable:
         """Requests of equal groups may be rows of one generate(): the base and mixable adapters
-        share one (None), any other adapter has its own."""
+        share one (None), any other adapter has its own; while an adapter whose layers refuse
+        ``adapter_names`` is loaded, every adapter and the base have their own."""
         adapter = self._loaded.get(name) if name else None
-        return None if adapter is None or adapter.mixable else ("adapter", name)
+        mixing = not any(a.blocks_mixing for a in list(self._loaded.values()))
+        return None if mixing and (adapter is None or adapter.mixable) else ("adapter", name)
+
+    def split(self, names: Sequence[str | None]) -> list[list[int]]:
+        """The rows (indices into ``names``) of each generate() call that rows of adapters
+        ``names`` need now: one call unless a load since they were batched says otherwise."""
+        calls: dict[Hashable, list[int]] = {}
+        for i, name in enumerate(names):
+            calls.setdefault(self.batch_group(name), []).append(i)
+        return list(calls.values())
 
     def load(self, module: LoraModule) -> Adapter:
         """Load ``module`` under its name, between generate() calls; AdapterError (nothing
@@ -179,9 +194,19 @@ class Adapters:
             self._undo(peft, internal, fresh)
             raise AdapterError(400, f"cannot load adapter '{name}' from {path!r}: {e}", "lora_path") from None
         self.peft = peft.eval()
-        mixable = config.peft_type == PeftType.LORA and not getattr(config, "use_dora", False)
+        # PEFT's layers for these refuse adapter_names outright, whichever adapters the rows name
+        blocks_mixing = any(
+            type(layer).__name__ in _UNMIXABLE_LAYERS and internal in (getattr(layer, "lora_A", None) or {})
+            for layer in self.model.modules()
+        )
+        mixable = (
+            config.peft_type == PeftType.LORA
+            and not getattr(config, "use_dora", False)
+            and not getattr(config, "alora_invocation_tokens", None)  # offsets per call, not per row
+            and not blocks_mixing
+        )
         parent = module.base_model_name or self.base_name
-        adapter = Adapter(name, path, parent, internal, mixable, int(time.time()))
+        adapter = Adapter(name, path, parent, internal, mixable, int(time.time()), blocks_mixing)
         self._loaded[name] = adapter
         log.info(
             "loaded adapter %s from %s (%s%s)",
