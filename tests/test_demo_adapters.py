@@ -447,3 +447,11 @@ def test_an_adapter_peft_cannot_mix_runs_in_batches_of_its_own(paths, references
         assert result.cached_tokens == 0 and result.text == stock(references, name, contents[name])
     engine.adapters.unload("p")
     assert engine.adapters.batch_group("a") is None and engine.adapters.batch_group(None) is None
+
+
+def test_a_lora_modules_entry_named_as_the_base_model_is_a_usage_error(paths, capsys):
+    """A request naming the base model's name gets the base, so such an adapter could never be
+    reached (and /v1/models would list one id twice): refused as the load endpoint refuses it."""
+    with pytest.raises(SystemExit) as exit_:
+        demo_main(["--model", "builtin-tiny", "--port", "0", "--lora-modules", f"builtin-tiny={paths['a']}"])
+    assert exit_.value.code == 2 and "the base model's name" in capsys.readouterr().err
