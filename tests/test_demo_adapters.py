@@ -455,3 +455,52 @@ def test_a_lora_modules_entry_named_as_the_base_model_is_a_usage_error(paths, ca
     with pytest.raises(SystemExit) as exit_:
         demo_main(["--model", "builtin-tiny", "--port", "0", "--lora-modules", f"builtin-tiny={paths['a']}"])
     assert exit_.value.code == 2 and "the base model's name" in capsys.readouterr().err
+
+
+def save_embedding_adapter(path, lora_seed: int, embedding_seed: int) -> str:
+    """A LoRA that also trains its own copy of the input embeddings (``modules_to_save``): the
+    copy changes every token's KV, and PEFT keeps it outside its tuner layers."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.demo_checkpoints import build_builtin
+
+    base, _ = build_builtin("builtin-tiny")
+    torch.manual_seed(lora_seed)
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        modules_to_save=["embed_tokens"],
+        init_lora_weights=False,
+    )
+    model = get_peft_model(base, config)
+    copy = model.base_model.model.model.embed_tokens.modules_to_save["default"].weight
+    with torch.no_grad():
+        copy.add_(torch.randn(copy.shape, generator=torch.Generator().manual_seed(embedding_seed)) * 0.5)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def test_unloading_an_adapter_with_its_own_modules_gives_back_the_base_models(paths, references, tmp_path):
+    """PEFT's unload() puts an active modules_to_save copy where the model's module was (it keeps
+    the fine-tune): unloading the last adapter that way left the adapter's embeddings in the
+    served base model. Unloaded, last or not, the base answers as stock generate() again."""
+    one = save_embedding_adapter(tmp_path / "one", 1, 1)
+    for others in ((), ("a",)):
+        engine = build_engine(config(paths))
+        for name in ("a", "b"):
+            if name not in others:
+                engine.adapters.unload(name)
+        engine.adapters.load(LoraModule("e", one))
+        content = question()
+        prompt = engine.chat_ids([{"role": "user", "content": content}])
+        assert engine.submit(prompt, Params(6, temperature=0.0, adapter="e")).collect().text == stock(
+            {"e": peft_reference(one)}, "e", content
+        )
+        engine.adapters.unload("e")
+        for name in others:  # the last one unloaded: the plain model again
+            engine.adapters.unload(name)
+        assert engine.adapters.peft is None and not any("lora" in n for n, _ in engine.model.named_modules())
+        assert type(engine.model.model.embed_tokens).__name__ == "Embedding"
+        result = engine.submit(prompt, Params(6, temperature=0.0)).collect()
+        assert result.text == stock(references, None, content), others

@@ -228,16 +228,8 @@ class Adapters:
                 held = (getattr(layer, attr, {}) for attr in getattr(layer, "adapter_layer_names", ()))
                 if isinstance(layer, BaseTunerLayer) and any(internal in (d or {}) for d in held):
                     layer.delete_adapter(internal)
-        elif peft is not None:
-            peft.base_model.unload()  # the model's own modules back in place
-        else:  # the wrapper failed while injecting: the layers it did inject, back to their own
-            from peft.tuners.tuners_utils import BaseTunerLayer
-            from peft.utils import _get_submodules
-
-            injected = [k for k, m in self.model.named_modules() if isinstance(m, BaseTunerLayer)]
-            for key in injected:
-                parent, layer, attr = _get_submodules(self.model, key)
-                setattr(parent, attr, layer.get_base_layer())
+        else:  # the first adapter (the wrapper built or failed part-way): the plain model again
+            _plain_modules(self.model)
 
     def unload(self, name: str) -> Adapter:
         """Remove adapter ``name`` between generate() calls and drop its KV from the store;
@@ -271,7 +263,7 @@ class Adapters:
         if self._loaded:
             self.peft.delete_adapter(adapter.peft_name)
         else:  # the last one: the plain model again, no tuner layers left
-            self.peft.base_model.unload()
+            _plain_modules(self.model)
             self.peft = None
         log.info("unloaded adapter %s", name)
         return adapter
@@ -304,6 +296,31 @@ class Adapters:
             }
             for a in list(self._loaded.values())  # a copy: a load may add one meanwhile
         ]
+
+
+def _plain_modules(model) -> None:
+    """Every PEFT tuner layer and auxiliary wrapper in ``model`` replaced by the model's own module
+    it wraps. Not PEFT's ``unload()``: that puts an active ``modules_to_save`` copy (the adapter's
+    fine-tuned module) where the model's module was, which would then serve as the base."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import _get_submodules
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    while True:  # a wrapper may hold another (a LoRA inside a modules_to_save original): again
+        found = [
+            k for k, m in model.named_modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))
+        ]
+        if not found:
+            return
+        for key in found:
+            try:
+                parent, layer, attr = _get_submodules(model, key)
+            except AttributeError:  # inside a wrapper replaced above: the next pass finds it
+                continue
+            if isinstance(layer, AuxiliaryTrainingWrapper):
+                setattr(parent, attr, layer.original_module)
+            elif isinstance(layer, BaseTunerLayer):
+                setattr(parent, attr, layer.get_base_layer())
 
 
 def _body() -> dict:
