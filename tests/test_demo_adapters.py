@@ -22,6 +22,7 @@ from demo.config import Config, from_args  # noqa: E402
 from demo.engine import batching  # noqa: E402
 from demo.engine.engine import Params  # noqa: E402
 from demo.model.adapters import LoraModule, parse_lora_modules, peft_name  # noqa: E402
+from hf_patch.keys.adapters import adapter_digests  # noqa: E402
 from tests.demo_checkpoints import peft_reference, save_adapter, stock_reply  # noqa: E402
 
 BLOCK = 16
@@ -479,6 +480,41 @@ def save_embedding_adapter(path, lora_seed: int, embedding_seed: int) -> str:
         copy.add_(torch.randn(copy.shape, generator=torch.Generator().manual_seed(embedding_seed)) * 0.5)
     model.save_pretrained(str(path))
     return str(path)
+
+
+def test_an_adapter_with_its_own_modules_is_keyed_by_them_and_flushes_nothing(paths, references, tmp_path):
+    """modules_to_save copies are the adapter's weights: loading or unloading such an adapter
+    keeps every other prefix (no flush), re-loading it with other copies (same LoRA weights)
+    never reads its old KV, and a cache file saved without it restores with it loaded."""
+    one = save_embedding_adapter(tmp_path / "one", 1, 1)
+    two = save_embedding_adapter(tmp_path / "two", 1, 2)  # the same LoRA weights, another embedding
+    file = str(tmp_path / "kv.safetensors")
+    cfg = Config(
+        model="builtin-tiny", block_size=BLOCK, cache_tokens=1 << 14, admin_token=TOKEN, cache_file=file
+    )
+    engine = build_engine(cfg)
+    app = create_app(cfg, engine)
+    client = app.test_client()
+    content = question()
+    base = chat(client, "builtin-tiny", content)
+    app.extensions["radixkv"]["cache_files"].save()  # no adapter loaded
+    assert admin(client, "/v1/load_lora_adapter", {"lora_name": "e", "lora_path": one}).status_code == 200
+    assert cached(chat(client, "builtin-tiny", content)) == full_hit(base)  # the base KV kept
+    r = chat(client, "e", content)
+    assert cached(r) == 0 and text(r) == stock({"e": peft_reference(one)}, "e", content)
+    assert cached(chat(client, "e", content)) == full_hit(r)
+    digest = adapter_digests(engine.model)[peft_name("e")]
+    assert admin(client, "/v1/unload_lora_adapter", {"lora_name": "e"}).status_code == 200
+    assert admin(client, "/v1/load_lora_adapter", {"lora_name": "e", "lora_path": two}).status_code == 200
+    assert adapter_digests(engine.model)[peft_name("e")] != digest  # the copies are in its key
+    r = chat(client, "e", content)
+    assert cached(r) == 0 and text(r) == stock({"e": peft_reference(two)}, "e", content)
+    assert cached(chat(client, "builtin-tiny", content)) == full_hit(base)
+    assert engine.store.stats()["flushes"] == 0
+    # A restart that loads it from the start restores the file saved without it.
+    restarted = Config(**{**cfg.__dict__, "lora_modules": (LoraModule("e", two),)})
+    client = create_app(restarted, build_engine(restarted)).test_client()
+    assert cached(chat(client, "builtin-tiny", content)) == full_hit(base)
 
 
 def test_unloading_an_adapter_with_its_own_modules_gives_back_the_base_models(paths, references, tmp_path):
