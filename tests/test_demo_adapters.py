@@ -540,3 +540,43 @@ def test_unloading_an_adapter_with_its_own_modules_gives_back_the_base_models(pa
         assert type(engine.model.model.embed_tokens).__name__ == "Embedding"
         result = engine.submit(prompt, Params(6, temperature=0.0)).collect()
         assert result.text == stock(references, None, content), others
+
+
+def test_a_reply_paused_between_chunks_never_goes_on_under_other_weights(paths, references, monkeypatch):
+    """Continuous batching pauses a long reply between decode chunks; an operator swapping an
+    adapter's version under the same name (unload, load) in that gap must not have the rest of
+    the reply computed by the new weights (a reply of two adapters, stock for neither): the
+    request ends with an error instead, and a new request gets the new weights."""
+    engine = build_engine(config(paths))
+    engine.adapters.load(LoraModule("c", paths["c"]))
+    monkeypatch.setattr(engine.scheduler, "decode_chunk", 4)
+    entered, release, swapped = threading.Event(), threading.Event(), []
+    generate = engine.adapters.generate
+
+    def spy(names, *args, **kwargs):
+        if "c" in names and not swapped:
+            entered.set()
+            assert release.wait(60)
+            out = generate(names, *args, **kwargs)  # the first chunk, paused for the waiting request
+            engine.adapters.unload("c")  # between generate() calls, as the admin endpoints do
+            engine.adapters.load(LoraModule("c", paths["d"]))
+            swapped.append(True)
+            return out
+        return generate(names, *args, **kwargs)
+
+    monkeypatch.setattr(engine.adapters, "generate", spy)
+    long_gen = engine.submit(
+        engine.chat_ids([{"role": "user", "content": question()}]), Params(40, temperature=0.0, adapter="c")
+    )
+    assert entered.wait(30)
+    short = engine.submit(engine.text_ids("a short question"), Params(2, temperature=0.0))
+    release.set()
+    short.collect()
+    assert swapped
+    with pytest.raises(Exception) as e:
+        long_gen.collect()
+    assert getattr(e.value, "status", None) == 404 and "reloaded" in str(e.value)
+    content = question()
+    prompt = engine.chat_ids([{"role": "user", "content": content}])
+    result = engine.submit(prompt, Params(6, temperature=0.0, adapter="c")).collect()
+    assert result.text == stock(references, "d", content)

@@ -84,15 +84,24 @@ class Runner:
         return []
 
     def _adapter_present(self, gen: Generation) -> bool:
-        """Whether ``gen``'s adapter is still loaded; if not, it gets the API's 404."""
+        """Whether ``gen``'s adapter is still loaded, and for a reply paused between decode chunks
+        still the one its first chunk ran under (not a re-load of other weights under its name:
+        the rest of the reply would come from another model); if not, it gets the API's 404."""
         name = gen.params.adapter
-        if name is None or (self.adapters is not None and self.adapters.get(name) is not None):
+        if name is None:
+            return True
+        adapter = self.adapters.get(name) if self.adapters is not None else None
+        if adapter is not None and (gen.adapter is None or gen.adapter is adapter):  # this load
+            gen.adapter = adapter
             return True
         from demo.errors import ApiError
 
-        gen._events.put(
-            ("error", ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found"))
+        message = (
+            f"The model '{name}' does not exist"
+            if adapter is None
+            else f"The model '{name}' was reloaded while this reply was generated; send the request again"
         )
+        gen._events.put(("error", ApiError(404, message, "model", "model_not_found")))
         gen.finished.set()
         return False
 
