@@ -22,6 +22,7 @@ from demo.config import Config, from_args  # noqa: E402
 from demo.engine import batching  # noqa: E402
 from demo.engine.engine import Params  # noqa: E402
 from demo.model.adapters import LoraModule, parse_lora_modules, peft_name  # noqa: E402
+from hf_patch.keys.adapters import adapter_digests  # noqa: E402
 from tests.demo_checkpoints import peft_reference, save_adapter, stock_reply  # noqa: E402
 
 BLOCK = 16
@@ -356,3 +357,226 @@ def test_task_prompts_are_pinned_as_the_base_models_kv(paths, references):
     prompt = tokenizer.apply_chat_template(system, add_generation_prompt=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     assert cached(r) == 0 and text(r) == stock_reply(model, tokenizer, prompt, 6)[1]
+
+
+def test_an_adapter_that_does_not_fit_the_model_is_a_400_and_leaves_no_layers(paths, references, tmp_path):
+    """Target modules the model lacks, or a module type LoRA cannot wrap (found after some layers
+    were injected): a 400 (vLLM: BadRequestError), and the model exactly as before, whether it
+    is the first adapter (PEFT's wrapper is being built) or one more; the base still answers as
+    stock generate()."""
+    bad = {}
+    for name, targets in (("nowhere", ["nope_proj"]), ("norm", ["q_proj", "input_layernorm"])):
+        shutil.copytree(paths["a"], tmp_path / name)
+        config_file = tmp_path / name / "adapter_config.json"
+        settings = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({**settings, "target_modules": targets}))
+        bad[name] = str(tmp_path / name)
+    cfg = Config(model="builtin-tiny", block_size=BLOCK, cache_tokens=1 << 14, admin_token=TOKEN)
+    engine = build_engine(cfg)
+    client = create_app(cfg, engine).test_client()
+    for first in (True, False):
+        modules = set(dict(engine.model.named_modules()))
+        for name, path in bad.items():
+            r = admin(client, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+            assert r.status_code == 400, r.get_json()
+            assert f"cannot load adapter '{name}'" in r.get_json()["error"]["message"]
+            assert set(dict(engine.model.named_modules())) == modules, (first, name)
+        assert engine.adapters.names() == ([] if first else ["a"])
+        content = question()
+        r = chat(client, "builtin-tiny", content)
+        assert cached(r) == 0 and text(r) == stock(references, None, content)
+        if first:
+            assert (
+                admin(
+                    client, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": paths["a"]}
+                ).status_code
+                == 200
+            )
+    assert engine.store.stats()["flushes"] == 0
+
+
+def test_a_lora_modules_entry_that_does_not_fit_the_model_is_a_usage_error(paths, tmp_path, capsys):
+    shutil.copytree(paths["a"], tmp_path / "x")
+    settings = json.loads((tmp_path / "x" / "adapter_config.json").read_text())
+    (tmp_path / "x" / "adapter_config.json").write_text(json.dumps({**settings, "target_modules": ["nope"]}))
+    with pytest.raises(SystemExit) as exit_:
+        demo_main(["--model", "builtin-tiny", "--port", "0", "--lora-modules", f"x={tmp_path / 'x'}"])
+    assert exit_.value.code == 2 and "cannot load adapter 'x'" in capsys.readouterr().err
+
+
+def test_an_adapter_peft_cannot_mix_runs_in_batches_of_its_own(paths, references, tmp_path, monkeypatch):
+    """A LoRA on parameters (``target_parameters``: PEFT's ParamWrapper, MoE experts' usual
+    LoRA) is plain LoRA by type, but while it is loaded PEFT refuses every ``adapter_names``
+    batch. Requests batched before it was loaded (the base and a plain LoRA) and its own
+    each get a generate() call of their own, and every request its stock reply; once it is
+    unloaded, the others share calls again."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.demo_checkpoints import build_builtin
+
+    base, _ = build_builtin("builtin-tiny")
+    torch.manual_seed(6)
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=[],
+        target_parameters=["mlp.gate_proj.weight"],
+        init_lora_weights=False,
+    )
+    get_peft_model(base, lora).save_pretrained(str(tmp_path / "param"))
+    engine = build_engine(config(paths))
+    calls, generate = [], engine.adapters.generate
+    monkeypatch.setattr(
+        engine.adapters,
+        "generate",
+        lambda names, *a, **k: calls.append(sorted(map(str, names))) or generate(names, *a, **k),
+    )
+    contents = {name: question() for name in ("a", None, "p")}
+
+    def submit(name):
+        prompt = engine.chat_ids([{"role": "user", "content": contents[name]}])
+        return engine.submit(prompt, Params(6, temperature=0.0, adapter=name))
+
+    with engine.exclusive():  # no generate() starts: a and the base are batched before p loads
+        gens = {name: submit(name) for name in ("a", None)}
+        engine.adapters.load(LoraModule("p", str(tmp_path / "param")))
+        gens["p"] = submit("p")
+    results = {name: gen.collect() for name, gen in gens.items()}
+    assert sorted(calls) == [["None"], ["a"], ["p"]]
+    references = {**references, "p": peft_reference(str(tmp_path / "param"))}
+    for name, result in results.items():
+        assert result.cached_tokens == 0 and result.text == stock(references, name, contents[name])
+    engine.adapters.unload("p")
+    assert engine.adapters.batch_group("a") is None and engine.adapters.batch_group(None) is None
+
+
+def test_a_lora_modules_entry_named_as_the_base_model_is_a_usage_error(paths, capsys):
+    """A request naming the base model's name gets the base, so such an adapter could never be
+    reached (and /v1/models would list one id twice): refused as the load endpoint refuses it."""
+    with pytest.raises(SystemExit) as exit_:
+        demo_main(["--model", "builtin-tiny", "--port", "0", "--lora-modules", f"builtin-tiny={paths['a']}"])
+    assert exit_.value.code == 2 and "the base model's name" in capsys.readouterr().err
+
+
+def save_embedding_adapter(path, lora_seed: int, embedding_seed: int) -> str:
+    """A LoRA that also trains its own copy of the input embeddings (``modules_to_save``): the
+    copy changes every token's KV, and PEFT keeps it outside its tuner layers."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.demo_checkpoints import build_builtin
+
+    base, _ = build_builtin("builtin-tiny")
+    torch.manual_seed(lora_seed)
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        modules_to_save=["embed_tokens"],
+        init_lora_weights=False,
+    )
+    model = get_peft_model(base, config)
+    copy = model.base_model.model.model.embed_tokens.modules_to_save["default"].weight
+    with torch.no_grad():
+        copy.add_(torch.randn(copy.shape, generator=torch.Generator().manual_seed(embedding_seed)) * 0.5)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def test_an_adapter_with_its_own_modules_is_keyed_by_them_and_flushes_nothing(paths, references, tmp_path):
+    """modules_to_save copies are the adapter's weights: loading or unloading such an adapter
+    keeps every other prefix (no flush), re-loading it with other copies (same LoRA weights)
+    never reads its old KV, and a cache file saved without it restores with it loaded."""
+    one = save_embedding_adapter(tmp_path / "one", 1, 1)
+    two = save_embedding_adapter(tmp_path / "two", 1, 2)  # the same LoRA weights, another embedding
+    file = str(tmp_path / "kv.safetensors")
+    cfg = Config(
+        model="builtin-tiny", block_size=BLOCK, cache_tokens=1 << 14, admin_token=TOKEN, cache_file=file
+    )
+    engine = build_engine(cfg)
+    app = create_app(cfg, engine)
+    client = app.test_client()
+    content = question()
+    base = chat(client, "builtin-tiny", content)
+    app.extensions["radixkv"]["cache_files"].save()  # no adapter loaded
+    assert admin(client, "/v1/load_lora_adapter", {"lora_name": "e", "lora_path": one}).status_code == 200
+    assert cached(chat(client, "builtin-tiny", content)) == full_hit(base)  # the base KV kept
+    r = chat(client, "e", content)
+    assert cached(r) == 0 and text(r) == stock({"e": peft_reference(one)}, "e", content)
+    assert cached(chat(client, "e", content)) == full_hit(r)
+    digest = adapter_digests(engine.model)[peft_name("e")]
+    assert admin(client, "/v1/unload_lora_adapter", {"lora_name": "e"}).status_code == 200
+    assert admin(client, "/v1/load_lora_adapter", {"lora_name": "e", "lora_path": two}).status_code == 200
+    assert adapter_digests(engine.model)[peft_name("e")] != digest  # the copies are in its key
+    r = chat(client, "e", content)
+    assert cached(r) == 0 and text(r) == stock({"e": peft_reference(two)}, "e", content)
+    assert cached(chat(client, "builtin-tiny", content)) == full_hit(base)
+    assert engine.store.stats()["flushes"] == 0
+    # A restart that loads it from the start restores the file saved without it.
+    restarted = Config(**{**cfg.__dict__, "lora_modules": (LoraModule("e", two),)})
+    client = create_app(restarted, build_engine(restarted)).test_client()
+    assert cached(chat(client, "builtin-tiny", content)) == full_hit(base)
+
+
+def test_unloading_an_adapter_with_its_own_modules_gives_back_the_base_models(paths, references, tmp_path):
+    """PEFT's unload() puts an active modules_to_save copy where the model's module was (it keeps
+    the fine-tune): unloading the last adapter that way left the adapter's embeddings in the
+    served base model. Unloaded, last or not, the base answers as stock generate() again."""
+    one = save_embedding_adapter(tmp_path / "one", 1, 1)
+    for others in ((), ("a",)):
+        engine = build_engine(config(paths))
+        for name in ("a", "b"):
+            if name not in others:
+                engine.adapters.unload(name)
+        engine.adapters.load(LoraModule("e", one))
+        content = question()
+        prompt = engine.chat_ids([{"role": "user", "content": content}])
+        assert engine.submit(prompt, Params(6, temperature=0.0, adapter="e")).collect().text == stock(
+            {"e": peft_reference(one)}, "e", content
+        )
+        engine.adapters.unload("e")
+        for name in others:  # the last one unloaded: the plain model again
+            engine.adapters.unload(name)
+        assert engine.adapters.peft is None and not any("lora" in n for n, _ in engine.model.named_modules())
+        assert type(engine.model.model.embed_tokens).__name__ == "Embedding"
+        result = engine.submit(prompt, Params(6, temperature=0.0)).collect()
+        assert result.text == stock(references, None, content), others
+
+
+def test_a_reply_paused_between_chunks_never_goes_on_under_other_weights(paths, references, monkeypatch):
+    """Continuous batching pauses a long reply between decode chunks; an operator swapping an
+    adapter's version under the same name (unload, load) in that gap must not have the rest of
+    the reply computed by the new weights (a reply of two adapters, stock for neither): the
+    request ends with an error instead, and a new request gets the new weights."""
+    engine = build_engine(config(paths))
+    engine.adapters.load(LoraModule("c", paths["c"]))
+    monkeypatch.setattr(engine.scheduler, "decode_chunk", 4)
+    entered, release, swapped = threading.Event(), threading.Event(), []
+    generate = engine.adapters.generate
+
+    def spy(names, *args, **kwargs):
+        if "c" in names and not swapped:
+            entered.set()
+            assert release.wait(60)
+            out = generate(names, *args, **kwargs)  # the first chunk, paused for the waiting request
+            engine.adapters.unload("c")  # between generate() calls, as the admin endpoints do
+            engine.adapters.load(LoraModule("c", paths["d"]))
+            swapped.append(True)
+            return out
+        return generate(names, *args, **kwargs)
+
+    monkeypatch.setattr(engine.adapters, "generate", spy)
+    long_gen = engine.submit(
+        engine.chat_ids([{"role": "user", "content": question()}]), Params(40, temperature=0.0, adapter="c")
+    )
+    assert entered.wait(30)
+    short = engine.submit(engine.text_ids("a short question"), Params(2, temperature=0.0))
+    release.set()
+    short.collect()
+    assert swapped
+    with pytest.raises(Exception) as e:
+        long_gen.collect()
+    assert getattr(e.value, "status", None) == 404 and "reloaded" in str(e.value)
+    content = question()
+    prompt = engine.chat_ids([{"role": "user", "content": content}])
+    result = engine.submit(prompt, Params(6, temperature=0.0, adapter="c")).collect()
+    assert result.text == stock(references, "d", content)

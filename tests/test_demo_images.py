@@ -319,6 +319,20 @@ def test_remote_images_only_from_allowed_hosts_within_limits(engine, checkpoint,
     )
 
 
+def test_malformed_remote_urls_are_400s_naming_the_part(engine, checkpoint):
+    """URLs that pass the host check but that urllib cannot even open (a port that is no
+    number, a userinfo trick: http.client.InvalidURL) are the caller's error, not the server's."""
+    cfg = make_config(checkpoint, allowed_media_domains=("allowed.example",), media_fetch_timeout=1.0)
+    client = create_app(cfg, engine).test_client()
+    for url in (
+        "http://allowed.example:abc/x.png",
+        "http://127.0.0.1:1\\@allowed.example/x.png",
+    ):
+        _refused(
+            post(client, [user(url, "what?")], status=400), "messages[0].content[0]", "fetching the image"
+        )
+
+
 def test_image_flags_and_environment():
     assert parse_limit_mm("image=3") == 3 and parse_limit_mm('{"image": 0}') == 0
     for bad in ("video=2", "image=-1", "image=x", '{"image": 1, "audio": 1}', "3"):
@@ -392,3 +406,38 @@ def test_a_vision_checkpoint_by_hub_id_loads_with_its_processor_offline(tmp_path
     assert client.get("/v1/models").get_json()["data"][0]["id"] == "someone/tiny-llava"
     messages = [user(data_url(png(12)), "what is it?")]
     assert text(post(client, messages, model="someone/tiny-llava")) == stock(reference, messages)[1]
+
+
+def test_a_transparent_image_is_seen_as_offline_on_white(client, reference):
+    """An RGBA PNG: offline, the processor composites its transparency onto white (transformers'
+    convert_to_rgb, as vLLM does); the server's pixels and reply must be the same."""
+    import io
+
+    from PIL import Image
+
+    from demo.api.images import ImagePart, MediaPolicy, decode
+
+    g = torch.Generator().manual_seed(13)
+    pixels = torch.randint(0, 256, (48, 40, 4), generator=g, dtype=torch.uint8)
+    pixels[..., 3] = torch.where(pixels[..., 3] > 128, 255, 0)  # half the pixels transparent
+    out = io.BytesIO()
+    Image.fromarray(pixels.numpy(), "RGBA").save(out, format="PNG")
+    raw = out.getvalue()
+    model, processor = reference
+    served = decode(raw, ImagePart("data:", "messages[0].content[0]"), MediaPolicy())
+    offline = Image.open(io.BytesIO(raw))  # what a user hands the processor
+    assert torch.equal(
+        processor.image_processor(served, return_tensors="pt")["pixel_values"],
+        processor.image_processor(offline, return_tensors="pt")["pixel_values"],
+    )
+    question = f"[{uuid.uuid4().hex}] what is it?"
+    conv = [
+        {"role": "user", "content": [{"type": "image", "image": offline}, {"type": "text", "text": question}]}
+    ]
+    inputs = processor.apply_chat_template(
+        conv, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    stock_out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+    reply = processor.tokenizer.decode(stock_out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    r = post(client, [user(data_url(raw), question)])
+    assert cached(r) == 0 and text(r) == reply

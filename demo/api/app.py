@@ -33,7 +33,7 @@ from demo.engine.engine import Busy, Engine
 from demo.errors import ApiError
 from demo.metrics import Metrics
 from demo.model import adapters, vision
-from demo.model.adapters import Adapters
+from demo.model.adapters import AdapterError, Adapters
 from demo.model.loading import BUILTIN
 from demo.task_prompts import TaskPrompts
 from demo.task_prompts import load as load_task_prompts
@@ -62,6 +62,8 @@ def build_engine(config: Config) -> Engine:
     model, tokenizer, processor = model_lib.load(config.model, device, config.resolve_dtype(device), options)
     adapters = Adapters(model, config.model_id)
     for module in config.lora_modules:  # before the engine's store: restored files find them
+        if module.name in (config.model_id, config.model):  # requests naming it get the base
+            raise AdapterError(400, f"'{module.name}' is the base model's name", "lora_name")
         adapters.load(module)
     return Engine(
         model,

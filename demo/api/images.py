@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import io
 import json
 import time
@@ -178,11 +179,28 @@ def _download(part: ImagePart, policy: MediaPolicy) -> bytes:
         if isinstance(reason, TimeoutError) or "timed out" in str(reason):
             raise _bad(part, f"fetching the image took longer than {policy.fetch_timeout} s") from None
         raise _bad(part, f"fetching the image failed: {reason}") from None
+    except (http.client.HTTPException, ValueError, OverflowError) as e:
+        # A URL urllib cannot open (a port that is no number or out of range, a host that is
+        # no name) or a response cut short: the caller's URL or the remote host, not the server.
+        raise _bad(part, f"fetching the image failed: {type(e).__name__}: {e}") from None
     return b"".join(chunks)
 
 
+def _rgb(image):
+    """RGB pixels as the processor makes them from the same file offline: transparency composited
+    onto white (transformers' ``convert_to_rgb``, which vLLM's image loading matches); a plain
+    ``convert("RGB")`` would keep whatever colour transparent pixels happen to hold."""
+    from PIL import Image
+
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+
+
 def decode(raw: bytes, part: ImagePart, policy: MediaPolicy):
-    """An RGB PIL image from encoded bytes; ApiError 400 if undecodable or too large."""
+    """An RGB PIL image from encoded bytes (transparency on white); ApiError 400 if undecodable or
+    too large."""
     from PIL import Image
 
     try:
@@ -191,7 +209,7 @@ def decode(raw: bytes, part: ImagePart, policy: MediaPolicy):
                 raise _bad(
                     part, f"the image is {image.width}x{image.height} pixels, more than {policy.max_pixels}"
                 )
-            return image.convert("RGB")  # loads the pixels: a truncated file fails here
+            return _rgb(image)  # loads the pixels: a truncated file fails here
     except ApiError:
         raise
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as e:

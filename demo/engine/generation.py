@@ -113,6 +113,9 @@ class Generation:
         # Model inputs beside the ids (an image's pixel_values): such a request runs alone.
         self.inputs = inputs or {}
         self.batch_group = batch_group  # requests of different groups never share a generate()
+        # The adapter (demo.model.adapters.Adapter) its first generate() ran under: a resumed
+        # chunk runs only under that same load of it.
+        self.adapter = None
         # What the next generate() of this request feeds: the prompt, then what earlier decode
         # chunks generated (demo.engine.batching: a paused request resumes in a re-formed batch).
         self.context_ids = prompt_ids

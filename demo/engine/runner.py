@@ -61,28 +61,47 @@ class Runner:
             batch = [gen for gen in batch if self._adapter_present(gen)]
             if not batch:
                 return []
-            if len(batch) > 1 or pause is not None:
-                return batching.run_batch(self, batch, pause)
-            gen = batch[0]
-            try:
-                gen._events.put(("done", self._generate(gen)))
-            except Exception as e:  # report to the request; the worker keeps serving
-                log.exception("generate failed")
-                gen._events.put(("error", e))
-            finally:
-                gen.finished.set()
-            return []
+            if len(batch) > 1 and self.adapters is not None:
+                # Batched by the adapters loaded at submit: a load since (an adapter whose PEFT
+                # layers refuse adapter_names) may need the rows in calls of their own.
+                calls = self.adapters.split([gen.params.adapter for gen in batch])
+                if len(calls) > 1:
+                    return [g for rows in calls for g in self._run([batch[i] for i in rows], pause)]
+            return self._run(batch, pause)
+
+    def _run(self, batch: list[Generation], pause: Callable[[int], bool] | None) -> list[Generation]:
+        """``run`` for a batch whose rows may share one generate() call."""
+        if len(batch) > 1 or pause is not None:
+            return batching.run_batch(self, batch, pause)
+        gen = batch[0]
+        try:
+            gen._events.put(("done", self._generate(gen)))
+        except Exception as e:  # report to the request; the worker keeps serving
+            log.exception("generate failed")
+            gen._events.put(("error", e))
+        finally:
+            gen.finished.set()
+        return []
 
     def _adapter_present(self, gen: Generation) -> bool:
-        """Whether ``gen``'s adapter is still loaded; if not, it gets the API's 404."""
+        """Whether ``gen``'s adapter is still loaded, and for a reply paused between decode chunks
+        still the one its first chunk ran under (not a re-load of other weights under its name:
+        the rest of the reply would come from another model); if not, it gets the API's 404."""
         name = gen.params.adapter
-        if name is None or (self.adapters is not None and self.adapters.get(name) is not None):
+        if name is None:
+            return True
+        adapter = self.adapters.get(name) if self.adapters is not None else None
+        if adapter is not None and (gen.adapter is None or gen.adapter is adapter):  # this load
+            gen.adapter = adapter
             return True
         from demo.errors import ApiError
 
-        gen._events.put(
-            ("error", ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found"))
+        message = (
+            f"The model '{name}' does not exist"
+            if adapter is None
+            else f"The model '{name}' was reloaded while this reply was generated; send the request again"
         )
+        gen._events.put(("error", ApiError(404, message, "model", "model_not_found")))
         gen.finished.set()
         return False
 

@@ -9,8 +9,9 @@
 A request's ``model`` picks an adapter by name (the base model's names pick the base). PEFT holds
 every adapter in one ``PeftModelForCausalLM`` over the served model and loads it its own way
 (adapter_config.json + weights, a local directory or a Hub id). Rows of different adapters share a
-generate() call through PEFT's ``adapter_names=`` where PEFT allows it (plain LoRA: no DoRA, no
-other tuner types; those get batches of their own, ``batch_group``). hf_patch keys each row's KV
+generate() call through PEFT's ``adapter_names=`` where PEFT allows it (plain LoRA on modules: no
+DoRA, aLoRA, LoRA on parameters or attention modules, no other tuner types; those get batches of
+their own, ``batch_group``). hf_patch keys each row's KV
 by its adapter's name and weights digest: adapters never share KV with each other nor with the
 base, and a re-load of other weights under the same name never reads the old KV, which is
 dropped anyway (``hf_patch.drop_stale_adapters`` after every load and unload).
@@ -39,6 +40,9 @@ from demo.errors import ApiError
 
 log = logging.getLogger(__name__)
 BASE = "__base__"  # PEFT's adapter_names entry for "no adapter"
+# PEFT LoRA layers that refuse ``adapter_names`` (mixed batches) whatever the config says: a LoRA
+# on parameters (``target_parameters``, MoE experts) and on nn.MultiheadAttention.
+_UNMIXABLE_LAYERS = ("ParamWrapper", "MultiheadAttention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +105,7 @@ class Adapter:
     peft_name: str
     mixable: bool  # PEFT can run it in a mixed adapter_names batch
     created: int
+    blocks_mixing: bool = False  # while it is loaded PEFT runs no adapter_names batch at all
 
 
 class Adapters:
@@ -129,9 +134,19 @@ class Adapters:
 
     def batch_group(self, name: str | None) -> Hashable:
         """Requests of equal groups may be rows of one generate(): the base and mixable adapters
-        share one (None), any other adapter has its own."""
+        share one (None), any other adapter has its own; while an adapter whose layers refuse
+        ``adapter_names`` is loaded, every adapter and the base have their own."""
         adapter = self._loaded.get(name) if name else None
-        return None if adapter is None or adapter.mixable else ("adapter", name)
+        mixing = not any(a.blocks_mixing for a in list(self._loaded.values()))
+        return None if mixing and (adapter is None or adapter.mixable) else ("adapter", name)
+
+    def split(self, names: Sequence[str | None]) -> list[list[int]]:
+        """The rows (indices into ``names``) of each generate() call that rows of adapters
+        ``names`` need now: one call unless a load since they were batched says otherwise."""
+        calls: dict[Hashable, list[int]] = {}
+        for i, name in enumerate(names):
+            calls.setdefault(self.batch_group(name), []).append(i)
+        return list(calls.values())
 
     def load(self, module: LoraModule) -> Adapter:
         """Load ``module`` under its name, between generate() calls; AdapterError (nothing
@@ -165,8 +180,12 @@ class Adapters:
         internal = peft_name(name)
         config.inference_mode = True
         fresh = self.peft is None
-        peft = PeftModelForCausalLM(self.model, config, adapter_name=internal) if fresh else self.peft
+        peft = None if fresh else self.peft
         try:
+            # The wrapper injects the first adapter's layers as it is built: an adapter that does
+            # not fit the model (target modules it lacks, a module type LoRA cannot wrap) fails
+            # here, possibly after some layers went in.
+            peft = PeftModelForCausalLM(self.model, config, adapter_name=internal) if fresh else peft
             result = peft.load_adapter(path, adapter_name=internal, is_trainable=False)
             missing = [k for k in getattr(result, "missing_keys", ()) if f".{internal}." in k]
             if missing:
@@ -175,9 +194,19 @@ class Adapters:
             self._undo(peft, internal, fresh)
             raise AdapterError(400, f"cannot load adapter '{name}' from {path!r}: {e}", "lora_path") from None
         self.peft = peft.eval()
-        mixable = config.peft_type == PeftType.LORA and not getattr(config, "use_dora", False)
+        # PEFT's layers for these refuse adapter_names outright, whichever adapters the rows name
+        blocks_mixing = any(
+            type(layer).__name__ in _UNMIXABLE_LAYERS and internal in (getattr(layer, "lora_A", None) or {})
+            for layer in self.model.modules()
+        )
+        mixable = (
+            config.peft_type == PeftType.LORA
+            and not getattr(config, "use_dora", False)
+            and not getattr(config, "alora_invocation_tokens", None)  # offsets per call, not per row
+            and not blocks_mixing
+        )
         parent = module.base_model_name or self.base_name
-        adapter = Adapter(name, path, parent, internal, mixable, int(time.time()))
+        adapter = Adapter(name, path, parent, internal, mixable, int(time.time()), blocks_mixing)
         self._loaded[name] = adapter
         log.info(
             "loaded adapter %s from %s (%s%s)",
@@ -190,10 +219,17 @@ class Adapters:
 
     def _undo(self, peft, internal: str, fresh: bool) -> None:
         """Take a half-loaded adapter out again (PEFT injects its layers before reading weights)."""
-        if fresh:
-            peft.base_model.unload()  # the model's own modules back in place
-        elif internal in peft.peft_config:
-            peft.delete_adapter(internal)
+        if not fresh:
+            if internal in peft.peft_config:
+                peft.delete_adapter(internal)
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            for layer in self.model.modules():  # injected before the failure, not in peft_config
+                held = (getattr(layer, attr, {}) for attr in getattr(layer, "adapter_layer_names", ()))
+                if isinstance(layer, BaseTunerLayer) and any(internal in (d or {}) for d in held):
+                    layer.delete_adapter(internal)
+        else:  # the first adapter (the wrapper built or failed part-way): the plain model again
+            _plain_modules(self.model)
 
     def unload(self, name: str) -> Adapter:
         """Remove adapter ``name`` between generate() calls and drop its KV from the store;
@@ -227,7 +263,7 @@ class Adapters:
         if self._loaded:
             self.peft.delete_adapter(adapter.peft_name)
         else:  # the last one: the plain model again, no tuner layers left
-            self.peft.base_model.unload()
+            _plain_modules(self.model)
             self.peft = None
         log.info("unloaded adapter %s", name)
         return adapter
@@ -260,6 +296,31 @@ class Adapters:
             }
             for a in list(self._loaded.values())  # a copy: a load may add one meanwhile
         ]
+
+
+def _plain_modules(model) -> None:
+    """Every PEFT tuner layer and auxiliary wrapper in ``model`` replaced by the model's own module
+    it wraps. Not PEFT's ``unload()``: that puts an active ``modules_to_save`` copy (the adapter's
+    fine-tuned module) where the model's module was, which would then serve as the base."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import _get_submodules
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    while True:  # a wrapper may hold another (a LoRA inside a modules_to_save original): again
+        found = [
+            k for k, m in model.named_modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))
+        ]
+        if not found:
+            return
+        for key in found:
+            try:
+                parent, layer, attr = _get_submodules(model, key)
+            except AttributeError:  # inside a wrapper replaced above: the next pass finds it
+                continue
+            if isinstance(layer, AuxiliaryTrainingWrapper):
+                setattr(parent, attr, layer.original_module)
+            elif isinstance(layer, BaseTunerLayer):
+                setattr(parent, attr, layer.get_base_layer())
 
 
 def _body() -> dict:

@@ -35,6 +35,10 @@ try:  # peft is optional: without it no model has tuner layers
     from peft.tuners.tuners_utils import BaseTunerLayer
 except ImportError:  # pragma: no cover - exercised only where peft is absent
     BaseTunerLayer = None
+try:  # modules_to_save / trainable tokens: per-adapter copies beside the tuner layers
+    from peft.utils.other import AuxiliaryTrainingWrapper
+except ImportError:  # pragma: no cover - peft absent, or older than these wrappers
+    AuxiliaryTrainingWrapper = None
 
 BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
 _PLAIN = (int, float, str, bool, type(None))
@@ -51,34 +55,60 @@ def tuner_layers(model) -> list[tuple[str, torch.nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
 
 
+def _base_part(layer: torch.nn.Module) -> str:
+    """The attribute under which a wrapping layer keeps the model's own module."""
+    return (
+        "original_module"
+        if AuxiliaryTrainingWrapper and isinstance(layer, AuxiliaryTrainingWrapper)
+        else "base_layer"
+    )
+
+
+def adapter_holders(model) -> list[tuple[str, torch.nn.Module]]:
+    """Tuner layers and PEFT's auxiliary wrappers (``modules_to_save`` copies, trainable tokens):
+    every module holding adapter weights beside the model's own module, in module order."""
+    if BaseTunerLayer is None:
+        return []
+    kinds = (BaseTunerLayer, AuxiliaryTrainingWrapper) if AuxiliaryTrainingWrapper else (BaseTunerLayer,)
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, kinds)]
+
+
 def _adapter_tensors(layer: torch.nn.Module):
-    """``(name, tensor)`` of a tuner layer's own adapter parameters and buffers (not its base layer's)."""
+    """``(name, tensor)`` of a tuner layer's or wrapper's own adapter parameters and buffers (not
+    those of the model's module it wraps)."""
+    own = _base_part(layer)
     for tname, t in (*layer.named_parameters(), *layer.named_buffers()):
-        if tname.split(".")[0] != "base_layer":
+        if tname.split(".")[0] != own:
             yield tname, t
 
 
 def adapter_parameter_ids(model) -> set[int]:
-    """``id()`` of every adapter parameter in ``model`` (tuner layers' own, not their base layers'):
-    what the per-adapter weights digests cover, so the weights fingerprint can leave them out."""
-    return {id(p) for _, layer in tuner_layers(model) for _, p in _adapter_tensors(layer)}
+    """``id()`` of every adapter parameter in ``model`` (tuner layers' and wrappers' own, not the
+    modules they wrap): what the per-adapter weights digests cover, so the weights fingerprint
+    can leave them out."""
+    return {id(p) for _, layer in adapter_holders(model) for _, p in _adapter_tensors(layer)}
 
 
 def base_named_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     """``model``'s parameters without any adapter's, named as in the model without PEFT
-    (``q_proj.base_layer.weight`` -> ``q_proj.weight``): the base model's weights, whatever
-    adapters are loaded."""
-    layers = tuner_layers(model)
+    (``q_proj.base_layer.weight`` -> ``q_proj.weight``, ``embed_tokens.original_module.weight``
+    -> ``embed_tokens.weight``): the base model's weights, whatever adapters are loaded."""
+    layers = adapter_holders(model)
     skip = {id(p) for _, layer in layers for _, p in _adapter_tensors(layer)}
-    wrapped = tuple(f"{name}.base_layer." for name, _ in layers)
+    # Longest first: a layer wrapped inside another's wrapped module is renamed inside out.
+    wrapped = sorted((f"{name}.{_base_part(layer)}." for name, layer in layers), key=len, reverse=True)
     out = []
     for name, p in model.named_parameters():
         if id(p) in skip:
             continue
-        for prefix in wrapped:
-            if name.startswith(prefix):
-                name = prefix[: -len("base_layer.")] + name[len(prefix) :]
-                break
+        changed = True
+        while changed:  # a wrapper may wrap a wrapped layer
+            changed = False
+            for prefix in wrapped:
+                if name.startswith(prefix):
+                    name = prefix[: prefix.rstrip(".").rindex(".") + 1] + name[len(prefix) :]
+                    changed = True
+                    break
         out.append((name, p))
     return out
 
@@ -97,8 +127,8 @@ def adapter_names(model) -> list[str]:
 def adapter_digests(model) -> dict[str, str]:
     """``{adapter name: weights digest}`` for every adapter ``model`` holds now (the digests its
     rows are keyed by)."""
-    layers = tuner_layers(model)
-    return {name: _adapter_digest(layers, name) for name in adapter_names(model)}
+    holders = adapter_holders(model)
+    return {name: _adapter_digest(holders, name) for name in adapter_names(model)}
 
 
 def unwrap_peft(model):
@@ -141,7 +171,8 @@ def _tensor_digest(t: torch.Tensor) -> bytes:
 
 
 def _adapter_digest(layers: list[tuple[str, torch.nn.Module]], adapter: str) -> str:
-    """sha256 over ``adapter``'s tensors and plain settings in every tuner layer holding it."""
+    """sha256 over ``adapter``'s tensors and plain settings in every tuner layer or wrapper
+    (``adapter_holders``) holding it."""
     h = hashlib.sha256()
     for name, layer in layers:
         for tname, t in _adapter_tensors(layer):
@@ -195,6 +226,7 @@ def row_adapters(model, num_rows: int, rows_per_prompt: int = 1) -> list[tuple]:
     if any(layer.disable_adapters for _, layer in layers):
         return [()] * num_rows
     digests: dict[str, str] = {}
+    holders = adapter_holders(model)
 
     def key(names) -> tuple:
         names = [n for n in names if n != BASE]
@@ -202,7 +234,7 @@ def row_adapters(model, num_rows: int, rows_per_prompt: int = 1) -> list[tuple]:
             return ()
         for n in names:
             if n not in digests:
-                digests[n] = _adapter_digest(layers, n)
+                digests[n] = _adapter_digest(holders, n)
         return ("adapter", *(part for n in names for part in (n, digests[n])))
 
     per_row = _hook_adapter_names(layers)
