@@ -253,11 +253,16 @@ def test_a_text_model_refuses_images(tmp_path):
 
 
 class _Images(http.server.BaseHTTPRequestHandler):
-    """/img.png, /big.png, /slow.png (trickles past the timeout), /moved (a redirect)."""
+    """/img.png, /big.png, /slow.png (trickles past the timeout), /moved (a redirect), /held.png
+    (answered once the test sets ``answer``)."""
 
     image = b""
+    asked, answer = threading.Event(), threading.Event()  # /held.png: asked, then held until answer
 
     def do_GET(self):  # noqa: N802
+        if self.path == "/held.png":
+            type(self).asked.set()
+            type(self).answer.wait(30)
         if self.path == "/moved":
             self.send_response(302)
             self.send_header("Location", "http://169.254.169.254/")
@@ -331,6 +336,39 @@ def test_malformed_remote_urls_are_400s_naming_the_part(engine, checkpoint):
         _refused(
             post(client, [user(url, "what?")], status=400), "messages[0].content[0]", "fetching the image"
         )
+
+
+def test_a_remote_image_download_holds_no_queue_slot(
+    engine, checkpoint, image_server, reference, monkeypatch
+):
+    """Images x admission: a request whose image is still downloading is not in the engine's
+    queue yet, so it must not hold one of its places: with one place, a text request sent
+    meanwhile to the idle engine is answered (no 503 busy), then the image request is too."""
+    monkeypatch.setattr(engine.scheduler, "max_queue", 1)
+    cfg = make_config(
+        checkpoint, max_image_bytes=20_000, allowed_media_domains=("127.0.0.1",), media_fetch_timeout=30.0
+    )
+    client = create_app(cfg, engine).test_client()
+    _Images.asked.clear()
+    _Images.answer.clear()
+    image_question, text_question = f"[{uuid.uuid4().hex}] what is it?", f"[{uuid.uuid4().hex}] hello"
+    replies = {}
+    fetching = threading.Thread(
+        target=lambda: replies.update(image=post(client, [user(f"{image_server}/held.png", image_question)]))
+    )
+    fetching.start()
+    try:
+        assert _Images.asked.wait(30)  # the image request is downloading its image
+        r = client.post(
+            "/v1/chat/completions",
+            json={"messages": [user(text_question)], "max_tokens": MAX_NEW, "temperature": 0},
+        )
+        assert r.status_code == 200, r.get_json()
+        assert text(r.get_json()) == stock(reference, [user(text_question)])[1]
+    finally:
+        _Images.answer.set()
+        fetching.join(60)
+    assert text(replies["image"]) == stock(reference, [user(data_url(png(10)), image_question)])[1]
 
 
 def test_image_flags_and_environment():

@@ -231,10 +231,13 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
             raise ApiError(
                 400, f"{parts[0].param}: the model {model_id} does not take images", parts[0].param
             )
+        # Images are fetched (maybe from a remote host, for seconds) before a queue place is
+        # taken: a request still downloading is not queued, so it must not hold a place.
+        pictures = images.load_images(parts, media) if media is not None else []
         with reserve() as slot:
             inputs = None
             if media is not None:  # a vision-language model: its processor renders every chat
-                prompt = vision.render(engine.processor, messages, images.load_images(parts, media))
+                prompt = vision.render(engine.processor, messages, pictures)
                 ids, inputs = prompt.ids, prompt.inputs
             else:
                 try:
