@@ -85,14 +85,21 @@ def part_many(model, args) -> None:
     torch.manual_seed(0)  # a smaller Llama than bench_hf's, so 400 stock prompts fit in a minute or two
     small = LlamaForCausalLM(
         LlamaConfig(
-            hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=32000, max_position_embeddings=2048,
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=32000,
+            max_position_embeddings=2048,
         )  # fmt: skip
     ).eval()
     rng = random.Random(6)
     docs = [document(rng, args.doc_tokens) for _ in range(args.docs)]
     # A dataset lists its questions in its own order, not grouped by document.
-    prompts = [docs[rng.randrange(args.docs)] + document(rng, rng.randrange(15, 30)) for _ in range(args.prompts)]
+    prompts = [
+        docs[rng.randrange(args.docs)] + document(rng, rng.randrange(15, 30)) for _ in range(args.prompts)
+    ]
     new = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     total_tokens = sum(map(len, prompts))
     small.generate(torch.tensor([prompts[0][:32]]), **new)  # warm-up
@@ -112,7 +119,9 @@ def part_many(model, args) -> None:
 
     store = hf_patch.build_store(small)
     t0 = time.perf_counter()
-    results = hf_patch.generate_many(small, prompts, store=store, max_batch_size=args.batch, progress=False, **new)
+    results = hf_patch.generate_many(
+        small, prompts, store=store, max_batch_size=args.batch, progress=False, **new
+    )
     many_s = time.perf_counter() - t0
     hit = sum(r.cached_tokens for r in results) / total_tokens
     same = sum(r.token_ids == t for r, t in zip(results, loop))
@@ -126,7 +135,9 @@ def part_many(model, args) -> None:
         ("stock batched generate, input order", batched_s, 0.0),
         ("generate_many (RadixCache)", many_s, hit),
     ):
-        print(f"   {name:<38}{seconds:>7.1f}{len(prompts) / seconds:>11.1f}{loop_s / seconds:>8.1f}x{rate:>10.2f}")
+        print(
+            f"   {name:<38}{seconds:>7.1f}{len(prompts) / seconds:>11.1f}{loop_s / seconds:>8.1f}x{rate:>10.2f}"
+        )
     print(f"   generate_many tokens equal to the stock loop for {same}/{len(prompts)} prompts")
 
 
@@ -150,9 +161,14 @@ def part_dp(model, args) -> None:
     docs = [[rng.randrange(300, 750) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
     with open(work / "requests.jsonl", "w") as f:
         for i in range(args.prompts):
-            prompt = docs[rng.randrange(args.docs)] + [rng.randrange(300, 750) for _ in range(rng.randrange(15, 30))]
+            prompt = docs[rng.randrange(args.docs)] + [
+                rng.randrange(300, 750) for _ in range(rng.randrange(15, 30))
+            ]
             body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
-            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+            f.write(
+                json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body})
+                + "\n"
+            )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     print(
         f"\n3. data parallel, 2 torchrun CPU processes (1 thread each): {args.prompts} completions = one of "
@@ -172,7 +188,9 @@ def part_dp(model, args) -> None:
         for line in res.stdout.splitlines():
             if line.startswith(("rank ", "job:")):
                 print(f"   [{routing}] {line}")
-        job = re.search(r"prompt tokens (\d+), computed (\d+), hit rate ([\d.]+), wall ([\d.]+) s", res.stdout)
+        job = re.search(
+            r"prompt tokens (\d+), computed (\d+), hit rate ([\d.]+), wall ([\d.]+) s", res.stdout
+        )
         print(f"   [{routing}] torchrun wall incl. start-up {seconds:.1f} s")
         outputs[routing] = ([json.loads(x)["response"]["body"]["choices"][0]["text"] for x in open(out)], job)
     same = outputs["affine"][0] == outputs["round-robin"][0]
@@ -184,7 +202,9 @@ def part_dp(model, args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--parts", default="cold,many")
     parser.add_argument("--questions", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
@@ -192,13 +212,19 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=400)
     parser.add_argument("--doc-tokens", type=int, default=500)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: a second thread spin-waits badly on a busy 2-core machine)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: a second thread spin-waits badly on a busy 2-core machine)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     model = build_model()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model: Llama 512x8, vocab 32k, fp32")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, model: Llama 512x8, vocab 32k, fp32"
+    )
     parts = {"cold": part_cold, "many": part_many, "dp": part_dp}
     for name in args.parts.split(","):
         parts[name](model, args)

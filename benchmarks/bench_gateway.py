@@ -65,7 +65,9 @@ def router(urls: list[str], policy: str) -> tuple[subprocess.Popen, str]:
 
 
 def document(d: int, lines: int) -> str:
-    return f"Document {d}.\n" + "\n".join(f"| Person {d}-{i} | {20 + i % 50} | Town {(d * 7 + i) % 13} |" for i in range(lines))
+    return f"Document {d}.\n" + "\n".join(
+        f"| Person {d}-{i} | {20 + i % 50} | Town {(d * 7 + i) % 13} |" for i in range(lines)
+    )
 
 
 def run(policy: str, args) -> tuple[float, float]:

@@ -264,7 +264,9 @@ def mixed_main(args) -> None:
         f"\nmixed: {args.clients} streaming clients for {args.seconds:.0f} s each, --max-batch-size "
         f"{args.max_batch_size}; half ask for 16 tokens, a quarter 256, a quarter 1,024\n"
     )
-    print(f"{'decode chunk':>12} {'done':>5} {'req/s':>6} {'short TTFT p50':>15} {'p99':>7} {'idle TTFT':>10} {'503':>4}")
+    print(
+        f"{'decode chunk':>12} {'done':>5} {'req/s':>6} {'short TTFT p50':>15} {'p99':>7} {'idle TTFT':>10} {'503':>4}"
+    )
     for chunk, (results, wall, idle) in rows.items():
         ok = [r for r in results if r["status"] == 200]
         short = [r["ttft"] for r in ok if r["max_tokens"] == 16 and r["ttft"] is not None]
@@ -329,9 +331,15 @@ def main() -> None:
     p.add_argument("--load-rows", type=int, default=25, help="load mode: rows of the shared table")
     p.add_argument("--max-batch-size", type=int, default=8, help="load mode: the batched server's size")
     p.add_argument("--max-queue", type=int, default=32, help="load mode: the servers' --max-queue")
-    p.add_argument("--tenants", type=int, default=0, help="load mode: 1 API key vs this many (batched server)")
-    p.add_argument("--mixed", action="store_true", help="mixed lengths: --decode-chunk 0 vs the chunked server")
-    p.add_argument("--decode-chunk", type=int, default=16, help="mixed mode: the chunked server's --decode-chunk")
+    p.add_argument(
+        "--tenants", type=int, default=0, help="load mode: 1 API key vs this many (batched server)"
+    )
+    p.add_argument(
+        "--mixed", action="store_true", help="mixed lengths: --decode-chunk 0 vs the chunked server"
+    )
+    p.add_argument(
+        "--decode-chunk", type=int, default=16, help="mixed mode: the chunked server's --decode-chunk"
+    )
     args = p.parse_args()
     if args.mixed:
         mixed_main(args)

@@ -80,8 +80,16 @@ def part_lora(rounds: int) -> None:
 
 
 def build_llava():
-    text = dict(model_type="llama", hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-                num_attention_heads=8, num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
+    text = dict(
+        model_type="llama",
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    )
     vision = dict(model_type="clip_vision_model", hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                   num_attention_heads=12, image_size=224, patch_size=14)  # fmt: skip
     config = AutoConfig.for_model("llava", text_config=text, vision_config=vision, image_token_id=31999)
@@ -129,7 +137,9 @@ def part_tenants() -> None:
     tenants = [f"tenant-{i}" for i in range(8)]
     per_tenant = hf_patch.build_store(model, budget_tokens=16384)
     for tenant in tenants:
-        hf_patch.pin_prompts(model, {(tenant, k): v for k, v in prompts.items()}, store=per_tenant, namespace=tenant)
+        hf_patch.pin_prompts(
+            model, {(tenant, k): v for k, v in prompts.items()}, store=per_tenant, namespace=tenant
+        )
     shared_store = hf_patch.build_store(model, budget_tokens=16384)
     hf_patch.pin_prompts(model, prompts, store=shared_store, namespace="tasks")
     hits = []

@@ -46,7 +46,12 @@ _TIERS = [
     ("host_hit_tokens", "radixkv_host_hits_total", "counter", "Prompt tokens served from host-tier blocks."),
     ("host_num_blocks", "radixkv_host_pool_capacity_blocks", "gauge", "Blocks in the host tier (0: none)."),
     ("host_pool_bytes", "radixkv_host_pool_bytes", "gauge", "Bytes of host-tier storage."),
-    ("task_prompts", "radixkv_task_prompts", "gauge", "Task prompts pinned (per form, once for all tenants)."),
+    (
+        "task_prompts",
+        "radixkv_task_prompts",
+        "gauge",
+        "Task prompts pinned (per form, once for all tenants).",
+    ),
 ]
 _HOST_POOL_STATES = (
     ("host_free_blocks", "free"),

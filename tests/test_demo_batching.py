@@ -143,7 +143,10 @@ def test_rows_of_different_tenants_share_a_batch_but_never_a_prefix(engine, monk
     sizes = spy_batches(monkeypatch)
     hits_before = engine.stats()["hit_tokens"]
     held = Held(engine, monkeypatch)
-    gens = [engine.submit(p, Params(m, temperature=0.0), namespace=ns) for p, m, ns in zip(prompts, maxes, namespaces)]
+    gens = [
+        engine.submit(p, Params(m, temperature=0.0), namespace=ns)
+        for p, m, ns in zip(prompts, maxes, namespaces)
+    ]
     held.go()
     batched = collect_all(gens)
     assert sizes == [4]
@@ -230,7 +233,11 @@ def test_seeded_and_n_requests_run_alone_and_batch_size_one_never_batches(engine
     gens = [one.submit(one.text_ids(f"q {i}"), Params(3, temperature=0.0)) for i in range(3)]
     held2.go()
     collect_all(gens)
-    assert sizes == [] and one.scheduler.batch_sizes.counts[0] == 4 and sum(one.scheduler.batch_sizes.counts) == 4
+    assert (
+        sizes == []
+        and one.scheduler.batch_sizes.counts[0] == 4
+        and sum(one.scheduler.batch_sizes.counts) == 4
+    )
 
 
 def test_metrics_show_batch_size_and_queue_wait_histograms(engine, monkeypatch):
@@ -285,7 +292,10 @@ def test_a_row_that_ends_early_caches_no_padding(engine, monkeypatch):
     sizes = spy_batches(monkeypatch)
     held = Held(engine, monkeypatch)
     before = engine.stats()["inserted_tokens"]
-    gens = [engine.submit(short, Params(2, temperature=0.0)), engine.submit(long_, Params(40, temperature=0.0))]
+    gens = [
+        engine.submit(short, Params(2, temperature=0.0)),
+        engine.submit(long_, Params(40, temperature=0.0)),
+    ]
     held.go()
     out = collect_all(gens)
     assert sizes == [2] and [r.completion_tokens for r in out] == [2, 40]
@@ -329,7 +339,9 @@ def test_without_a_waiting_request_or_with_decode_chunk_0_a_batch_never_pauses(e
     sizes = spy_batches(monkeypatch)
     calls = []
     run = batching.run_batch
-    monkeypatch.setattr(batching, "run_batch", lambda e, gens, *a: calls.append(len(gens)) or run(e, gens, *a))
+    monkeypatch.setattr(
+        batching, "run_batch", lambda e, gens, *a: calls.append(len(gens)) or run(e, gens, *a)
+    )
     monkeypatch.setattr(engine.scheduler, "decode_chunk", 2)
     prompt = engine.text_ids("nobody else is waiting")
     alone = engine.submit(prompt, Params(30, temperature=0.0)).collect()
@@ -368,7 +380,9 @@ def test_over_http_a_short_request_is_answered_while_a_long_stream_runs(engine, 
         thread = threading.Thread(target=stream_long)
         thread.start()
         assert started.wait(60)
-        short = client.completions.create(model="builtin-tiny", prompt=short_text, max_tokens=4, temperature=0)
+        short = client.completions.create(
+            model="builtin-tiny", prompt=short_text, max_tokens=4, temperature=0
+        )
         long_still_running = not done.is_set()
         thread.join(120)
     assert long_still_running

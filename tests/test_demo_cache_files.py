@@ -235,7 +235,9 @@ def test_metrics_name_the_cache_file_endpoints(tmp_path):
     assert 'endpoint="other"' not in text
 
 
-def test_a_bad_tenant_secret_file_stops_the_server_with_a_message_not_a_traceback(tmp_path, capsys, monkeypatch):
+def test_a_bad_tenant_secret_file_stops_the_server_with_a_message_not_a_traceback(
+    tmp_path, capsys, monkeypatch
+):
     import demo.__main__ as demo_main
 
     monkeypatch.setattr("demo.api.server.serve_forever", lambda *a, **k: pytest.fail("the server started"))

@@ -51,7 +51,9 @@ def test_an_oversized_body_or_content_length_is_a_json_413(app):
         assert body["error"]["type"] == "invalid_request_error"
         # a body over the app's own (smaller) limit: the app's JSON 413, as before
         mid = requests.post(url + "/v1/chat/completions", data=b"x" * (2 << 20), timeout=60)
-        assert mid.status_code == 413 and mid.json()["error"]["message"].startswith("request body larger than")
+        assert mid.status_code == 413 and mid.json()["error"]["message"].startswith(
+            "request body larger than"
+        )
         # malformed requests waitress refuses are JSON too
         status, headers, body = raw(url, b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n")
         assert status == 400 and headers["content-type"] == "application/json" and "error" in body
@@ -78,7 +80,9 @@ def test_1500_idle_sockets_from_one_address_leave_room_for_another(app):
                 time.sleep(0.2)
             assert len(refused) == 1500 - 128
             t0 = time.monotonic()
-            status, _, body = raw(url, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", "127.0.0.2")
+            status, _, body = raw(
+                url, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", "127.0.0.2"
+            )
             assert status == 200 and body == {"status": "ok"}
             assert time.monotonic() - t0 < 5  # served at once, not after a connect timeout
             # the first address is refused while it holds its cap, served once it lets go

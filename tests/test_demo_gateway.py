@@ -50,7 +50,9 @@ def test_server_and_model_info_name_the_model_and_a_tokenizer_the_gateway_can_lo
 def test_get_load_counts_running_and_queued_requests_and_their_tokens(client):
     engine, c = client
     idle = c.get("/get_load").get_json()
-    assert idle == [{"dp_rank": 0, "num_reqs": 0, "num_running_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+    assert idle == [
+        {"dp_rank": 0, "num_reqs": 0, "num_running_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    ]
     # a request the worker is generating: counted while it runs
     from demo.engine.engine import Params
 
@@ -72,7 +74,9 @@ def free_port() -> int:
 
 
 def start_replica(log_path: str) -> tuple[subprocess.Popen, str]:
-    return start_demo(["--model", "builtin-tiny", "--block-size", "16", "--cache-tokens", "8192", "--port", "0"], log_path)
+    return start_demo(
+        ["--model", "builtin-tiny", "--block-size", "16", "--cache-tokens", "8192", "--port", "0"], log_path
+    )
 
 
 def start_router(urls: list[str], policy: str, log_path: str) -> tuple[subprocess.Popen, str]:
@@ -100,7 +104,12 @@ def start_router(urls: list[str], policy: str, log_path: str) -> tuple[subproces
 def ask(url: str, doc: int, question: int) -> int:
     body = {
         "model": "builtin-tiny",
-        "messages": [{"role": "user", "content": DOCS[doc] + f"\nQuestion {question}: how old is Name {doc}-{question}?"}],
+        "messages": [
+            {
+                "role": "user",
+                "content": DOCS[doc] + f"\nQuestion {question}: how old is Name {doc}-{question}?",
+            }
+        ],
         "max_tokens": 2,
         "temperature": 0,
     }

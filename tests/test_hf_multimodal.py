@@ -148,7 +148,9 @@ def test_a_family_the_key_does_not_know_runs_without_reuse(caplog):
     model = build_vlm("gemma3")
     store = hf_patch.build_store(model, block_size=BS, budget_tokens=2048)
     prompt = ids(text(6, 1831) + [IMAGE] * VLMS["gemma3"][2] + text(6, 1832))
-    hf_patch.keys.inputs._logged.difference_update([r for r in hf_patch.keys.inputs._logged if "pixel_values" in r])
+    hf_patch.keys.inputs._logged.difference_update(
+        [r for r in hf_patch.keys.inputs._logged if "pixel_values" in r]
+    )
     with caplog.at_level("WARNING", logger="hf_patch.keys.inputs"):
         for _ in range(2):
             cache, _ = assert_same_as_stock(model, prompt, store, pixel_values=image(1).unsqueeze(0))

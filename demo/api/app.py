@@ -289,7 +289,11 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
             queued=engine.queued,
             engine_histograms=(
                 ("radixkv_batch_size", "Requests per generate() call.", engine.scheduler.batch_sizes),
-                ("radixkv_queue_wait_seconds", "Submit to the start of generation.", engine.scheduler.queue_waits),
+                (
+                    "radixkv_queue_wait_seconds",
+                    "Submit to the start of generation.",
+                    engine.scheduler.queue_waits,
+                ),
             ),
         )
         return Response(text, mimetype="text/plain; version=0.0.4")

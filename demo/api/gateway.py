@@ -83,7 +83,9 @@ def install(app, engine, config) -> None:
 
     for route, view in (("/model_info", model_info), ("/server_info", server_info)):
         bp.add_url_rule(route, view.__name__, lambda view=view: jsonify(view()))
-        bp.add_url_rule("/get" + route.replace("/", "_"), "get_" + view.__name__, lambda view=view: jsonify(view()))
+        bp.add_url_rule(
+            "/get" + route.replace("/", "_"), "get_" + view.__name__, lambda view=view: jsonify(view())
+        )
 
     @bp.get("/get_load")
     def get_load():
