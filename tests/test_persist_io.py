@@ -266,3 +266,55 @@ def test_a_paced_save_stops_at_its_deadline_not_after_its_pause(tmp_path):
     assert time.monotonic() - started < 2.0
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["kv.safetensors"]
     assert store.stats()["pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize("readers", [1, 2, 3])
+def test_read_overlapped_consumes_every_piece_in_order(tmp_path, readers):
+    """Pieces read in place and through buffers, by one reader or several (each its own
+    buffers, reused once consumed): consumed in order, each with its bytes."""
+    data = bytes(range(256)) * 64
+    path = tmp_path / "data"
+    path.write_bytes(data)
+    into = bytearray(len(data))
+    pieces = []
+    for i, at in enumerate(range(0, len(data), 1000)):
+        n = min(1000, len(data) - at)
+        pieces.append((at, n, memoryview(into)[at : at + n] if i % 3 == 0 else None))
+    seen, buffers = [], set()
+
+    def consume(index, view, buffer):
+        assert (buffer is None) == (pieces[index][2] is not None)
+        if buffer is not None:
+            buffers.add(id(buffer))
+        seen.append((index, bytes(view)))
+
+    times = file_io.IoTimes()
+    with open(path, "rb", buffering=0) as f:
+        file_io.read_overlapped(f, pieces, consume, times, 1000, num_buffers=2, readers=readers)
+    assert [i for i, _ in seen] == list(range(len(pieces)))
+    assert b"".join(b for _, b in seen) == data
+    assert all(into[at : at + n] == data[at : at + n] for at, n, v in pieces if v is not None)
+    assert times.read > 0 and len(buffers) <= 2 * readers  # each reader's own two buffers, reused
+
+
+@pytest.mark.parametrize("readers", [1, 2])
+def test_read_overlapped_reports_the_first_piece_past_the_end_and_what_consume_raised(tmp_path, readers):
+    path = tmp_path / "data"
+    path.write_bytes(b"x" * 5000)
+    pieces = [(at, 1000, None) for at in range(0, 8000, 1000)]
+    consumed = []
+    with open(path, "rb", buffering=0) as f, pytest.raises(EOFError, match="byte 5000"):
+        file_io.read_overlapped(
+            f, pieces, lambda i, v, b: consumed.append(i), file_io.IoTimes(), 1000, readers=readers
+        )
+    assert consumed == [0, 1, 2, 3, 4]
+
+    def fail(i, view, buffer):
+        if i == 2:
+            raise ValueError("consume failed")
+
+    with open(path, "rb", buffering=0) as f, pytest.raises(ValueError, match="consume failed"):
+        file_io.read_overlapped(f, pieces[:5], fail, file_io.IoTimes(), 1000, readers=readers)
+    assert {t.name for t in threading.enumerate()}.isdisjoint(
+        {f"radixkv-cache-read-{k}" for k in range(readers)}
+    )

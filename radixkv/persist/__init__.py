@@ -2,7 +2,7 @@
 
 ``manifest``: the file's JSON manifest, namespace encoding and the refusals
 (``CacheFileError``); ``checksum``: the tensors' checksums (BLAKE3; sha256 in format 1);
-``file_io``: a writer thread behind a save, a reader thread ahead of a restore;
+``file_io``: a writer thread behind a save, two reader threads ahead of a restore;
 ``cache_write``: the atomic write; ``cache_file``: opening a file, its header, manifest and
 tree checked; ``cache_read``: its KV read straight into the blocks chosen for it, checked;
 ``save``: a store's snapshot written (the result records, and ``Locked``: what a save or

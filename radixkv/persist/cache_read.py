@@ -3,7 +3,7 @@
 A restore decides first where each block of the file goes (radixkv.persist.restore: free blocks of
 the device or host pool, held privately; a staging buffer for blocks that need room made
 first; or nowhere, for blocks dropped or cached already). ``read_kv`` then reads each KV
-tensor once, in file order, from a reader thread (radixkv.persist.file_io) while this thread hashes:
+tensor once, in file order, from two reader threads (radixkv.persist.file_io) while this thread hashes:
 runs of blocks bound for consecutive blocks of a CPU tensor are read in place, with no copy;
 blocks for a GPU pool pass through a small bounce buffer; blocks going nowhere through a
 scratch buffer. Every byte, kept or not, goes through its tensor's checksum, and ``read_kv``
