@@ -33,7 +33,7 @@ from demo.engine.engine import Busy, Engine
 from demo.errors import ApiError
 from demo.metrics import Metrics
 from demo.model import adapters, vision
-from demo.model.adapters import AdapterError, Adapters
+from demo.model.adapters import Adapters
 from demo.model.loading import BUILTIN
 from demo.task_prompts import TaskPrompts
 from demo.task_prompts import load as load_task_prompts
@@ -60,10 +60,8 @@ def build_engine(config: Config) -> Engine:
     device = config.resolve_device()
     options = model_lib.LoadOptions(config.revision, config.trust_remote_code, config.device_map)
     model, tokenizer, processor = model_lib.load(config.model, device, config.resolve_dtype(device), options)
-    adapters = Adapters(model, config.model_id)
+    adapters = Adapters(model, config.model_id, aliases=(config.model,))
     for module in config.lora_modules:  # before the engine's store: restored files find them
-        if module.name in (config.model_id, config.model):  # requests naming it get the base
-            raise AdapterError(400, f"'{module.name}' is the base model's name", "lora_name")
         adapters.load(module)
     return Engine(
         model,
@@ -279,7 +277,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     cache_files.install(app, engine, config, lambda: authenticated(auth.check_admin))
     gateway.install(app, engine, config)  # /server_info, /model_info, /get_load (SGLang gateway)
     if engine.adapters is not None:  # /v1/load_lora_adapter, /v1/unload_lora_adapter
-        adapters.install(app, engine, served_names, lambda: authenticated(auth.check_admin))
+        adapters.install(app, engine, lambda: authenticated(auth.check_admin))
 
     @app.get("/metrics")
     def prometheus():

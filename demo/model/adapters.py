@@ -32,7 +32,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 
 from flask import Blueprint, Response, request
 
@@ -114,10 +114,12 @@ class Adapters:
     ``lock``: the model lock; the engine's worker holds it while it generates, ``load`` and
     ``unload`` take it, so the model changes only between generate() calls. ``store``: the KV
     store (set by the engine; None before it exists or with reuse off) from which ``load`` and
-    ``unload`` drop the KV of adapters no longer held with the same weights."""
+    ``unload`` drop the KV of adapters no longer held with the same weights. ``aliases``: other
+    names requests pick the base by (the name it was started with); no adapter may take one."""
 
-    def __init__(self, model, base_name: str):
+    def __init__(self, model, base_name: str, aliases: Collection[str] = ()):
         self.model, self.base_name = model, base_name
+        self.base_names = {base_name, *aliases}
         self.peft = None  # PeftModelForCausalLM over ``model`` while any adapter is loaded
         self._loaded: dict[str, Adapter] = {}
         self.lock = threading.RLock()
@@ -162,6 +164,8 @@ class Adapters:
         except ImportError:  # pragma: no cover - peft is in the demo extra
             raise AdapterError(400, "serving adapters needs peft (pip install peft)") from None
         name, path = module.name, module.path
+        if name in self.base_names:  # requests naming it get the base: the adapter would never serve
+            raise AdapterError(400, f"'{name}' is the base model's name", "lora_name")
         if name in self._loaded:
             raise AdapterError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
         try:
@@ -340,7 +344,7 @@ def _string(body: dict, name: str, message: str) -> str:
     return value
 
 
-def install(app, engine, base_names: set[str], check_admin: Callable[[], None]) -> None:
+def install(app, engine, check_admin: Callable[[], None]) -> None:
     """Register the load / unload endpoints (``check_admin()``: the app's admin check, under
     its failed-authentication throttle)."""
     bp = Blueprint("radixkv_adapters", __name__)
@@ -351,8 +355,6 @@ def install(app, engine, base_names: set[str], check_admin: Callable[[], None]) 
         body = _body()
         both = "Both 'lora_name' and 'lora_path' must be provided (non-empty strings)."
         name, path = _string(body, "lora_name", both), _string(body, "lora_path", both)
-        if name in base_names:
-            raise ApiError(400, f"'{name}' is the base model's name", "lora_name")
         engine.adapters.load(LoraModule(name, path))
         return Response(f"Success: LoRA adapter '{name}' added successfully.", mimetype="text/plain")
 
