@@ -310,10 +310,10 @@ def _plain_modules(model) -> None:
     from peft.utils import _get_submodules
     from peft.utils.other import AuxiliaryTrainingWrapper
 
+    from hf_patch.keys.adapters import adapter_holders
+
     while True:  # a wrapper may hold another (a LoRA inside a modules_to_save original): again
-        found = [
-            k for k, m in model.named_modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))
-        ]
+        found = [k for k, _ in adapter_holders(model)]
         if not found:
             return
         for key in found:
