@@ -201,16 +201,11 @@ def score(
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if max_length is not None and (
-        not isinstance(max_length, numbers.Integral) or isinstance(max_length, bool) or max_length < 1
-    ):
-        raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
-    if max_batch_tokens is not None and (
-        not isinstance(max_batch_tokens, numbers.Integral)
-        or isinstance(max_batch_tokens, bool)
-        or max_batch_tokens < 1
-    ):
-        raise ValueError(f"max_batch_tokens must be a positive int or None, got {max_batch_tokens!r}")
+    for name, value in (("max_length", max_length), ("max_batch_tokens", max_batch_tokens)):
+        if value is not None and (
+            not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1
+        ):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
     if isinstance(namespace, list):  # RadixCache's per-row form: rows here are sorted and deduplicated
         raise ValueError(
             "score takes one namespace for every pair, got a list: call score once per namespace"
