@@ -9,12 +9,14 @@ Importing installs the generate() integration once; for any other cache it chang
 
 from hf_patch.cache import RadixCache
 from hf_patch.generate_many import Generated, generate_many
+from hf_patch.identity import model_identity
 from hf_patch.keys import SharedPrefix
 from hf_patch.keys.weights import drop_stale_adapters
-from hf_patch.model_spec import UnsupportedModelError, build_store, default_store
+from hf_patch.model_spec import UnsupportedModelError
 from hf_patch.patch import install
-from hf_patch.persistence import model_identity, restore_cache, save_cache
+from hf_patch.persistence import restore_cache, save_cache
 from hf_patch.scoring import Score, rolling_windows, score, score_rolling
+from hf_patch.stores import build_store, default_store
 from hf_patch.task_prompts import pin_prompts, unpin_prompts
 
 install()

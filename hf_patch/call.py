@@ -26,8 +26,9 @@ from hf_patch.cache import RadixCache
 from hf_patch.keys.adapters import mixed_batch, row_adapters, unkeyable_reason
 from hf_patch.keys.multimodal import Images
 from hf_patch.keys.weights import flush_if_weights_changed, model_scope
-from hf_patch.model_spec import check_store_fits, default_store, layer_specs
+from hf_patch.model_spec import check_store_fits, layer_specs
 from hf_patch.request import KeyParts, Request
+from hf_patch.stores import default_store
 
 
 @contextlib.contextmanager

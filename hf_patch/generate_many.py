@@ -20,8 +20,8 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_patch.cache import RadixCache
-from hf_patch.model_spec import default_store
 from hf_patch.planning.batches import plan_batches
+from hf_patch.stores import default_store
 from radixkv import KVStore, pack_tokens
 
 

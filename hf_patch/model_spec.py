@@ -1,4 +1,4 @@
-"""What a model's KV looks like, whether radixkv can serve it, and its default store.
+"""What a model's KV looks like and whether radixkv can serve it (its stores: ``hf_patch.stores``).
 
 Every transformers-version-specific check about models lives here, so a new release means
 reading one file.
@@ -8,23 +8,17 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import threading
 import weakref
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from radixkv import BlockPool, KVStore, LayerSpec
-from radixkv.store.tier import host_pool_for
+from radixkv import KVStore, LayerSpec
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_BUDGET_BYTES = 1 << 30  # 1 GiB of KV per model unless RADIXKV_CACHE_TOKENS/BYTES say otherwise
-
 _specs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_default_stores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -121,96 +115,6 @@ def layer_specs(model) -> tuple[LayerSpec, ...]:
     with _lock:
         _specs[model] = (placement, specs)
     return specs
-
-
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw in (None, ""):
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"environment variable {name} must be positive, got {value}")
-    return value
-
-
-def build_store(
-    model,
-    block_size: int | None = None,
-    budget_tokens: int | None = None,
-    budget_bytes: int | None = None,
-    restore: str | os.PathLike | None = None,
-    *,
-    host_cache_tokens: int | None = None,
-    host_cache_bytes: int | None = None,
-) -> KVStore:
-    """A new KVStore shaped for ``model``.
-
-    Budget: ``budget_tokens`` or ``budget_bytes`` (at most one), else the environment's
-    ``RADIXKV_CACHE_TOKENS`` / ``RADIXKV_CACHE_BYTES``, else 1 GiB. Block size: argument,
-    else ``RADIXKV_BLOCK_SIZE``, else 16. The pool is preallocated with ``torch.empty``.
-    ``restore``: a file written by ``hf_patch.save_cache`` for this model, loaded into the new
-    store (raises radixkv.CacheFileError, building nothing, when it is damaged or another model's).
-
-    Host tier (none by default): ``host_cache_tokens`` or ``host_cache_bytes``, else
-    ``RADIXKV_HOST_CACHE_TOKENS`` / ``RADIXKV_HOST_CACHE_BYTES``: a CPU pool of that size
-    behind the device pool (page-locked when the model is on CUDA); blocks evicted from the
-    device are demoted there instead of dropped.
-    """
-    if budget_tokens is not None and budget_bytes is not None:
-        raise ValueError("give at most one of budget_tokens= and budget_bytes=")
-    if host_cache_tokens is not None and host_cache_bytes is not None:
-        raise ValueError("give at most one of host_cache_tokens= and host_cache_bytes=")
-    if host_cache_tokens is None and host_cache_bytes is None:
-        host_cache_tokens = _env_int("RADIXKV_HOST_CACHE_TOKENS")
-        host_cache_bytes = None if host_cache_tokens else _env_int("RADIXKV_HOST_CACHE_BYTES")
-    block_size = block_size or _env_int("RADIXKV_BLOCK_SIZE") or DEFAULT_BLOCK_SIZE
-    if budget_tokens is None and budget_bytes is None:
-        budget_tokens = _env_int("RADIXKV_CACHE_TOKENS")
-        budget_bytes = None if budget_tokens else (_env_int("RADIXKV_CACHE_BYTES") or DEFAULT_BUDGET_BYTES)
-    specs = layer_specs(model)
-    pool = BlockPool.from_budget(specs, block_size, tokens=budget_tokens, bytes=budget_bytes)
-    host = None
-    if host_cache_tokens is not None or host_cache_bytes is not None:
-        host = host_pool_for(pool, tokens=host_cache_tokens, bytes=host_cache_bytes)
-    store = KVStore(pool, host)
-    logger.info(
-        "radixkv store for %s: %d blocks x %d tokens, %.1f MiB, %d layers%s",
-        type(model).__name__,
-        pool.num_blocks,
-        block_size,
-        pool.nbytes / 2**20,
-        len(specs),
-        f"; host tier {host.num_blocks} blocks, {host.nbytes / 2**20:.1f} MiB" if host is not None else "",
-    )
-    if restore is not None:
-        from hf_patch.persistence import restore_cache  # it imports this module
-
-        restore_cache(model, restore, store)
-    return store
-
-
-def default_store(model) -> KVStore:
-    """The store ``RadixCache()`` uses for ``model``: built on first use, one per model object.
-
-    A model converted since (``.half()``, ``.to(device)``) gets a new store of its new shape;
-    the old one is dropped with its KV, which the converted weights would not reproduce.
-    """
-    specs = layer_specs(model)
-    with _lock:
-        store = _default_stores.get(model)
-    if store is not None and tuple(store.pool.layers) == specs:
-        return store
-    if store is not None:
-        logger.warning("radixkv: %s changed dtype/device; replacing its default store", type(model).__name__)
-    fresh = build_store(model)
-    with _lock:
-        store = _default_stores.get(model)
-        if store is None or tuple(store.pool.layers) != specs:
-            _default_stores[model] = store = fresh
-    return store
 
 
 def check_store_fits(store: KVStore, model) -> None:

@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from hf_patch.cache import RadixCache
 from hf_patch.call import key_parts, open_request, sharing
 from hf_patch.keys.adapters import unwrap_peft
-from hf_patch.model_spec import accepts, default_store
+from hf_patch.model_spec import accepts
 from hf_patch.planning.batches import plan_batches
+from hf_patch.stores import default_store
 from radixkv import KVStore, PackedTokens, pack_tokens
 
 logger = logging.getLogger(__name__)

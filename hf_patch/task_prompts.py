@@ -19,7 +19,8 @@ from transformers.cache_utils import DynamicCache
 
 from hf_patch.keys.adapters import row_adapters
 from hf_patch.keys.weights import flush_if_weights_changed, model_scope
-from hf_patch.model_spec import check_store_fits, default_store, layer_specs
+from hf_patch.model_spec import check_store_fits, layer_specs
+from hf_patch.stores import default_store
 from radixkv import KeyedNamespace, KVStore
 
 __all__ = ["pin_prompts", "unpin_prompts"]

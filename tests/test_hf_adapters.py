@@ -190,7 +190,7 @@ def test_adapter_prefixes_save_and_restore_for_the_same_adapter_weights(tmp_path
     # adapter_keys field) is refused: its layout of keys predates base-only identities.
     old = tmp_path / "old.safetensors"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hf_patch.persistence, "base_named_parameters", lambda m: list(m.named_parameters()))
+        mp.setattr(hf_patch.identity, "base_named_parameters", lambda m: list(m.named_parameters()))
         identity = {**hf_patch.model_identity(inner), "adapter_keys": "per-row adapter digests"}
     store.save(old, identity=identity, rename=lambda ns: ns[1])
     with pytest.raises(CacheFileMismatch):

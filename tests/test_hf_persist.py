@@ -161,11 +161,11 @@ def test_weights_changed_while_the_identity_is_computed_save_no_mislabelled_kv(t
     # save_cache fingerprints the weights, then snapshots the tree. If another thread changes
     # the weights and caches KV under them in between, that KV must not be written under the
     # old weights' identity (a restore with the old weights would serve it).
-    import hf_patch.persistence
+    import hf_patch.identity
 
     model = build("llama-sdpa")
     store = warm_store(model)
-    fingerprint = hf_patch.persistence.weights_sha256
+    fingerprint = hf_patch.identity.weights_sha256
 
     def fingerprint_then_weights_change(m, *args, **kwargs):
         digest = fingerprint(m, *args, **kwargs)
@@ -174,7 +174,7 @@ def test_weights_changed_while_the_identity_is_computed_save_no_mislabelled_kv(t
         assert_same_as_stock(model, ids(DOC + Q1), store)  # flushes, caches the new weights' KV
         return digest
 
-    monkeypatch.setattr(hf_patch.persistence, "weights_sha256", fingerprint_then_weights_change)
+    monkeypatch.setattr(hf_patch.identity, "weights_sha256", fingerprint_then_weights_change)
     path = tmp_path / "kv.safetensors"
     with pytest.raises(RuntimeError, match="flushed"):
         hf_patch.save_cache(model, path, store)

@@ -36,7 +36,7 @@ from radixkv.store.lease import Lease
 from radixkv.store.pool import BlockPool
 from radixkv.store.stats import StoreCounters, store_stats
 from radixkv.store.task_pins import TaskPins
-from radixkv.store.tier import Tier, check_mirror, copy_blocks, read_split_rows, scatter_into
+from radixkv.store.tier import Tier, check_mirror, copy_blocks, gather_into, read_split_rows, scatter_into
 from radixkv.tree import DEVICE, HOST, MatchResult, RadixTree, TierOrderError
 from radixkv.tree.node import Tokens, head_of, num_tokens_of, pack_tokens
 
@@ -51,7 +51,9 @@ class KVStore:
     radixkv.persist), maintenance (flush, stats, check_invariants).
     """
 
-    def __init__(self, pool: BlockPool, host_pool: BlockPool | None = None) -> None:
+    def __init__(self, pool: BlockPool, host_pool: BlockPool | None = None, remote=None) -> None:
+        """``remote``: a shared tier behind both pools (``radixkv.sidecar.client.SidecarTier``):
+        asked for what a match misses, handed every commit to write through."""
         if host_pool is not None:
             check_mirror(pool, host_pool)
         self.pool = pool
@@ -66,6 +68,9 @@ class KVStore:
         self._private: set[int] = set()  # blocks allocated by a commit in progress, not yet in a tree
         self._private_host: set[int] = set()  # the same, in the host pool
         self.tasks = TaskPins(self)  # prompts pinned for good, by task id
+        self.remote = remote
+        if remote is not None:
+            remote.bind(self)
 
     @property
     def block_size(self) -> int:
@@ -79,12 +84,15 @@ class KVStore:
         max_tokens: int | None = None,
         *,
         count: bool = True,
+        remote: bool = True,
     ) -> Lease:
         """Match the longest cached whole-block prefix of ``tokens[:max_tokens]`` and pin it.
 
         Counts all of ``tokens`` as query tokens (``count=False``: not a request; nothing
         counted). O(len(tokens)) to pack them (outside the
-        lock; nothing for PackedTokens) plus the tree's match.
+        lock; nothing for PackedTokens) plus the tree's match. With a remote tier (and
+        ``remote``), a match shorter than the whole blocks asked is extended by the remote's
+        (one round trip, no lock held): ``Lease.remote`` pins those blocks there.
         """
         query = pack_tokens(tokens if max_tokens is None else head_of(tokens, max_tokens))
         with self._lock:
@@ -94,7 +102,14 @@ class KVStore:
             if count:  # False: a lookup that is no prompt (hf_patch's in-batch prefix sharing)
                 self.counters.requests += 1
                 self.counters.query_tokens += num_tokens_of(tokens)
-            return Lease(self, tree, match, self.epoch, namespace, self._host_blocks(match))
+            lease = Lease(self, tree, match, self.epoch, namespace, self._host_blocks(match))
+        if (
+            remote
+            and self.remote is not None
+            and query.num_tokens // self.block_size * self.block_size > match.num_tokens
+        ):
+            lease.remote = self.remote.lookup(query, namespace, match.num_tokens)
+        return lease
 
     def read(
         self,
@@ -125,7 +140,10 @@ class KVStore:
                 raise RuntimeError("read() from a released lease")
             if lease.num_tokens < num_tokens:
                 raise ValueError(f"lease holds {lease.num_tokens} tokens, {num_tokens} requested")
-        if any(len(lease.block_ids) - lease.num_host_blocks < nb for lease in leases):
+        remote_tokens = 0
+        if any(lease.remote is not None for lease in leases):
+            host_tokens, remote_tokens = self._read_with_remote(leases, num_tokens, k_out, v_out)
+        elif any(len(lease.block_ids) - lease.num_host_blocks < nb for lease in leases):
             rows = [(lease.block_ids, lease.num_host_blocks) for lease in leases]
             host_tokens = read_split_rows(self.pool, self.host_pool, rows, num_tokens, k_out, v_out)
         else:
@@ -139,7 +157,35 @@ class KVStore:
                 # Host blocks sit at the end of a prefix, where a batch's own computed blocks
                 # are too only when they extend a host prefix: bounded so it stays "of hit_tokens".
                 self.counters.host_hit_tokens += min(host_tokens, hits)
+                self.counters.remote_hit_tokens += min(remote_tokens, hits)
             self.counters.bytes_from_host += host_tokens * self.pool.bytes_per_token  # moved either way
+
+    def _read_with_remote(self, leases, num_tokens, k_out, v_out) -> tuple[int, int]:
+        """``read`` for rows some of whose blocks the remote tier pinned (after the local ones);
+        returns (host tokens, remote tokens) copied."""
+        host_tokens = remote_tokens = 0
+        bs = self.block_size
+        for i, lease in enumerate(leases):
+            local = min(num_tokens, lease._match.num_tokens)
+            row_k, row_v = [k[i : i + 1] for k in k_out], [v[i : i + 1] for v in v_out]
+            if local:
+                host_tokens += read_split_rows(
+                    self.pool, self.host_pool, [(lease.block_ids, lease.num_host_blocks)], local,
+                    [k[:, :, :local] for k in row_k], [v[:, :, :local] for v in row_v],
+                )  # fmt: skip
+            rest = num_tokens - local
+            if rest:
+                hit = lease.remote
+                ids = torch.tensor([hit.slots[: -(-rest // bs)]], dtype=torch.int64)
+                gather_into(
+                    hit.pool,
+                    ids,
+                    rest,
+                    [k[:, :, local:num_tokens] for k in row_k],
+                    [v[:, :, local:num_tokens] for v in row_v],
+                )
+                remote_tokens += rest
+        return host_tokens, remote_tokens
 
     # -- insertion ------------------------------------------------------------------------
     def commit(
@@ -154,12 +200,31 @@ class KVStore:
 
         Only blocks not already cached are copied. Returns the number of tokens newly cached.
         With ``epoch`` older than the store's (a flush happened since the KV was computed)
-        nothing is cached.
+        nothing is cached. With a remote tier the key is then queued for write-through (the
+        remote copies from this store's blocks in the background).
 
         Raises ValueError, caching nothing, when ``tokens`` is a tensor/array or a source does
         not hold one row of KV for every whole-block token: a shorter source would leave the
         end of a cached block unwritten (garbage served as a hit).
         """
+        added = self._commit_local(tokens, k_src, v_src, namespace, epoch)
+        if self.remote is not None and num_tokens_of(tokens) >= self.block_size:
+            if epoch is None or epoch == self.epoch:
+                self.remote.push(
+                    pack_tokens(head_of(tokens, num_tokens_of(tokens) // self.block_size * self.block_size)),
+                    namespace,
+                )
+        return added
+
+    def _commit_local(
+        self,
+        tokens: Tokens,
+        k_src: Sequence[torch.Tensor],
+        v_src: Sequence[torch.Tensor],
+        namespace: Hashable = None,
+        epoch: int | None = None,
+    ) -> int:
+        """``commit`` without the remote tier."""
         bs = self.block_size
         num_blocks = num_tokens_of(tokens) // bs
         if num_blocks == 0:
@@ -442,8 +507,11 @@ class KVStore:
         # Check and clear under the lock: two threads releasing one lease must unpin once.
         with self._lock:
             tree, lease._tree = lease._tree, None
+            hit, lease.remote = lease.remote, None
             if tree is not None:
                 self._unpin_locked(tree, lease._match.node)
+        if hit is not None:
+            self.remote.release(hit)
 
     def _unpin_locked(self, tree: RadixTree, node) -> None:
         tree.unpin(node)
@@ -458,7 +526,10 @@ class KVStore:
     def stats(self) -> dict[str, int | float]:
         """Counters plus occupancy of each tier and of the task pins, as one flat dict."""
         with self._lock:
-            return store_stats(self)
+            out = store_stats(self)
+        if self.remote is not None:
+            out.update(self.remote.stats())
+        return out
 
     def check_invariants(self) -> None:
         """Full recount: tree and pools consistent, every used block of each tier owned exactly once."""

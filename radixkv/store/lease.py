@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 class Lease:
     """A pinned match. Release exactly once (idempotent); use as a context manager."""
 
-    __slots__ = ("_store", "_tree", "_match", "epoch", "namespace", "num_host_blocks")
+    __slots__ = ("_store", "_tree", "_match", "epoch", "namespace", "num_host_blocks", "remote")
 
     def __init__(
         self,
@@ -33,14 +33,19 @@ class Lease:
         # The last ``num_host_blocks`` of ``block_ids`` index the host pool (tiers never go back up
         # a path); fixed while pinned, since pinned nodes are never demoted.
         self.num_host_blocks = num_host_blocks
+        # Blocks a remote tier (radixkv.sidecar) pinned past the local match: a RemoteHit or None.
+        self.remote = None
 
     @property
     def num_tokens(self) -> int:
-        """Tokens of the prompt whose KV the pinned blocks hold (a multiple of block_size)."""
-        return self._match.num_tokens
+        """Tokens of the prompt whose KV the pinned blocks hold (a multiple of block_size): the
+        local blocks, then the remote tier's."""
+        remote = self.remote
+        return remote.num_tokens if remote is not None else self._match.num_tokens
 
     @property
     def block_ids(self) -> Sequence[int]:
+        """The local pools' blocks (device, then the last ``num_host_blocks`` on the host)."""
         return self._match.block_ids
 
     @property

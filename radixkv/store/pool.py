@@ -64,9 +64,17 @@ class BlockPool:
     """Fixed-size pool of KV blocks; footprint is exactly ``num_blocks * block_size * bytes_per_token``."""
 
     def __init__(
-        self, layers: Sequence[LayerSpec], num_blocks: int, block_size: int, *, pin_memory: bool = False
+        self,
+        layers: Sequence[LayerSpec],
+        num_blocks: int,
+        block_size: int,
+        *,
+        pin_memory: bool = False,
+        storage: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
     ) -> None:
-        """``pin_memory``: page-locked CPU storage (a host tier behind a CUDA pool)."""
+        """``pin_memory``: page-locked CPU storage (a host tier behind a CUDA pool).
+        ``storage``: ``(k, v)`` per-layer tensors to use instead of new ones (a view over memory
+        another process owns: radixkv.sidecar), each ``[num_blocks, block_size, heads, dim]``."""
         if not layers:
             raise ValueError("BlockPool needs at least one LayerSpec")
         if not _is_count(num_blocks) or num_blocks <= 0:
@@ -77,12 +85,21 @@ class BlockPool:
         self.block_size = block_size
 
         # torch.empty: pages are committed by the OS only when first written.
-        def storage(s: LayerSpec, head_dim: int) -> torch.Tensor:
+        def empty(s: LayerSpec, head_dim: int) -> torch.Tensor:
             shape = (num_blocks, block_size, s.num_kv_heads, head_dim)
             return torch.empty(shape, dtype=s.dtype, device=s.device, pin_memory=pin_memory)
 
-        self.k = [storage(s, s.k_head_dim) for s in self.layers]
-        self.v = [storage(s, s.v_head_dim) for s in self.layers]
+        if storage is None:
+            self.k = [empty(s, s.k_head_dim) for s in self.layers]
+            self.v = [empty(s, s.v_head_dim) for s in self.layers]
+        else:
+            self.k, self.v = list(storage[0]), list(storage[1])
+            for i, (s, k, v) in enumerate(zip(self.layers, self.k, self.v, strict=True)):
+                for t, dim in ((k, s.k_head_dim), (v, s.v_head_dim)):
+                    if t.shape != (num_blocks, block_size, s.num_kv_heads, dim) or t.dtype != s.dtype:
+                        raise ValueError(
+                            f"storage of layer {i} has shape {tuple(t.shape)} {t.dtype}, not {s}"
+                        )
         # Layers grouped by device: one fused gather/scatter launch per device.
         groups: dict[torch.device, list[int]] = {}
         for i, s in enumerate(self.layers):

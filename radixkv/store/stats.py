@@ -27,6 +27,7 @@ class StoreCounters:
     demoted_blocks: int = 0  # device blocks copied to the host instead of being dropped
     promoted_blocks: int = 0  # host blocks copied back to the device for a task pin
     host_hit_tokens: int = 0  # of hit_tokens, those read from host blocks
+    remote_hit_tokens: int = 0  # of hit_tokens, those read from a remote tier (radixkv.sidecar)
     bytes_to_host: int = 0  # demotions + commits written straight to the host tier
     bytes_from_host: int = 0  # host hits copied into request buffers, and promotions
 

@@ -1,0 +1,7 @@
+"""radixkv's sidecar: one prefix cache for every process of a machine (docs/sidecar.md).
+
+``python -m radixkv.sidecar --socket PATH --host-bytes N`` runs it (``server``: the socket loop,
+``state``: pools, trees and clients' leases, ``layout``: where bytes sit in shared memory,
+``protocol``: the messages, ``metrics``: Prometheus text, ``l2_writer``: write-through to the L2
+tier). ``client.SidecarTier`` is what a ``KVStore`` holds to use one.
+"""
