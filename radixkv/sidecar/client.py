@@ -26,6 +26,7 @@ the sidecar's (hf_patch: the model's identity and the encoded namespace); None k
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import logging
@@ -46,6 +47,7 @@ from radixkv.tree.node import PackedTokens
 
 logger = logging.getLogger(__name__)
 
+EXIT_FLUSH_S = 5.0
 Namer = Callable[[Hashable], "tuple[bytes, bytes] | None"]
 
 

@@ -1,0 +1,146 @@
+"""Helpers for tests with a real sidecar process, and the client processes they start.
+
+python -m tests.sidecar_process client --run DOC:QUESTION:NAMESPACE:MODEL_SEED ...
+    a fresh process: tiny llamas with their default stores (RADIXKV_SIDECAR from the
+    environment), one generate() of document + question per run, each checked against
+    stock; prints JSON (cached tokens per run).
+python -m tests.sidecar_process half-write --socket S --doc-seed 1 --pin-seed 2
+    pins a committed document, takes blocks for another and writes half of them, then
+    SIGKILLs itself before committing (a client killed while writing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BS = 4
+DOC_LEN = 42  # 10 whole blocks of 4, and 2 tokens more
+QUESTION_LEN = 6
+
+
+def start_sidecar(path: Path, host_bytes: str = "16M", *extra: str) -> subprocess.Popen:
+    """``python -m radixkv.sidecar`` on ``path``; returns once it accepts connections."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixkv.sidecar", "--socket", str(path), "--host-bytes", host_bytes, *extra],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"sidecar did not start: {proc.stdout.read()}")
+        time.sleep(0.05)
+    return proc
+
+
+def client_env(socket_path: Path) -> dict:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "RADIXKV_SIDECAR": str(socket_path),
+        "RADIXKV_BLOCK_SIZE": str(BS),
+        "RADIXKV_CACHE_TOKENS": "2048",
+    }
+
+
+def run_client(socket_path: Path, *args: str) -> dict:
+    res = subprocess.run(
+        [sys.executable, "-m", "tests.sidecar_process", *args],
+        env=client_env(socket_path), cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def sidecar_stats(path) -> dict:
+    """The sidecar's counters, over the protocol (what ``python -m radixkv.sidecar stats`` prints)."""
+    import socket
+
+    from radixkv.sidecar.protocol import FrameBuffer, recv, send
+
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(30)
+        sock.connect(str(path))
+        send(sock, {"op": "stats"})
+        return recv(sock, FrameBuffer())[0]["stats"]
+
+
+def document(doc_seed: int) -> list[int]:
+    from tests.hf_models import tokens
+
+    return tokens(DOC_LEN, doc_seed)
+
+
+def _client(args) -> None:
+    import torch
+
+    import hf_patch
+    from tests.hf_models import assert_same_as_stock, build, ids, tokens
+
+    torch.set_num_threads(1)
+    models = {}
+    out = []
+    for run in args.run:  # "doc_seed:question_seed:namespace:model_seed", empty fields: defaults
+        doc_seed, question_seed, namespace, model_seed = (run.split(":") + ["", "", "", ""])[:4]
+        model_seed = int(model_seed or 0)
+        model = models.get(model_seed) or models.setdefault(model_seed, build("llama-sdpa", seed=model_seed))
+        prompt = document(int(doc_seed)) + tokens(QUESTION_LEN, int(question_seed or 1000))
+        cache = hf_patch.RadixCache(namespace=namespace or None)
+        assert_same_as_stock(model, ids(prompt), cache=cache, max_new_tokens=5, do_sample=False)
+        out.append(cache.cached_tokens[0])
+    remote = sum(hf_patch.default_store(m).stats()["remote_hit_tokens"] for m in models.values())
+    print(json.dumps({"cached": out, "remote_hit_tokens": remote}))
+
+
+def _half_write(args) -> None:
+    import torch
+
+    import hf_patch
+    from hf_patch.keys.weights import model_scope
+    from hf_patch.stores import sidecar_namer
+    from tests.hf_models import build, ids
+
+    model = build("llama-sdpa")
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=args.socket)
+    tier = store.remote
+    model.generate(ids(document(args.pin_seed)), past_key_values=hf_patch.RadixCache(store), max_new_tokens=1)
+    assert tier.flush(30)
+    ident, ns = sidecar_namer(model, store.pool)((model_scope(model), None))
+    key = {"ident": ident.hex(), "ns": ns.decode()}
+    pinned, _, _ = tier._call(
+        {"op": "match", **key, "have": 0}, torch.tensor(document(args.pin_seed)).numpy().tobytes()
+    )
+    assert pinned["lease"] and pinned["slots"], pinned
+    doc = torch.tensor(document(args.doc_seed)).numpy().tobytes()
+    taken, view, _ = tier._call({"op": "alloc", **key}, doc)
+    assert taken["start"] == 0 and len(taken["slots"]) == DOC_LEN // BS, taken
+    for slot in taken["slots"][: len(taken["slots"]) // 2]:
+        for t in (*view.k, *view.v):
+            t[slot].fill_(7.0)  # written, never committed
+    print("killing myself", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=["client", "half-write"])
+    parser.add_argument("--socket")
+    parser.add_argument("--doc-seed", type=int, default=0)
+    parser.add_argument("--run", action="append", default=[])
+    parser.add_argument("--pin-seed", type=int, default=0)
+    args = parser.parse_args()
+    (_client if args.what == "client" else _half_write)(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""The sidecar with real processes: a document one process computed is served to a fresh one,
+never to another model or namespace; a sidecar killed mid-generation and a client killed
+mid-write cost speed, never tokens. Every output is checked against stock generate()."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import hf_patch
+from hf_patch.keys.weights import model_scope
+from tests.hf_models import assert_same_as_stock, build, ids, tokens
+from tests.sidecar_process import (
+    BS,
+    DOC_LEN,
+    ROOT,
+    client_env,
+    document,
+    run_client,
+    sidecar_stats,
+    start_sidecar,
+)
+
+DOC_BLOCKS_TOKENS = DOC_LEN // BS * BS
+
+
+@pytest.fixture
+def sock(tmp_path_factory):
+    # A short path: AF_UNIX paths are limited to 107 bytes.
+    path = tmp_path_factory.mktemp("sc") / "s.sock"
+    proc = start_sidecar(path)
+    yield path
+    proc.kill()
+    proc.wait()
+
+
+def test_a_document_computed_by_one_process_is_served_to_a_fresh_one(sock):
+    assert run_client(sock, "client", "--run", "1:11")["cached"] == [0]
+    # A fresh process: the document's whole blocks come from the sidecar. Another model of the
+    # same shape (other weights) and another namespace read nothing of it.
+    b = run_client(sock, "client", "--run", "1:12", "--run", "1:12::7", "--run", "1:12:tenant-b")
+    assert b["cached"] == [DOC_BLOCKS_TOKENS, 0, 0] and b["remote_hit_tokens"] == DOC_BLOCKS_TOKENS
+    res = subprocess.run(
+        [sys.executable, "-m", "radixkv.sidecar", "stats", "--socket", str(sock)],
+        capture_output=True, text=True, timeout=60, env=client_env(sock), cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    stats = json.loads(res.stdout)
+    assert stats["open_leases"] == stats["pinned_blocks"] == stats["open_txns"] == 0
+    assert stats["hit_tokens"] == DOC_BLOCKS_TOKENS and stats["pools"] == 1 and stats["clients"] == 1
+
+
+def test_a_client_killed_while_writing_leaves_nothing_visible_and_no_pins(sock):
+    res = subprocess.run(
+        [sys.executable, "-m", "tests.sidecar_process", "half-write", "--socket", str(sock),
+         "--doc-seed", "3", "--pin-seed", "4"],
+        env=client_env(sock), cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == -signal.SIGKILL, res.stdout[-2000:] + res.stderr[-2000:]
+    stats = sidecar_stats(sock)
+    assert (
+        stats["open_leases"] == stats["open_txns"] == stats["private_blocks"] == stats["pinned_blocks"] == 0
+    )
+    assert stats["released_pins"] == 1 and stats["aborted_blocks"] == DOC_LEN // BS
+    # The half-written document is not served; the committed one is.
+    assert run_client(sock, "client", "--run", "3", "--run", "4")["cached"] == [0, DOC_BLOCKS_TOKENS]
+
+
+def test_sidecar_killed_mid_generation_then_a_new_one_is_used(tmp_path_factory, caplog):
+    path = tmp_path_factory.mktemp("sc") / "s.sock"
+    proc = start_sidecar(path)
+    model = build("llama-sdpa")
+    writer = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+    reader = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+    doc = document(5)
+    assert_same_as_stock(model, ids(doc + tokens(6, 50)), writer, max_new_tokens=3, do_sample=False)
+    assert writer.remote.flush(30)
+
+    class KillSidecar:  # runs after the prefill: the prefix was read from the sidecar already
+        def __call__(self, input_ids, scores):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+            return scores
+
+    prompt = ids(doc + tokens(6, 51))
+    stock = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    with caplog.at_level(logging.WARNING, logger="radixkv.sidecar.client"):
+        cache = hf_patch.RadixCache(reader)
+        out = model.generate(prompt, max_new_tokens=6, do_sample=False, past_key_values=cache,
+                             logits_processor=[KillSidecar()])  # fmt: skip
+        assert torch.equal(out, stock) and cache.cached_tokens == [DOC_BLOCKS_TOKENS]
+        assert proc.poll() is not None
+        # Later calls serve from the local pool only, still equal to stock.
+        for seed in (52, 53):
+            assert_same_as_stock(model, ids(doc + tokens(6, seed)), reader, max_new_tokens=3, do_sample=False)
+        reader.remote.flush(10)
+    gone = [r for r in caplog.records if "gone" in r.getMessage() or "no sidecar" in r.getMessage()]
+    assert len(gone) == 1, [r.getMessage() for r in caplog.records]
+    assert reader.stats()["sidecar_connected"] == 0
+
+    # A new sidecar on the socket: the reader writes to it again without a restart, and a third
+    # store reads through it.
+    proc = start_sidecar(path)
+    try:
+        other = document(6)
+        for attempt in range(50):  # the first calls may fall inside the reconnect backoff (<= 2 s)
+            assert_same_as_stock(
+                model, ids(other + tokens(6, 60 + attempt)), reader, max_new_tokens=2, do_sample=False
+            )
+            reader.remote.flush(10)
+            if reader.stats()["sidecar_connected"]:
+                break
+            time.sleep(0.2)
+        assert reader.stats()["sidecar_connects"] == 2
+        assert_same_as_stock(model, ids(other + tokens(6, 99)), reader, max_new_tokens=2, do_sample=False)
+        assert reader.remote.flush(30)
+        third = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        cache, _ = assert_same_as_stock(
+            model, ids(other + tokens(6, 98)), third, max_new_tokens=2, do_sample=False
+        )
+        assert cache.cached_tokens == [DOC_BLOCKS_TOKENS]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_sidecar_full_of_pinned_blocks_degrades(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sc") / "s.sock"
+    model = build("llama-sdpa")
+    a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048)
+    block_bytes = BS * a.pool.bytes_per_token
+    proc = start_sidecar(path, str(12 * block_bytes))  # 12 blocks: one document of 10 and a bit
+    try:
+        a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        c = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        assert_same_as_stock(model, ids(document(7) + tokens(2, 70)), a, max_new_tokens=1, do_sample=False)
+        assert a.remote.flush(30)
+        ns = (model_scope(model), None)
+        held = b.acquire(document(7) + [3], ns)  # pins the document's 10 blocks in the sidecar
+        assert held.remote is not None and held.num_tokens == DOC_BLOCKS_TOKENS
+        # Another document finds 2 free blocks and every other one pinned: it is cached in part
+        # or not at all there, and served right by everyone.
+        assert_same_as_stock(model, ids(document(8) + tokens(2, 80)), c, max_new_tokens=1, do_sample=False)
+        assert c.remote.flush(30)
+        stats = sidecar_stats(path)
+        assert stats["uncached_tokens"] > 0 and stats["pinned_blocks"] == DOC_LEN // BS
+        held.release()
+        assert_same_as_stock(model, ids(document(8) + tokens(2, 81)), c, max_new_tokens=1, do_sample=False)
+        assert c.remote.flush(30)
+        # Unpinned now: the LRU document made room for the new one, which another store reads.
+        cache, _ = assert_same_as_stock(
+            model, ids(document(8) + tokens(2, 82)), a, max_new_tokens=1, do_sample=False
+        )
+        assert cache.cached_tokens == [DOC_BLOCKS_TOKENS]
+        assert sidecar_stats(path)["evicted_blocks"] > 0
+    finally:
+        proc.kill()
+        proc.wait()
