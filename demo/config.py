@@ -33,6 +33,7 @@ class Config:
     reuse: bool = True  # False: plain generate(), no RadixCache (A/B baseline)
     block_size: int = 16
     cache_tokens: int | None = None  # KV pool budget in tokens; None = hf_patch's default
+    sidecar: str | None = None  # Unix socket of a radixkv sidecar shared by this machine's processes
     api_keys: tuple[str, ...] = ()  # non-empty: Bearer key required, one cache namespace each
     admin_token: str | None = None  # required by POST /v1/cache/flush; None = flush refused
     default_max_tokens: int = 256  # when a request gives no max_tokens (clamped to the context)
@@ -178,6 +179,7 @@ _ENV = {
     "reuse": ("RADIXKV_REUSE", _bool),
     "block_size": ("RADIXKV_BLOCK_SIZE", int),
     "cache_tokens": ("RADIXKV_CACHE_TOKENS", int),
+    "sidecar": ("RADIXKV_SIDECAR", str),
     "api_keys": ("RADIXKV_API_KEYS", _keys),
     "admin_token": ("RADIXKV_ADMIN_TOKEN", str),
     "default_max_tokens": ("RADIXKV_MAX_TOKENS", int),
@@ -236,6 +238,11 @@ def parser() -> argparse.ArgumentParser:
         "--block-size", type=int, help="tokens per KV block, power of two (env RADIXKV_BLOCK_SIZE)"
     )
     p.add_argument("--cache-tokens", type=int, help="KV pool budget in tokens (env RADIXKV_CACHE_TOKENS)")
+    p.add_argument(
+        "--sidecar",
+        help="Unix socket of a python -m radixkv.sidecar: prefixes shared with the other processes "
+        "and replicas of this machine (env RADIXKV_SIDECAR; docs/sidecar.md)",
+    )
     p.add_argument("--api-keys", type=_keys, help="comma-separated tenant keys (env RADIXKV_API_KEYS)")
     p.add_argument("--admin-token", help="token for POST /v1/cache/flush (env RADIXKV_ADMIN_TOKEN)")
     p.add_argument(

@@ -70,6 +70,7 @@ def build_engine(config: Config) -> Engine:
         reuse=config.reuse,
         block_size=config.block_size,
         cache_tokens=config.cache_tokens,
+        sidecar=config.sidecar,
         max_queue=config.max_queue,
         max_batch_size=config.max_batch_size,
         max_batch_tokens=config.max_batch_tokens,

@@ -45,6 +45,7 @@ class Engine:
         reuse: bool = True,
         block_size: int = 16,
         cache_tokens: int | None = None,
+        sidecar: str | None = None,
         max_queue: int = 32,
         max_batch_size: int = 8,
         max_batch_tokens: int = 16384,
@@ -61,7 +62,9 @@ class Engine:
         if reuse:
             import hf_patch  # importing installs the generate() integration
 
-            self.store = hf_patch.build_store(model, block_size=block_size, budget_tokens=cache_tokens)
+            self.store = hf_patch.build_store(
+                model, block_size=block_size, budget_tokens=cache_tokens, sidecar=sidecar
+            )
         if adapters is not None:
             adapters.store = self.store  # an unloaded adapter's KV is dropped from it
         self.runner = Runner(model, tokenizer, self.store, adapters, processor)

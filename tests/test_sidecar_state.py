@@ -1,0 +1,210 @@
+"""The sidecar's state, protocol and server in one process: pools per layout under one budget,
+keys per identity and namespace, leases and unwritten blocks freed with their client, refusals
+of bad input, the socket's mode, Prometheus text. (test_sidecar.py runs real processes.)"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import threading
+import urllib.request
+
+import pytest
+
+from radixkv.sidecar.layout import KVLayout, PoolGeometry
+from radixkv.sidecar.metrics import prometheus_text, serve_metrics
+from radixkv.sidecar.protocol import HEADER, FrameBuffer, ProtocolError, encode, recv, send
+from radixkv.sidecar.server import Server
+from radixkv.sidecar.state import Sidecar
+from radixkv.tree import pack_tokens
+
+
+def layout(heads=1, dim=2, dtype="float32", bs=2, layers=1) -> dict:
+    one = {"num_kv_heads": heads, "k_head_dim": dim, "v_head_dim": dim, "dtype": dtype}
+    return {"block_size": bs, "layers": [one] * layers}
+
+
+SMALL = layout()  # 2 tokens x 1 head x (2 + 2) x 4 bytes = 32 bytes a block
+NS = (b"\x01" * 32, b"null")
+
+
+def toks(*ids: int) -> bytes:
+    return bytes(pack_tokens(list(ids)))
+
+
+def write(state: Sidecar, cid: int, ids: bytes, ns=NS) -> int:
+    txn = state.alloc(cid, ns, ids)
+    return state.commit(cid, txn["txn"]) if txn["txn"] else 0
+
+
+def test_blocks_are_visible_after_commit_only_and_freed_with_their_client():
+    state = Sidecar(32 * 8)
+    state.add_client(1)
+    state.add_client(2)
+    state.hello(1, SMALL)
+    state.hello(2, SMALL)
+    doc = toks(5, 6, 7, 8, 9)  # two whole blocks
+    txn = state.alloc(1, NS, doc)
+    assert txn["start"] == 0 and len(txn["slots"]) == 2
+    assert state.match(2, NS, doc, 0)["num_tokens"] == 0  # written, not committed: invisible
+    assert state.commit(1, txn["txn"]) == 4
+    hit = state.match(2, NS, doc, 0)
+    assert hit["num_tokens"] == 4 and hit["slots"] == txn["slots"]
+    assert state.match(2, NS, doc, 2)["slots"] == txn["slots"][1:]  # the client held one block
+    assert state.match(2, NS, doc, 4)["lease"] == 0  # nothing past what it holds
+    # Another identity and another namespace read nothing.
+    assert state.match(2, (b"\x02" * 32, b"null"), doc, 0)["num_tokens"] == 0
+    assert state.match(2, (NS[0], b'{"str":"t"}'), doc, 0)["num_tokens"] == 0
+    # Client 1 opens a transaction, client 2 holds leases; both go away.
+    state.alloc(1, NS, toks(1, 2, 3, 4))
+    assert state.stats()["open_txns"] == 1 and state.stats()["pinned_blocks"] == 2
+    state.drop_client(1)
+    state.drop_client(2)
+    stats = state.stats()
+    assert stats["open_txns"] == stats["open_leases"] == stats["pinned_blocks"] == 0
+    assert stats["aborted_blocks"] == 2 and stats["released_pins"] == 2
+    state.check_invariants()
+
+
+def test_two_layouts_share_one_budget_and_evict_each_other():
+    big = layout(dim=4)  # 2 x (4 + 4) x 4 = 64 bytes a block
+    state = Sidecar(32 * 4)  # four small blocks, or two big ones
+    state.add_client(1)
+    state.add_client(2)
+    state.hello(1, SMALL)
+    state.hello(2, big)
+    assert len(state.pools) == 2
+    assert write(state, 1, toks(1, 2, 3, 4, 5, 6, 7, 8)) == 8  # 4 small blocks: the whole budget
+    assert write(state, 2, toks(1, 2, 3, 4)) == 4  # 2 big blocks: the small ones make room
+    assert state.stats()["used_bytes"] <= 32 * 4 and state.counters.evicted_blocks == 4
+    state.check_invariants()
+
+
+def test_a_pool_full_of_pinned_blocks_caches_what_fits():
+    state = Sidecar(32 * 3)
+    for c in (1, 2):
+        state.add_client(c)
+        state.hello(c, SMALL)
+    assert write(state, 1, toks(1, 2, 3, 4)) == 4
+    state.match(2, NS, toks(1, 2, 3, 4), 0)  # pins both blocks
+    assert write(state, 1, toks(9, 9, 8, 8, 7, 7)) == 2  # one free block of three
+    assert state.counters.uncached_tokens == 4
+    state.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ({"block_size": 3, "layers": SMALL["layers"]}, "power of two"),
+        (layout(dtype="int8"), "dtype must be one of"),
+        (layout(heads=0), "num_kv_heads must be a positive int"),
+        ({"block_size": 2, "layers": []}, "1..1024 layers"),
+        ("nope", "must be an object"),
+    ],
+)
+def test_bad_layouts_are_refused_by_name(bad, words):
+    state = Sidecar(1 << 20)
+    state.add_client(1)
+    with pytest.raises(ValueError, match=words):
+        state.hello(1, bad)
+
+
+def test_bad_requests_are_refused_and_change_nothing():
+    state = Sidecar(1 << 10)
+    state.add_client(1)
+    with pytest.raises(ValueError, match="hello"):
+        state.match(1, NS, toks(1, 2), 0)
+    state.hello(1, SMALL)
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        state.match(1, NS, toks(1, 2, 3, 4), 1)
+    with pytest.raises(ValueError, match="no open transaction"):
+        state.commit(1, 12345)
+    tiny = Sidecar(8)
+    tiny.add_client(1)
+    with pytest.raises(ValueError, match="hold no block of this layout"):
+        tiny.hello(1, SMALL)
+    state.check_invariants()
+
+
+def test_geometry_payload_round_trip():
+    geometry = PoolGeometry(KVLayout.from_json(layout(layers=3)), 5)
+    buf = bytearray(geometry.total_bytes)
+    payload = bytes(range(geometry.layout.block_bytes))
+    geometry.write_block(buf, 3, payload)
+    assert geometry.read_block(buf, 3) == payload and geometry.read_block(buf, 2) == bytes(len(payload))
+    with pytest.raises(ValueError, match="payload of 3 bytes"):
+        geometry.write_block(buf, 0, b"abc")
+
+
+def test_frames_over_the_limits_or_not_json_are_protocol_errors():
+    buffer = FrameBuffer()
+    buffer.feed(HEADER.pack(1 << 30, 0))
+    with pytest.raises(ProtocolError, match="over the limits"):
+        list(buffer.frames())
+    buffer = FrameBuffer()
+    buffer.feed(HEADER.pack(3, 0) + b"{x}")
+    with pytest.raises(ProtocolError, match="not JSON"):
+        list(buffer.frames())
+    buffer = FrameBuffer()
+    data = encode({"op": "stats"}, b"12345678")
+    buffer.feed(data[:5])
+    assert list(buffer.frames()) == []
+    buffer.feed(data[5:])
+    assert list(buffer.frames()) == [({"op": "stats"}, b"12345678")]
+
+
+def test_server_socket_mode_and_hostile_clients(tmp_path):
+    path = str(tmp_path / "s.sock")
+    state = Sidecar(1 << 16)
+    server = Server(state, path)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):
+            if os.path.exists(path):
+                break
+            threading.Event().wait(0.01)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        with pytest.raises(RuntimeError, match="already serving"):
+            Server(Sidecar(1 << 16), path)._listen()
+        garbage = socket.socket(socket.AF_UNIX)
+        garbage.connect(path)
+        garbage.sendall(HEADER.pack(1 << 30, 1 << 30))  # over the limits: dropped
+        assert garbage.recv(10) == b""
+        client = socket.socket(socket.AF_UNIX)
+        client.settimeout(10)
+        client.connect(path)
+        buffer = FrameBuffer()
+        send(client, {"op": "dance"})
+        assert "unknown op" in recv(client, buffer)[0]["error"]
+        send(client, {"op": "match", "ident": "zz", "ns": "x"}, b"")
+        assert "hex" in recv(client, buffer)[0]["error"]
+        send(client, {"op": "hello", "layout": SMALL})
+        reply, _, fds = recv(client, buffer, with_fds=True)
+        assert len(fds) == 1 and reply["num_blocks"] == (1 << 16) // 32
+        os.close(fds[0])
+        send(client, {"op": "stats"})
+        assert recv(client, buffer)[0]["stats"]["clients"] == 1  # the garbage client is gone
+        client.close()
+    finally:
+        server.stop()
+        thread.join(10)
+    assert not os.path.exists(path)
+
+
+def test_metrics_text_and_endpoint():
+    state = Sidecar(1 << 16)
+    state.add_client(1)
+    text = prometheus_text({**state.stats(), "l2_reads": 3})
+    assert "radixkv_sidecar_clients 1" in text and "# TYPE radixkv_sidecar_clients gauge" in text
+    assert "radixkv_sidecar_hit_tokens_total 0" in text and "radixkv_sidecar_l2_reads_total 3" in text
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = serve_metrics(state, port)
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "radixkv_sidecar_evicted_blocks_total 0" in body
+    finally:
+        server.shutdown()
