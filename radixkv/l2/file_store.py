@@ -185,9 +185,10 @@ class FileStore:
                 continue
             stored += 1
             nbytes += HEADER_BYTES + payload.nbytes
+        if stored == len(items):
+            self.health.writes_accepted()
         if stored:
             self.health.succeeded()
-            self.health.writes_accepted()
             self.health.add(writes=stored, bytes_written=nbytes)
         return stored
 

@@ -17,6 +17,8 @@ import logging
 import threading
 import time
 
+from radixkv.l2.value_format import WHY
+
 logger = logging.getLogger(__name__)
 
 COUNTERS = (
@@ -116,16 +118,17 @@ class Health:
             self._refused_kinds.add(kind)
         if first:
             logger.warning(
-                "L2 %s: refused a value (%s mismatch) under key %s...; treated as a miss "
+                "L2 %s: refused the value under key %s... (kind=%s: %s); treated as a miss "
                 "(logged once per kind; see stats()['refused'])",
                 self.name,
-                kind,
                 key[:8].hex(),
+                kind,
+                WHY.get(kind, kind),
             )
 
     def write_rejected(self, count: int, reason: str) -> None:
-        """The store refused writes (full, read-only, too large): counted; logged once until a
-        write succeeds again."""
+        """The store refused ``count`` writes (full, read-only, too large): counted; logged once
+        per episode, which ends when a whole batch is accepted (``writes_accepted``)."""
         with self._lock:
             self._counts["errors"] += count
             first = not self._full_logged
@@ -136,5 +139,6 @@ class Health:
             )
 
     def writes_accepted(self) -> None:
+        """A batch was stored whole: a later rejection is a new episode (logged again)."""
         with self._lock:
             self._full_logged = False

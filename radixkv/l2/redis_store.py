@@ -210,9 +210,10 @@ class RedisStore:
         stored = sum(1 for r in results if r is True)
         rejected = [r for r in results if r is not True]
         if rejected:
-            self.health.write_rejected(len(rejected), str(rejected[0]))
-        if stored:
+            self.health.write_rejected(len(rejected), f"{type(rejected[0]).__name__}: {rejected[0]}")
+        else:
             self.health.writes_accepted()
+        if stored:
             self.health.add(
                 writes=stored, bytes_written=sum(v.nbytes for (_, v), r in zip(batch, results) if r is True)
             )

@@ -44,6 +44,16 @@ SHORT, MAGIC_KIND, VERSION, LENGTH, IDENTITY, KEY, CHECKSUM = (
     "checksum",
 )
 
+WHY = {
+    SHORT: "shorter than a header",
+    MAGIC_KIND: "not a radixkv value",
+    VERSION: "another value format version",
+    LENGTH: "truncated or extended",
+    IDENTITY: "written for another model identity",
+    KEY: "stored under another key",
+    CHECKSUM: "checksum mismatch: damaged",
+}
+
 
 def digest16(data: bytes) -> bytes:
     """BLAKE3(data)[:16]: how the header names an identity or a key."""
