@@ -17,8 +17,8 @@ that does not match (any flipped bit, header included). Like the cache files' ch
 guards against damage and mix-ups, not against someone who can write to the store: they can
 write a matching checksum too (docs/l2.md "Security").
 
-Copies: ``pack`` makes the one copy a store needs (header and payload into one buffer, since
-a Redis value is one string); ``check`` returns a memoryview into the fetched value, no copy.
+Copies: ``pack_into`` makes the one copy a store needs (header and payload into one buffer,
+since a Redis value is one string); ``check`` returns a memoryview into the fetched value, no copy.
 """
 
 from __future__ import annotations
@@ -80,13 +80,20 @@ def pack_header(identity_digest: bytes, key: bytes, payload: memoryview) -> byte
     return fixed + _checksum(fixed, payload)
 
 
+def pack_into(dest: memoryview, identity_digest: bytes, key: bytes, payload: memoryview) -> memoryview:
+    """Write header and payload to the start of ``dest`` (the one copy a write makes); the view
+    of ``dest`` they fill. ``dest`` must hold ``HEADER_BYTES + payload.nbytes`` bytes."""
+    n = HEADER_BYTES + payload.nbytes
+    if dest.nbytes < n:
+        raise ValueError(f"pack_into: {dest.nbytes} bytes of room for a {n}-byte value")
+    dest[:HEADER_BYTES] = pack_header(identity_digest, key, payload)
+    dest[HEADER_BYTES:n] = payload
+    return dest[:n]
+
+
 def pack(identity_digest: bytes, key: bytes, payload: memoryview) -> memoryview:
-    """Header and payload in one new buffer (the one copy a write makes); a view of it."""
-    header = pack_header(identity_digest, key, payload)
-    out = bytearray(HEADER_BYTES + payload.nbytes)
-    out[:HEADER_BYTES] = header
-    out[HEADER_BYTES:] = payload
-    return memoryview(out)
+    """Header and payload in one new buffer; a view of it."""
+    return pack_into(memoryview(bytearray(HEADER_BYTES + payload.nbytes)), identity_digest, key, payload)
 
 
 def check(
