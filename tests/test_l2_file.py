@@ -10,7 +10,10 @@ import shutil
 import threading
 import time
 
+import pytest
+
 from radixkv.l2 import HEADER_BYTES, block_keys, open_l2
+from radixkv.l2.value_format import digest16, pack
 
 ID_A, ID_B = b"model-a", b"model-b"
 
@@ -23,7 +26,7 @@ def test_round_trip_two_clients_and_misses(tmp_path):
     assert a.put_many(list(zip(keys, payloads))) == 4
     got = b.get_many(keys + block_keys(ID_A, b"nothing", list(range(16)), 16))
     assert [bytes(g) for g in got[:4]] == payloads and got[4] is None
-    assert b.get_many(block_keys(ID_B, b"doc", list(range(64)), 16)) == [None] * 4
+    assert b.get_many(block_keys(ID_B, b"doc", list(range(64)), 16), identity=ID_B) == [None] * 4
     assert a.put_many(list(zip(keys, payloads))) == 4  # rewriting a key replaces it whole
     assert b.stats()["hits"] == 4 and a.stats()["writes"] == 8
     files = [f for _, _, fs in os.walk(tmp_path) for f in fs]
@@ -47,7 +50,10 @@ def test_damaged_and_foreign_files_are_refused(tmp_path, caplog):
     os.truncate(paths[1], 2000)  # truncated
     shutil.copy(paths[3], paths[2])  # another key's sound value
     other = open_l2(f"file:{tmp_path}", identity=ID_B)
-    assert other.put_many([(keys[4], b"model b")]) == 1  # another identity under A's key
+    with pytest.raises(ValueError, match="another identity"):
+        other.put_many([(keys[4], b"model b")])
+    with open(paths[4], "wb") as f:  # model B's value under A's key, written behind our back
+        f.write(pack(digest16(ID_B), keys[4], memoryview(b"model b")))
     with caplog.at_level(logging.WARNING, logger="radixkv.l2.health"):
         got = s.get_many(keys)
     assert got == [None, None, None, payloads[3], None]

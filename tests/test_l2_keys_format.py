@@ -19,6 +19,7 @@ def test_block_keys_chain_like_vllm():
     tokens = [rng.randrange(50_000) for _ in range(100)]
     keys = block_keys(ID_A, b"ns", tokens, 16)
     assert len(keys) == 6 and all(len(k) == KEY_BYTES for k in keys)  # the partial 7th block has no key
+    assert {k[:16] for k in keys} == {digest16(ID_A)}  # every key starts with its identity digest
     assert len(set(keys)) == 6
     # equal prefixes give equal keys, from any call (another process computes the same)
     assert block_keys(ID_A, b"ns", tokens[:40], 16) == keys[:2]
@@ -63,6 +64,8 @@ def test_block_keys_inputs():
         block_keys(ID_A, None, tokens, 16)
     with pytest.raises(ValueError, match="parent"):
         block_keys(ID_A, b"", tokens, 16, parent=b"short")
+    with pytest.raises(ValueError, match="parent"):  # a parent key of another model
+        block_keys(ID_A, b"", tokens, 16, parent=block_keys(ID_B, b"", tokens, 16)[0])
 
 
 def test_value_header_refusals():

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from radixkv.l2 import HEADER_BYTES, block_keys, open_l2
+from radixkv.l2.value_format import digest16, pack
 from tests.redis_server import RedisServer, need_redis
 
 ID_A, ID_B = b"model-a", b"model-b"
@@ -71,7 +72,7 @@ def test_two_machines_share_blocks(server):
     keys_b = block_keys(ID_A, b"doc", tokens + [7, 7], 16)  # B computes the same chain itself
     assert [bytes(v) for v in b.get_many(keys_b)] == payloads
     # another model or namespace reads nothing of it
-    assert b.get_many(block_keys(ID_B, b"doc", tokens, 16)) == [None] * 4
+    assert b.get_many(block_keys(ID_B, b"doc", tokens, 16), identity=ID_B) == [None] * 4
     assert b.get_many(block_keys(ID_A, b"other-tenant", tokens, 16)) == [None] * 4
     a.close()
     b.close()
@@ -89,9 +90,7 @@ def test_damaged_and_foreign_values_are_refused(server, store, caplog):
     raw.set(rkey[1], bytes(value))
     raw.set(rkey[2], raw.get(rkey[2])[:-10])  # truncated
     raw.set(rkey[3], raw.get(rkey[4]))  # a sound value copied under the wrong key
-    other_id = open_l2(server.url, identity=ID_B)
-    assert other_id.put_many([(keys[5], b"model b's block")]) == 1  # a foreign identity under A's key
-    other_id.close()
+    raw.set(rkey[5], bytes(pack(digest16(ID_B), keys[5], memoryview(b"model b's block"))))  # foreign identity
     raw.rpush(b"radixkv:" + b"ff" * 32, b"a list")  # another type under a key
     with caplog.at_level(logging.WARNING, logger="radixkv.l2.health"):
         got = store.get_many(keys + [b"\xff" * 32])
@@ -104,6 +103,24 @@ def test_damaged_and_foreign_values_are_refused(server, store, caplog):
         re.search(r"kind=(\w+)", r.getMessage())[1] for r in caplog.records if "refused" in r.getMessage()
     )
     assert kinds == ["checksum", "identity", "key", "length", "short"]  # once per kind, not per value
+
+
+def test_identity_comes_with_the_key(server):
+    """A store opened without identity= checks each value against the identity its block key
+    carries; an identity= that contradicts a block key is a caller's bug (ValueError)."""
+    plain = open_l2(server.url)
+    keys = block_keys(ID_A, b"id", list(range(32)), 16)
+    assert plain.put_many([(keys[0], b"a0"), (keys[1], b"a1")]) == 2
+    assert [bytes(v) for v in open_l2(server.url, identity=ID_A).get_many(keys)] == [b"a0", b"a1"]
+    with pytest.raises(ValueError, match="another identity"):
+        plain.put_many([(keys[0], b"b0")], identity=ID_B)
+    with pytest.raises(ValueError, match="another identity"):
+        plain.get_many(keys, identity=ID_B)
+    # a key of another shape: the identity given, or none
+    assert plain.put_many([(b"custom-key", b"v")], identity=ID_B) == 1
+    assert bytes(plain.get_many([b"custom-key"], identity=ID_B)[0]) == b"v"
+    assert plain.get_many([b"custom-key"]) == [None] and plain.stats()["refused"] == 1
+    plain.close()
 
 
 def test_ttl(server):

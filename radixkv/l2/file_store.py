@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import blake3
 
 from radixkv.l2.health import Health
-from radixkv.l2.inputs import checked_items, checked_keys, identity_digest
+from radixkv.l2.inputs import checked_items, checked_keys, identities, identity_digest
 from radixkv.l2.url import L2Url
 from radixkv.l2.value_format import HEADER_BYTES, check, pack_header
 
@@ -54,7 +54,7 @@ class FileStore:
         url: L2Url,
         *,
         timeout_s: float,
-        identity: bytes = b"",
+        identity: bytes | None = None,
         fsync: bool = False,
         file_mode: int = 0o600,
         backoff_s: float = 0.5,
@@ -101,7 +101,8 @@ class FileStore:
     def get_many(self, keys: Sequence[bytes], *, identity: bytes | None = None) -> list[memoryview | None]:
         """One payload view per key (None: no file, refused, or DIR gone); never raises for I/O."""
         keys = checked_keys(keys, "get_many")
-        want = self._identity if identity is None else identity_digest(identity)
+        fixed = self._identity if identity is None else identity_digest(identity)
+        want = identities(keys, fixed, "get_many")
         out: list[memoryview | None] = [None] * len(keys)
         self.health.add(reads=len(keys))
         if not keys:
@@ -124,7 +125,7 @@ class FileStore:
                 continue
             if value is None:
                 continue
-            payload, reason = check(value, want, key)
+            payload, reason = check(value, want[i], key)
             if payload is None:
                 self.health.refused(reason, key)
                 continue
@@ -163,7 +164,8 @@ class FileStore:
         """Write each ``(key, payload)`` (header + payload by writev, no concatenation); the number
         written. A full or read-only filesystem is counted and logged once; DIR gone is an outage."""
         items = checked_items(items)
-        ident = self._identity if identity is None else identity_digest(identity)
+        fixed = self._identity if identity is None else identity_digest(identity)
+        idents = identities([k for k, _ in items], fixed, "put_many")
         if not items:
             return 0
         if not self.health.may_try():
@@ -172,7 +174,7 @@ class FileStore:
         stored = nbytes = 0
         for i, (key, payload) in enumerate(items):
             try:
-                self._write(key, pack_header(ident, key, payload), payload)
+                self._write(key, pack_header(idents[i], key, payload), payload)
             except OSError as exc:
                 if exc.errno in _FULL:
                     self.health.write_rejected(1, f"{type(exc).__name__}: {exc}")

@@ -24,9 +24,10 @@ class L2Store(Protocol):
     def get_many(self, keys: Sequence[bytes], *, identity: bytes | None = None) -> list[memoryview | None]:
         """One entry per key: the payload as a read-only bytes-like view (no copy; ``bytes(v)``
         for a copy), or None on a miss, a refused value (checksum, length, identity, key), a
-        timeout, or the store down. ``identity``: whose blocks these are (default: the
-        ``identity`` given to open_l2); a value written for another identity is refused.
-        Raises ValueError only for malformed ``keys``."""
+        timeout, or the store down. A value written for another identity than the key's (the
+        identity digest a block_keys key starts with, or ``identity=`` / open_l2's
+        ``identity``) is refused. Raises ValueError only for malformed ``keys``, or a block key
+        made for another identity than an ``identity=`` given."""
         ...
 
     def put_many(self, items: Sequence[tuple[bytes, object]], *, identity: bytes | None = None) -> int:
@@ -49,7 +50,7 @@ def open_l2(url: str, *, timeout_s: float = 0.5, **opts) -> L2Store:
     """An L2Store for ``url``: ``redis://[USER:PASSWORD@]HOST[:PORT][/DB]``, ``rediss://...``
     (TLS), ``unix:///PATH[?db=N]``, or ``file:DIR`` (docs/l2.md lists every option).
 
-    Common options: ``identity`` (bytes, default b""), ``backoff_s`` / ``backoff_max_s`` (retry
+    Common options: ``identity`` (bytes; default: the one each block key carries), ``backoff_s`` / ``backoff_max_s`` (retry
     delay after an outage, 0.5 / 10 s). Redis: ``ttl_s``, ``key_prefix``, ``username``,
     ``password``, ``keys_per_mget``, ``write_batch_bytes``, ``max_value_bytes``, and redis-py's
     ``ssl_*``, ``max_connections``, ``client_name``. file: ``fsync``, ``file_mode``.

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 
 from radixkv.l2.health import Health
-from radixkv.l2.inputs import checked_items, checked_keys, identity_digest
+from radixkv.l2.inputs import checked_items, checked_keys, identities, identity_digest
 from radixkv.l2.url import L2Url
 from radixkv.l2.value_format import HEADER_BYTES, check, pack_into
 
@@ -59,7 +59,7 @@ class RedisStore:
         url: L2Url,
         *,
         timeout_s: float,
-        identity: bytes = b"",
+        identity: bytes | None = None,
         ttl_s: float | None = None,
         key_prefix: bytes = b"radixkv:",
         username: str | None = None,
@@ -137,7 +137,8 @@ class RedisStore:
         """One payload view per key (None: miss, refused, or Redis down/slow); one round trip
         (a pipeline of MGETs of ``keys_per_mget`` keys). Never raises for Redis' sake."""
         keys = checked_keys(keys, "get_many")
-        want = self._identity if identity is None else identity_digest(identity)
+        fixed = self._identity if identity is None else identity_digest(identity)
+        want = identities(keys, fixed, "get_many")
         out: list[memoryview | None] = [None] * len(keys)
         self.health.add(reads=len(keys))
         if not keys:
@@ -160,7 +161,7 @@ class RedisStore:
         for i, (key, value) in enumerate(zip(keys, replies)):
             if value is None:
                 continue
-            payload, reason = check(value, want, key)
+            payload, reason = check(value, want[i], key)
             if payload is None:
                 self.health.refused(reason, key)
                 continue
@@ -174,44 +175,52 @@ class RedisStore:
         """Store each ``(key, payload)``; the number stored. Never raises for Redis' sake: a value
         over ``max_value_bytes`` or one Redis rejects (full under noeviction, read-only) is
         counted in errors and logged once; Redis down or slow ends the call (bounded time)."""
-        items = checked_items(items)
-        ident = self._identity if identity is None else identity_digest(identity)
-        too_big = [item for item in items if item[1].nbytes + HEADER_BYTES > self._max_value_bytes]
-        if too_big:
-            self.health.write_rejected(len(too_big), f"value over max_value_bytes={self._max_value_bytes}")
-            items = [item for item in items if item[1].nbytes + HEADER_BYTES <= self._max_value_bytes]
-        if not items:
+        checked = checked_items(items)
+        fixed = self._identity if identity is None else identity_digest(identity)
+        idents = identities([k for k, _ in checked], fixed, "put_many")
+        todo = [
+            (k, v, d)
+            for (k, v), d in zip(checked, idents)
+            if v.nbytes + HEADER_BYTES <= self._max_value_bytes
+        ]
+        if len(todo) < len(checked):
+            self.health.write_rejected(
+                len(checked) - len(todo), f"value over max_value_bytes={self._max_value_bytes}"
+            )
+        if not todo:
             return 0
         if not self.health.may_try():
-            self.health.add(skipped=len(items))
+            self.health.add(skipped=len(todo))
             return 0
-        stored = 0
-        start = 0
-        while start < len(items):
+        stored = start = 0
+        while start < len(todo):
             batch_start, batch_bytes = start, 0
-            while start < len(items) and (start == batch_start or batch_bytes < self._write_batch_bytes):
-                batch_bytes += HEADER_BYTES + items[start][1].nbytes
+            while start < len(todo) and (start == batch_start or batch_bytes < self._write_batch_bytes):
+                batch_bytes += HEADER_BYTES + todo[start][1].nbytes
                 start += 1
             room = self._scratch(batch_bytes)
             batch = []
-            for key, payload in items[batch_start:start]:
+            for key, payload, ident in todo[batch_start:start]:
                 batch.append((key, pack_into(room, ident, key, payload)))
                 room = room[batch[-1][1].nbytes :]
             done = self._put_batch(batch)
             del batch, room  # the scratch buffer is reused by this thread's next batch
             if done is None:  # Redis down or slow: the rest is not tried
-                self.health.add(errors=len(items) - batch_start)
+                self.health.add(errors=len(todo) - batch_start)
                 return stored
             stored += done
         return stored
 
     def _scratch(self, nbytes: int) -> memoryview:
-        """This thread's reusable buffer for packing values, at least ``nbytes`` long. Reusing it
-        spares a fresh allocation per value (its first touch costs more than the copy itself
-        here); it holds up to ``write_batch_bytes`` plus one value per writing thread."""
+        """A buffer of at least ``nbytes`` to pack values into: this thread's reusable one (a
+        fresh allocation per value cost more than the copy itself, measured on this machine),
+        at most ``write_batch_bytes`` plus one value per writing thread; a one-off for a batch
+        larger than that (one huge value), so it is not kept."""
+        if nbytes > self._write_batch_bytes:
+            return memoryview(bytearray(nbytes))
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < nbytes:
-            buf = self._local.buf = bytearray(nbytes)  # a new one: the old may still be exported
+            buf = self._local.buf = bytearray(self._write_batch_bytes)  # never resized: views may live
         return memoryview(buf)
 
     def _put_batch(self, batch: list[tuple[bytes, memoryview]]) -> int | None:
