@@ -2,6 +2,7 @@
 # All set-up on a fresh machine, used by the README's two commands and by CI.
 #   bash scripts/install.sh          -> what the demo needs
 #   bash scripts/install.sh --dev    -> plus test tools and (as root) Debian's headless Chromium
+#                                       and redis-server
 # torch goes first and explicitly: a bare `torch` requirement with nothing installed would
 # pull the registry's newest CUDA build (several GB) onto a CPU machine.
 set -euo pipefail
@@ -24,6 +25,16 @@ fi
 extras=demo
 [ "$dev" = 1 ] && extras=dev,demo
 "$PY" -m pip install -q -e ".[$extras]"
+
+# The shared-tier tests (tests/test_l2_*.py) start a real redis-server; only root can apt-get it.
+if [ "$dev" = 1 ] && ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "install.sh: tests/test_l2_*.py skip without redis-server (as root: apt-get install redis-server)" >&2
+  fi
+fi
 
 # The browser test drives Debian's Chromium; only root can apt-get it.
 if [ "$dev" = 1 ] && [ "$browser" != no ] && ! command -v chromium >/dev/null 2>&1; then

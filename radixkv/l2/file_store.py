@@ -1,0 +1,202 @@
+"""The shared tier in a directory (``file:DIR``), e.g. on a filesystem several machines mount.
+
+One file per key under two fan-out levels (``DIR/ab/cd/abcd...``, 65,536 subdirectories at
+most), holding the same header and checksum as a Redis value (value_format.py). A write goes
+to a temporary name in the same subdirectory (``.NAME.PID.RANDOM.tmp``) and is renamed over the
+final name: a reader sees the old file, the new file or none, never part of one, on any POSIX
+filesystem where rename is atomic (local, NFS, CephFS, Lustre). A writer killed mid-write
+leaves a ``.tmp`` file nobody reads (docs/l2.md says how to sweep them).
+
+Nothing here evicts: DIR grows until the operator prunes it (docs/l2.md). ``timeout_s`` is not
+enforced: a hung network filesystem blocks the calling thread (the kernel decides; mount with
+``soft,timeo=`` to bound it). A missing DIR (unmounted) is an outage, as Redis down is; DIR is
+never created by a write (that would fill the mount point's local disk instead).
+
+Thread safe: every file operation is independent; the counters are in health.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+from collections.abc import Sequence
+
+import blake3
+
+from radixkv.l2.health import Health
+from radixkv.l2.inputs import checked_items, checked_keys, identities, identity_digest
+from radixkv.l2.url import L2Url
+from radixkv.l2.value_format import HEADER_BYTES, check, pack_header
+
+logger = logging.getLogger(__name__)
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+
+
+def _write_all(fd: int, parts: list[memoryview]) -> None:
+    """os.writev until every byte of ``parts`` is written (a write may be partial)."""
+    while parts:
+        n = os.writev(fd, parts)
+        while parts and n >= parts[0].nbytes:
+            n -= parts[0].nbytes
+            parts = parts[1:]
+        if parts and n:
+            parts = [parts[0][n:], *parts[1:]]
+
+
+class FileStore:
+    """L2Store on a directory (see l2_store.L2Store for the contract)."""
+
+    def __init__(
+        self,
+        url: L2Url,
+        *,
+        timeout_s: float,
+        identity: bytes | None = None,
+        fsync: bool = False,
+        file_mode: int = 0o600,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 10.0,
+    ):
+        root = os.path.abspath(url.path)
+        if not os.path.isdir(root):
+            raise ValueError(
+                f"L2 {url.redacted()}: directory {root!r} does not exist (create or mount it first)"
+            )
+        if not isinstance(file_mode, int) or not 0 <= file_mode <= 0o777:
+            raise ValueError(f"L2 file_mode must be a permission number like 0o600, got {file_mode!r}")
+        self.url = url
+        self.name = f"file:{root}"
+        self.root = root
+        self._identity = identity_digest(identity)
+        self._fsync = bool(fsync)
+        self._mode = file_mode
+        self.health = Health(self.name, backoff_s, backoff_max_s)
+
+    def path_of(self, key: bytes) -> str:
+        """The file that holds ``key``'s value (a long key is named by its BLAKE3 digest)."""
+        name = key.hex() if len(key) <= 64 else blake3.blake3(key).hexdigest()
+        return os.path.join(self.root, name[:2], name[2:4], name)
+
+    def _read(self, path: str) -> bytearray | None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            buf = bytearray(size)
+            view, got = memoryview(buf), 0
+            while got < size:
+                n = os.readv(fd, [view[got:]])
+                if n == 0:  # replaced files keep their inode: this only happens on a damaged filesystem
+                    return buf[:got]
+                got += n
+            return buf
+        finally:
+            os.close(fd)
+
+    def get_many(self, keys: Sequence[bytes], *, identity: bytes | None = None) -> list[memoryview | None]:
+        """One payload view per key (None: no file, refused, or DIR gone); never raises for I/O."""
+        keys = checked_keys(keys, "get_many")
+        fixed = self._identity if identity is None else identity_digest(identity)
+        want = identities(keys, fixed, "get_many")
+        out: list[memoryview | None] = [None] * len(keys)
+        self.health.add(reads=len(keys))
+        if not keys:
+            return out
+        if not self.health.may_try():
+            self.health.add(skipped=len(keys))
+            return out
+        if not os.path.isdir(self.root):
+            self.health.failed("get", FileNotFoundError(errno.ENOENT, "L2 directory is gone", self.root))
+            self.health.add(errors=len(keys))
+            return out
+        self.health.succeeded()
+        hits = nbytes = errors = 0
+        for i, key in enumerate(keys):
+            try:
+                value = self._read(self.path_of(key))
+            except OSError as exc:
+                errors += 1
+                logger.debug("L2 %s read %s: %s", self.name, key[:8].hex(), exc)
+                continue
+            if value is None:
+                continue
+            payload, reason = check(value, want[i], key)
+            if payload is None:
+                self.health.refused(reason, key)
+                continue
+            out[i] = payload
+            hits += 1
+            nbytes += payload.nbytes
+        self.health.add(hits=hits, errors=errors, bytes_read=nbytes)
+        return out
+
+    def _write(self, key: bytes, header: bytes, payload: memoryview) -> None:
+        path = self.path_of(key)
+        folder = os.path.dirname(path)
+        for d in (os.path.dirname(folder), folder):  # never DIR itself: see the module docstring
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                pass
+        tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self._mode)
+        try:
+            try:
+                _write_all(fd, [memoryview(header), payload])
+                if self._fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def put_many(self, items: Sequence[tuple[bytes, object]], *, identity: bytes | None = None) -> int:
+        """Write each ``(key, payload)`` (header + payload by writev, no concatenation); the number
+        written. A full or read-only filesystem is counted and logged once; DIR gone is an outage."""
+        items = checked_items(items)
+        fixed = self._identity if identity is None else identity_digest(identity)
+        idents = identities([k for k, _ in items], fixed, "put_many")
+        if not items:
+            return 0
+        if not self.health.may_try():
+            self.health.add(skipped=len(items))
+            return 0
+        stored = nbytes = 0
+        for i, (key, payload) in enumerate(items):
+            try:
+                self._write(key, pack_header(idents[i], key, payload), payload)
+            except OSError as exc:
+                if exc.errno in _FULL:
+                    self.health.write_rejected(1, f"{type(exc).__name__}: {exc}")
+                    continue
+                if not os.path.isdir(self.root):
+                    self.health.failed("put", exc)
+                    self.health.add(errors=len(items) - i)
+                    break
+                self.health.write_rejected(1, f"{type(exc).__name__}: {exc}")
+                continue
+            stored += 1
+            nbytes += HEADER_BYTES + payload.nbytes
+        if stored == len(items):
+            self.health.writes_accepted()
+        if stored:
+            self.health.succeeded()
+            self.health.add(writes=stored, bytes_written=nbytes)
+        return stored
+
+    def stats(self) -> dict[str, int]:
+        """The counters of health.COUNTERS, as RedisStore.stats()."""
+        return self.health.stats()
+
+    def close(self) -> None:
+        """Nothing to release (no file stays open between calls)."""

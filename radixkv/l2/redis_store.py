@@ -1,0 +1,258 @@
+"""The shared tier on Redis or Valkey (redis-py): batched MGET reads, pipelined SET writes.
+
+One ``RedisStore`` is safe to share between threads: redis-py's connection pool hands each
+call its own connection, the counters and the outage state sit behind one lock (health.py).
+No call raises because Redis is down, slow, full or refuses us: every socket connect and read
+is bounded by ``timeout_s``, redis-py's own retries are off (a retry would multiply the
+bound), and a failure starts an outage during which calls return misses at once until one
+probe finds Redis back (health.py). Values are checked on the way out (value_format.py).
+
+Memory: a write packs at most ``write_batch_bytes`` of values (header + payload, the one copy)
+before it sends them; a read returns views into the replies redis-py allocated (no copy).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from radixkv.l2.health import Health
+from radixkv.l2.inputs import checked_items, checked_keys, identities, identity_digest
+from radixkv.l2.url import L2Url
+from radixkv.l2.value_format import HEADER_BYTES, check, pack_into
+
+logger = logging.getLogger(__name__)
+
+# Options passed through to redis.Redis unchanged (TLS files and checks, pool size, name).
+PASSTHROUGH = (
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_ca_data",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_password",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+    "max_connections",
+    "client_name",
+    "socket_read_size",
+)
+MAX_VALUE_BYTES = 512 * 1024 * 1024  # Redis's default proto-max-bulk-len
+
+
+def _redis_module():
+    try:
+        import redis
+    except ImportError:
+        raise ImportError(
+            "an L2 on Redis needs redis-py: pip install 'radixkv[sidecar]' (or pip install 'redis>=5,<9')"
+        ) from None
+    return redis
+
+
+class RedisStore:
+    """L2Store on one Redis/Valkey server (see l2_store.L2Store for the contract)."""
+
+    def __init__(
+        self,
+        url: L2Url,
+        *,
+        timeout_s: float,
+        identity: bytes | None = None,
+        ttl_s: float | None = None,
+        key_prefix: bytes = b"radixkv:",
+        username: str | None = None,
+        password: str | None = None,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 10.0,
+        keys_per_mget: int = 64,
+        write_batch_bytes: int = 32 * 1024 * 1024,
+        max_value_bytes: int = MAX_VALUE_BYTES,
+        **redis_opts,
+    ):
+        redis = _redis_module()
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        unknown = set(redis_opts) - set(PASSTHROUGH)
+        if unknown:
+            raise ValueError(
+                f"L2 option(s) {sorted(unknown)} unknown for {url.scheme}:// (allowed also: {', '.join(PASSTHROUGH)})"
+            )
+        if url.scheme != "rediss" and any(k.startswith("ssl_") for k in redis_opts):
+            raise ValueError(
+                f"L2 TLS options {sorted(k for k in redis_opts if k.startswith('ssl_'))} need a rediss:// URL"
+            )
+        if ttl_s is not None and not ttl_s > 0:
+            raise ValueError(f"L2 ttl_s must be > 0 seconds or None, got {ttl_s!r}")
+        if not isinstance(key_prefix, bytes):
+            raise ValueError(f"L2 key_prefix must be bytes, got {type(key_prefix).__name__}")
+        for name, value in (
+            ("keys_per_mget", keys_per_mget),
+            ("write_batch_bytes", write_batch_bytes),
+            ("max_value_bytes", max_value_bytes),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"L2 {name} must be a positive int, got {value!r}")
+        for name, url_value, opt_value in (
+            ("username", url.username, username),
+            ("password", url.password, password),
+        ):
+            if url_value is not None and opt_value is not None and url_value != opt_value:
+                raise ValueError(f"L2 {name} given both in the URL and as an option, differently")
+        self.url = url
+        self.name = url.redacted()
+        self._identity = identity_digest(identity)
+        self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        self._prefix = key_prefix
+        self._keys_per_mget = keys_per_mget
+        self._write_batch_bytes = write_batch_bytes
+        self._max_value_bytes = max_value_bytes
+        self.health = Health(self.name, backoff_s, backoff_max_s)
+        self._local = threading.local()
+        redis_opts.setdefault("socket_read_size", 1024 * 1024)  # fewer, larger reads of big replies
+        kwargs = dict(
+            db=url.db,
+            username=username if username is not None else url.username,
+            password=password if password is not None else url.password,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),  # our own outage handling bounds the time; no hidden retries
+            health_check_interval=0,
+            **redis_opts,
+        )
+        if url.scheme == "unix":
+            kwargs["unix_socket_path"] = url.path
+        else:
+            kwargs.update(host=url.host, port=url.port, ssl=url.scheme == "rediss")
+        self._client = redis.Redis(**kwargs)
+        self._errors = (redis.RedisError, OSError)
+        self._response_error = redis.ResponseError
+
+    def _redis_key(self, key: bytes) -> bytes:
+        return self._prefix + key.hex().encode()
+
+    def get_many(self, keys: Sequence[bytes], *, identity: bytes | None = None) -> list[memoryview | None]:
+        """One payload view per key (None: miss, refused, or Redis down/slow); one round trip
+        (a pipeline of MGETs of ``keys_per_mget`` keys). Never raises for Redis' sake."""
+        keys = checked_keys(keys, "get_many")
+        fixed = self._identity if identity is None else identity_digest(identity)
+        want = identities(keys, fixed, "get_many")
+        out: list[memoryview | None] = [None] * len(keys)
+        self.health.add(reads=len(keys))
+        if not keys:
+            return out
+        if not self.health.may_try():
+            self.health.add(skipped=len(keys))
+            return out
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            step = self._keys_per_mget
+            for start in range(0, len(keys), step):
+                pipe.mget([self._redis_key(k) for k in keys[start : start + step]])
+            replies = [value for chunk in pipe.execute() for value in chunk]
+        except self._errors as exc:
+            self.health.failed("get", exc)
+            self.health.add(errors=len(keys))
+            return out
+        self.health.succeeded()
+        hits = nbytes = 0
+        for i, (key, value) in enumerate(zip(keys, replies)):
+            if value is None:
+                continue
+            payload, reason = check(value, want[i], key)
+            if payload is None:
+                self.health.refused(reason, key)
+                continue
+            out[i] = payload
+            hits += 1
+            nbytes += payload.nbytes
+        self.health.add(hits=hits, bytes_read=nbytes)
+        return out
+
+    def put_many(self, items: Sequence[tuple[bytes, object]], *, identity: bytes | None = None) -> int:
+        """Store each ``(key, payload)``; the number stored. Never raises for Redis' sake: a value
+        over ``max_value_bytes`` or one Redis rejects (full under noeviction, read-only) is
+        counted in errors and logged once; Redis down or slow ends the call (bounded time)."""
+        checked = checked_items(items)
+        fixed = self._identity if identity is None else identity_digest(identity)
+        idents = identities([k for k, _ in checked], fixed, "put_many")
+        todo = [
+            (k, v, d)
+            for (k, v), d in zip(checked, idents)
+            if v.nbytes + HEADER_BYTES <= self._max_value_bytes
+        ]
+        if len(todo) < len(checked):
+            self.health.write_rejected(
+                len(checked) - len(todo), f"value over max_value_bytes={self._max_value_bytes}"
+            )
+        if not todo:
+            return 0
+        if not self.health.may_try():
+            self.health.add(skipped=len(todo))
+            return 0
+        stored = start = 0
+        while start < len(todo):
+            batch_start, batch_bytes = start, 0
+            while start < len(todo) and (start == batch_start or batch_bytes < self._write_batch_bytes):
+                batch_bytes += HEADER_BYTES + todo[start][1].nbytes
+                start += 1
+            room = self._scratch(batch_bytes)
+            batch = []
+            for key, payload, ident in todo[batch_start:start]:
+                batch.append((key, pack_into(room, ident, key, payload)))
+                room = room[batch[-1][1].nbytes :]
+            done = self._put_batch(batch)
+            del batch, room  # the scratch buffer is reused by this thread's next batch
+            if done is None:  # Redis down or slow: the rest is not tried
+                self.health.add(errors=len(todo) - batch_start)
+                return stored
+            stored += done
+        return stored
+
+    def _scratch(self, nbytes: int) -> memoryview:
+        """A buffer of at least ``nbytes`` to pack values into: this thread's reusable one (a
+        fresh allocation per value cost more than the copy itself, measured on this machine),
+        at most ``write_batch_bytes`` plus one value per writing thread; a one-off for a batch
+        larger than that (one huge value), so it is not kept."""
+        if nbytes > self._write_batch_bytes:
+            return memoryview(bytearray(nbytes))
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.buf = bytearray(self._write_batch_bytes)  # never resized: views may live
+        return memoryview(buf)
+
+    def _put_batch(self, batch: list[tuple[bytes, memoryview]]) -> int | None:
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key, value in batch:
+                pipe.set(self._redis_key(key), value, px=self._ttl_ms)
+            results = pipe.execute(raise_on_error=False)
+        except self._errors as exc:
+            self.health.failed("put", exc)
+            return None
+        self.health.succeeded()
+        stored = sum(1 for r in results if r is True)
+        rejected = [r for r in results if r is not True]
+        if rejected:
+            self.health.write_rejected(len(rejected), f"{type(rejected[0]).__name__}: {rejected[0]}")
+        else:
+            self.health.writes_accepted()
+        if stored:
+            self.health.add(
+                writes=stored, bytes_written=sum(v.nbytes for (_, v), r in zip(batch, results) if r is True)
+            )
+        return stored
+
+    def stats(self) -> dict[str, int]:
+        """Counters: reads/hits (keys), writes (values stored), errors, refused, skipped (keys not
+        tried during an outage), outages, bytes_read, bytes_written; down (1 during an outage)."""
+        return self.health.stats()
+
+    def close(self) -> None:
+        """Close every pooled connection; the store must not be used afterwards."""
+        try:
+            self._client.close()
+        except self._errors as exc:  # closing a dead connection
+            logger.debug("L2 %s close: %s", self.name, exc)

@@ -1,0 +1,123 @@
+"""What one value in the shared tier holds: an 80-byte header, then the payload.
+
+Header (little-endian)::
+
+    magic      4 bytes  b"rkL2"
+    version    u16      FORMAT_VERSION
+    reserved   u16      0
+    length     u64      payload length in bytes
+    identity   16 bytes BLAKE3(identity)[:16]: whose block this is
+    key        16 bytes BLAKE3(key)[:16]: the key the value was stored under
+    checksum   32 bytes BLAKE3(the 48 header bytes above || payload)
+
+A value is refused (``check`` returns a reason, never the payload) when it is shorter than a
+header, has another magic or version, a length that disagrees with its size (truncated or
+extended), another identity, another key (a value copied under the wrong key), or a checksum
+that does not match (any flipped bit, header included). Like the cache files' checksums this
+guards against damage and mix-ups, not against someone who can write to the store: they can
+write a matching checksum too (docs/l2.md "Security").
+
+Copies: ``pack_into`` makes the one copy a store needs (header and payload into one buffer,
+since a Redis value is one string); ``check`` returns a memoryview into the fetched value, no copy.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import blake3
+
+MAGIC = b"rkL2"
+FORMAT_VERSION = 1
+_FIXED = struct.Struct("<4sHHQ16s16s")  # everything the checksum follows
+HEADER_BYTES = _FIXED.size + 32
+DIGEST_BYTES = 16
+
+# The reasons a value is refused (also the names the stores log and count).
+SHORT, MAGIC_KIND, VERSION, LENGTH, IDENTITY, KEY, CHECKSUM = (
+    "short",
+    "magic",
+    "version",
+    "length",
+    "identity",
+    "key",
+    "checksum",
+)
+
+WHY = {
+    SHORT: "shorter than a header",
+    MAGIC_KIND: "not a radixkv value",
+    VERSION: "another value format version",
+    LENGTH: "truncated or extended",
+    IDENTITY: "written for another model identity",
+    KEY: "stored under another key",
+    CHECKSUM: "checksum mismatch: damaged",
+}
+
+
+def digest16(data: bytes) -> bytes:
+    """BLAKE3(data)[:16]: how the header names an identity or a key."""
+    return blake3.blake3(data).digest(length=DIGEST_BYTES)
+
+
+def _checksum(fixed: bytes | memoryview, payload: memoryview) -> bytes:
+    h = blake3.blake3(fixed)
+    h.update(payload)  # the blake3 package releases the GIL while it hashes large inputs
+    return h.digest()
+
+
+def as_bytes_view(payload: object) -> memoryview:
+    """A flat byte view of any C-contiguous buffer (bytes, bytearray, memoryview, numpy); no copy."""
+    view = memoryview(payload)
+    if not view.c_contiguous:
+        raise ValueError("L2 payload must be a C-contiguous buffer")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def pack_header(identity_digest: bytes, key: bytes, payload: memoryview) -> bytes:
+    """The 80 header bytes for ``payload`` stored under ``key`` (O(len(payload)) for the checksum)."""
+    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, 0, payload.nbytes, identity_digest, digest16(key))
+    return fixed + _checksum(fixed, payload)
+
+
+def pack_into(dest: memoryview, identity_digest: bytes, key: bytes, payload: memoryview) -> memoryview:
+    """Write header and payload to the start of ``dest`` (the one copy a write makes); the view
+    of ``dest`` they fill. ``dest`` must hold ``HEADER_BYTES + payload.nbytes`` bytes."""
+    n = HEADER_BYTES + payload.nbytes
+    if dest.nbytes < n:
+        raise ValueError(f"pack_into: {dest.nbytes} bytes of room for a {n}-byte value")
+    dest[:HEADER_BYTES] = pack_header(identity_digest, key, payload)
+    dest[HEADER_BYTES:n] = payload
+    return dest[:n]
+
+
+def pack(identity_digest: bytes, key: bytes, payload: memoryview) -> memoryview:
+    """Header and payload in one new buffer; a view of it."""
+    return pack_into(memoryview(bytearray(HEADER_BYTES + payload.nbytes)), identity_digest, key, payload)
+
+
+def check(
+    value: bytes | bytearray | memoryview, identity_digest: bytes, key: bytes
+) -> tuple[memoryview | None, str | None]:
+    """``(payload view, None)`` for a sound value stored under ``key`` for this identity,
+    ``(None, reason)`` otherwise (reason: one of the kinds above). Never raises on any bytes.
+    """
+    view = memoryview(value)
+    if view.nbytes < HEADER_BYTES:
+        return None, SHORT
+    fixed = view[: _FIXED.size]
+    magic, version, reserved, length, ident, key_digest = _FIXED.unpack(fixed)
+    if magic != MAGIC:
+        return None, MAGIC_KIND
+    if version != FORMAT_VERSION or reserved != 0:
+        return None, VERSION
+    if length != view.nbytes - HEADER_BYTES:
+        return None, LENGTH
+    if ident != identity_digest:
+        return None, IDENTITY
+    if key_digest != digest16(key):
+        return None, KEY
+    payload = view[HEADER_BYTES:]
+    if _checksum(fixed, payload) != view[_FIXED.size : HEADER_BYTES]:
+        return None, CHECKSUM
+    return payload, None
