@@ -36,7 +36,12 @@ def workspace(tmp_path_factory):
 
 
 def run_cli(
-    workspace, model: str, name: str, model_args: str = "", launcher=(sys.executable, "-m", "evalrun")
+    workspace,
+    model: str,
+    name: str,
+    model_args: str = "",
+    launcher=(sys.executable, "-m", "evalrun"),
+    env: dict | None = None,
 ):
     """One lm-eval run on the command line; returns (samples, results, stdout)."""
     tmp, model_dir, tasks = workspace
@@ -52,7 +57,9 @@ def run_cli(
         "--log_samples",
         "--output_path", str(out),
     ]  # fmt: skip
-    proc = subprocess.run(command, env=offline_env(tmp), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        command, env={**offline_env(tmp), **(env or {})}, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, f"{' '.join(command)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return read_samples(out), read_results(out), proc.stdout
 
@@ -123,19 +130,45 @@ def test_simple_evaluate_with_a_radixlm_and_a_cache_file_starts_warm(workspace, 
     assert computed[1] < computed[0] / 4 and computed[1] >= distinct_inputs
 
 
+TWO_RANKS = (
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc_per_node",
+    "2",
+    "-m",
+    "evalrun",
+)
+
+
 @pytest.mark.parametrize("split", ["affine", "docs"])
 def test_two_cpu_ranks_under_torchrun_give_the_numbers_of_model_hf(workspace, hf, split):
-    launcher = (
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "evalrun",
-    )
-    samples, results, stdout = run_cli(workspace, "radixkv", f"ranks-{split}", f",split={split}", launcher)
+    samples, results, stdout = run_cli(workspace, "radixkv", f"ranks-{split}", f",split={split}", TWO_RANKS)
+    check_two_ranks(hf, split, samples, results, stdout)
+
+
+def test_two_cpu_ranks_sharing_a_sidecar_give_the_numbers_of_model_hf(workspace, hf, tmp_path_factory):
+    from tests.sidecar_process import sidecar_stats, start_sidecar
+
+    path = tmp_path_factory.mktemp("sc") / "s.sock"
+    sidecar = start_sidecar(path)
+    try:
+        env = {"RADIXKV_SIDECAR": str(path)}
+        samples, results, stdout = run_cli(
+            workspace, "radixkv", "ranks-sidecar", ",split=docs", TWO_RANKS, env
+        )
+        check_two_ranks(hf, "docs", samples, results, stdout)
+        stats = sidecar_stats(path)
+    finally:
+        sidecar.kill()
+        sidecar.wait()
+    # Both ranks attached and wrote their prefixes through; nothing is left pinned.
+    assert stats["clients_total"] >= 2 and stats["inserted_tokens"] > 0, stats
+    assert stats["open_leases"] == stats["open_txns"] == stats["pinned_blocks"] == 0, stats
+
+
+def check_two_ranks(hf, split, samples, results, stdout) -> None:
     if split == "docs":
         # lm-eval's own data-parallel padding: a rank with fewer requests of a type runs its last
         # request again, and that request logs both responses. The first is the real one.

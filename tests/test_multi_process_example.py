@@ -38,3 +38,28 @@ def test_two_ranks_route_by_prefix_and_match_stock(tmp_path):
         usage = [r["response"]["body"]["usage"] for r in results
                  if r["error"] is None and r["custom_id"].startswith(f"chat-{s}-")]  # fmt: skip
         assert sum(u["prompt_tokens_details"]["cached_tokens"] > 0 for u in usage) >= 5, json.dumps(usage)
+
+
+@pytest.mark.slow
+def test_two_round_robin_ranks_through_one_sidecar_match_stock(tmp_path):
+    from tests.sidecar_process import sidecar_stats, start_sidecar
+
+    model_dir = save_tiny_model(tmp_path / "model")
+    raw = write_requests(tmp_path / "requests.jsonl", questions_per_system=2)
+    output = tmp_path / "results.jsonl"
+    path = tmp_path / "s.sock"
+    sidecar = start_sidecar(path)
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RADIXKV_SIDECAR": str(path)}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "batchrun", "--model", str(model_dir), "--input", str(tmp_path / "requests.jsonl"),
+               "--output", str(output), "--cpu", "--no-progress", "--routing", "round-robin"]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        check_results(output, raw, stock_answers(model_dir, raw))
+        stats = sidecar_stats(path)
+    finally:
+        sidecar.kill()
+        sidecar.wait()
+    assert stats["clients_total"] >= 2 and stats["inserted_tokens"] > 0, stats
+    assert stats["open_leases"] == stats["open_txns"] == stats["pinned_blocks"] == 0, stats

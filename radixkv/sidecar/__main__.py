@@ -76,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         from radixkv.l2 import open_l2  # the L2 tier is optional: only imported with --l2
         from radixkv.sidecar.l2_writer import L2Writer
 
-        l2 = open_l2(args.l2, timeout_s=args.l2_timeout)
+        try:
+            l2 = open_l2(args.l2, timeout_s=args.l2_timeout)
+        except (ValueError, ImportError) as e:
+            parser.error(f"--l2: {e}")
         writer = L2Writer(l2)
     try:
         state = Sidecar(args.host_bytes, l2=l2, l2_writer=writer.put if writer else None)
