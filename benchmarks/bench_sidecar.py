@@ -1,0 +1,318 @@
+"""The sidecar: what sharing one prefix cache between processes saves. Run by hand (never a test)::
+
+    python -m benchmarks.bench_sidecar                         # all parts
+    python -m benchmarks.bench_sidecar --parts ttft,memory     # a subset: ranks, ttft, memory
+
+1. ``ranks``: two CPU ranks under torchrun, without and with one sidecar, against one process:
+   evalrun (lm-eval, ``split=docs``: lm-eval's document striding, so both ranks meet every task's
+   few-shot preamble) and batchrun (``--routing round-robin``: both ranks meet every document).
+   Prompt tokens computed and wall time (torchrun start-up included).
+2. ``ttft``: replica B's first request on a 2,000-token document that replica A computed:
+   through the sidecar (B's own pool is empty), against a local hit in B's device pool, a local
+   host-tier hit, and computing the document. A and B are two stores with two sidecar connections
+   in this process: B's read is the same socket round trip and shared-memory copy as across
+   processes. Sides interleaved, medians.
+3. ``memory``: four processes sharing one 2,000-token system prompt, one after another: four
+   private host tiers (the prompt demoted into each) against no host tier and one sidecar. PSS
+   (proportional set size: shared pages counted once over all processes) of every process,
+   summed, each side's processes otherwise identical.
+
+Model: benchmarks/bench_hf.py's random Llama (hidden 512, 8 layers, 4 KV heads, fp32: 16 KiB of
+KV per token) for parts 2-3; demo's builtin (Llama 512x6) for part 1, as bench_eval/bench_batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_sidecar(path: Path, host_bytes: str = "2G") -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixkv.sidecar", "--socket", str(path), "--host-bytes", host_bytes,
+         "--log-level", "WARNING"], env=env, cwd=ROOT,
+    )  # fmt: skip
+    while not path.exists():
+        if proc.poll() is not None:
+            raise SystemExit("the sidecar did not start")
+        time.sleep(0.05)
+    return proc
+
+
+def sidecar_stats(path: Path) -> dict:
+    out = subprocess.run([sys.executable, "-m", "radixkv.sidecar", "stats", "--socket", str(path)],
+                         capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    return json.loads(out.stdout)
+
+
+# -- 1. ranks -------------------------------------------------------------------------------------
+def _run(cmd: list[str], env: dict) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    seconds = time.perf_counter() - t0
+    if res.returncode:
+        raise SystemExit(res.stdout[-2000:] + res.stderr[-3000:])
+    return seconds, res.stdout
+
+
+def _sides(work: Path, launch, env: dict, parse) -> None:
+    for name, nproc, sidecar in (
+        ("one process", 1, False),
+        ("2 ranks", 2, False),
+        ("2 ranks + sidecar", 2, True),
+    ):
+        side_env = dict(env)
+        proc = None
+        if sidecar:
+            path = work / f"s{time.monotonic_ns()}.sock"
+            proc = start_sidecar(path)
+            side_env["RADIXKV_SIDECAR"] = str(path)
+        try:
+            seconds, stdout = _run(launch(nproc, name.replace(" ", "_").replace("+", "")), side_env)
+        finally:
+            if proc is not None:
+                hits = sidecar_stats(path)["hit_tokens"]
+                proc.kill()
+                proc.wait()
+        prompt, computed = parse(stdout)
+        extra = f", sidecar hit tokens {hits}" if sidecar else ""
+        print(
+            f"   {name:<18} prompt tokens {prompt:7d}, computed {computed:7d}, wall {seconds:6.1f} s{extra}",
+            flush=True,
+        )
+
+
+def part_ranks(args) -> None:
+    from benchmarks.bench_eval import MC_SHAPE, save_models
+    from tests.eval_tasks import offline_env, write_tasks
+
+    work = Path(tempfile.mkdtemp(prefix="bench_sidecar_"))
+    model_dir = save_models(work / "models", ["builtin"])["builtin"]
+    tasks_dir = work / "tasks"
+    tasks = [
+        write_tasks(tasks_dir, f"subject{i}", questions=args.rank_questions, seed=10 + i, **MC_SHAPE)[0]
+        for i in range(4)
+    ]
+    env = {**offline_env(work), "OMP_NUM_THREADS": "1"}
+    figure = re.compile(r"^\|(rank \d+|all ranks)\s*\|\s*(\d+)\|\s*(\d+)\|\s*(\d+)\|", re.M)
+
+    def eval_cmd(nproc: int, name: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                "-m", "evalrun", "--model", "radixkv",
+                "--model_args", f"pretrained={model_dir},dtype=float32,split=docs",
+                "--tasks", ",".join(tasks), "--include_path", str(tasks_dir), "--batch_size", "8", "--device", "cpu"]  # fmt: skip
+
+    def eval_figures(stdout: str) -> tuple[int, int]:
+        rows = {m[1]: (int(m[2]), int(m[4])) for m in figure.finditer(stdout)}
+        return rows.get("all ranks") or rows["rank 0"]
+
+    print(f"\n1a. evalrun split=docs, 4 MMLU-shape tasks x {args.rank_questions} questions x 4 choices, "
+          "Llama 512x6 (demo builtin), 1 thread a rank", flush=True)  # fmt: skip
+    _sides(work, eval_cmd, env, eval_figures)
+
+    from demo.model.loading import build_builtin
+
+    rng = random.Random(7)
+    docs = [[rng.randrange(300, 750) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
+    with open(work / "requests.jsonl", "w") as f:
+        for i in range(args.prompts):
+            prompt = docs[i % args.docs] + [rng.randrange(300, 750) for _ in range(rng.randrange(15, 30))]
+            body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+            f.write(
+                json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body})
+                + "\n"
+            )
+    small, tokenizer = build_builtin("builtin")
+    small.save_pretrained(work / "batch_model")
+    tokenizer.save_pretrained(work / "batch_model")
+
+    def batch_cmd(nproc: int, name: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                "-m", "batchrun", "--model", str(work / "batch_model"), "--input", str(work / "requests.jsonl"),
+                "--output", str(work / f"{name}.jsonl"), "--routing", "round-robin", "--cpu", "--no-progress",
+                "--max-batch-size", "4"]  # fmt: skip
+
+    def batch_figures(stdout: str) -> tuple[int, int]:
+        m = re.search(r"prompt tokens (\d+), computed (\d+), hit rate", stdout)
+        return int(m[1]), int(m[2])
+
+    print(f"\n1b. batchrun --routing round-robin, {args.prompts} completions over {args.docs} documents of "
+          f"{args.doc_tokens} tokens (+ a 15-29-token question, 4 new tokens), batches of 4", flush=True)  # fmt: skip
+    _sides(work, batch_cmd, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, batch_figures)
+
+
+# -- 2. ttft --------------------------------------------------------------------------------------
+def part_ttft(args) -> None:
+    import torch
+
+    import hf_patch
+    from benchmarks.bench_hf import build_model, document, ids, timed, ttft
+    from hf_patch import RadixCache
+
+    model = build_model()
+    work = Path(tempfile.mkdtemp(prefix="bench_sidecar_"))
+    path = work / "s.sock"
+    proc = start_sidecar(path)
+    rng = random.Random(3)
+    n = args.ttft_tokens
+    budget = dict(block_size=16, budget_tokens=4 * n)
+    local = hf_patch.build_store(model, **budget)
+    host = hf_patch.build_store(model, **budget, host_cache_tokens=4 * n)
+    a = hf_patch.build_store(model, **budget, sidecar=path)
+    timed(model, ids(document(rng, 32)))  # warm-up
+    times: dict[str, list[float]] = {
+        k: [] for k in ("compute", "local hit", "local host-tier hit", "sidecar hit")
+    }
+    cached: dict[str, list[int]] = {k: [] for k in times}
+    try:
+        for r in range(args.rounds):
+            doc = document(rng, n)
+            # The document computed once in every store that serves it (replica A through the sidecar).
+            for store in (local, host, a):
+                model.generate(
+                    ids(doc + document(rng, 16)), past_key_values=RadixCache(store), max_new_tokens=1
+                )
+            assert a.remote.flush(60)
+            with host._lock:  # every unpinned device block demoted: the document now lives on the host tier
+                host._make_room_locked(0, host.pool.num_blocks)
+            b = hf_patch.build_store(model, **budget, sidecar=path)  # replica B: nothing of its own yet
+            sides = {
+                "compute": lambda: RadixCache(hf_patch.build_store(model, **budget)),
+                "local hit": lambda: RadixCache(local),
+                "local host-tier hit": lambda: RadixCache(host),
+                "sidecar hit": lambda b=b: RadixCache(b),
+            }
+            order = list(sides) if r % 2 == 0 else list(reversed(sides))
+            question = document(rng, 16)
+            for name in order:
+                cache = sides[name]()
+                times[name].append(ttft(timed(model, ids(doc + question), past_key_values=cache)))
+                cached[name].append(cache.cached_tokens[0])
+            b.remote.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    print(f"\n2. TTFT, a {n}-token document + a 16-token question, 1 new token, Llama 512x8 fp32 "
+          f"({local.pool.bytes_per_token} bytes of KV a token), torch threads {torch.get_num_threads()}, "
+          f"{args.rounds} rounds", flush=True)  # fmt: skip
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for name, value in med.items():
+        print(f"   {name:<20} median {value * 1e3:8.1f} ms, cached {statistics.median(cached[name]):6.0f} tokens; "
+              f"compute/this {med['compute'] / value:5.1f}x, this/local host hit {value / med['local host-tier hit']:4.2f}x")  # fmt: skip
+
+
+# -- 3. memory ------------------------------------------------------------------------------------
+WORKER = r"""
+import sys, time, random, torch
+sys.path.insert(0, {root!r})
+import hf_patch
+from benchmarks.bench_hf import build_model, document, ids
+torch.set_num_threads(1)
+model = build_model()
+rng = random.Random(11)
+prompt = document(rng, {n})
+kw = dict(block_size=16, budget_tokens={device})
+store = hf_patch.build_store(model, **kw, sidecar={sidecar!r}) if {sidecar!r} else hf_patch.build_store(model, **kw, host_cache_tokens={host})
+cache = hf_patch.RadixCache(store)
+model.generate(ids(prompt + document(random.Random({i}), 16)), past_key_values=cache, max_new_tokens=1)
+if store.remote is not None:
+    store.remote.flush(60)
+if store.host_pool is not None:
+    with store._lock:
+        store._make_room_locked(0, store.pool.num_blocks)
+print("ready", cache.cached_tokens[0], flush=True)
+time.sleep(3600)
+"""
+
+
+def pss(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no Pss line")
+
+
+def part_memory(args) -> None:
+    n = args.memory_tokens
+    work = Path(tempfile.mkdtemp(prefix="bench_sidecar_"))
+    print(f"\n3. four processes sharing one {n}-token system prompt (Llama 512x8 fp32, 16 KiB a token: "
+          f"{n * 16 / 1024:.1f} MiB of KV), started one after another", flush=True)  # fmt: skip
+    totals = {}
+    for side in ("private host tiers", "one sidecar"):
+        sidecar_proc = None
+        sock = ""
+        if side == "one sidecar":
+            sock = str(work / "s.sock")
+            sidecar_proc = start_sidecar(Path(sock))
+        workers = []
+        try:
+            for i in range(4):
+                code = WORKER.format(root=str(ROOT), n=n, device=n + 512, host=n + 512, sidecar=sock, i=i)
+                p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+                line = p.stdout.readline().split()
+                if not line or line[0] != "ready":
+                    raise SystemExit(f"worker {i} failed")
+                workers.append((p, int(line[1])))
+            time.sleep(1)
+            per = [pss(p.pid) for p, _ in workers]
+            side_total = sum(per) + (pss(sidecar_proc.pid) if sidecar_proc else 0)
+            totals[side] = side_total
+            cached = [c for _, c in workers]
+            extra = f", sidecar {pss(sidecar_proc.pid) / 2**20:.1f} MiB" if sidecar_proc else ""
+            print(f"   {side:<19} PSS per process {[round(x / 2**20, 1) for x in per]} MiB{extra}; "
+                  f"total {side_total / 2**20:.1f} MiB; cached tokens per process {cached}", flush=True)  # fmt: skip
+        finally:
+            for p, _ in workers:
+                p.kill()
+                p.wait()
+            if sidecar_proc is not None:
+                sidecar_proc.kill()
+                sidecar_proc.wait()
+    saved = totals["private host tiers"] - totals["one sidecar"]
+    print(
+        f"   saved {saved / 2**20:.1f} MiB = {saved / (n * 16 * 1024):.2f} copies of the prompt's KV",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--parts", default="ranks,ttft,memory")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--ttft-tokens", type=int, default=2000)
+    parser.add_argument("--memory-tokens", type=int, default=2000)
+    parser.add_argument("--rank-questions", type=int, default=32, help="per task, four tasks")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--docs", type=int, default=4)
+    parser.add_argument("--doc-tokens", type=int, default=600)
+    args = parser.parse_args()
+    print(f"load {os.getloadavg()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    parts = args.parts.split(",")
+    if "ttft" in parts:
+        part_ttft(args)
+    if "memory" in parts:
+        part_memory(args)
+    if "ranks" in parts:
+        part_ranks(args)
+    print(f"load after {os.getloadavg()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
