@@ -102,6 +102,21 @@ def _client(args) -> None:
     print(json.dumps({"cached": out, "remote_hit_tokens": remote}))
 
 
+def _commit_and_exit(args) -> None:
+    """generate() once and exit at once: the write-through queue is flushed at exit."""
+    import torch
+
+    import hf_patch
+    from tests.hf_models import build, ids, tokens
+
+    model = build("llama-sdpa")
+    prompt = ids(document(args.doc_seed) + tokens(QUESTION_LEN, 1000))
+    cache = hf_patch.RadixCache()
+    out = model.generate(prompt, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    assert torch.equal(out, model.generate(prompt, max_new_tokens=3, do_sample=False))
+    print(json.dumps({"cached": [cache.cached_tokens[0]]}), flush=True)
+
+
 def _half_write(args) -> None:
     import torch
 
@@ -133,13 +148,13 @@ def _half_write(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["client", "half-write"])
+    parser.add_argument("what", choices=["client", "commit-and-exit", "half-write"])
     parser.add_argument("--socket")
     parser.add_argument("--doc-seed", type=int, default=0)
     parser.add_argument("--run", action="append", default=[])
     parser.add_argument("--pin-seed", type=int, default=0)
     args = parser.parse_args()
-    (_client if args.what == "client" else _half_write)(args)
+    {"client": _client, "commit-and-exit": _commit_and_exit, "half-write": _half_write}[args.what](args)
 
 
 if __name__ == "__main__":

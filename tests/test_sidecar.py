@@ -42,7 +42,8 @@ def sock(tmp_path_factory):
 
 
 def test_a_document_computed_by_one_process_is_served_to_a_fresh_one(sock):
-    assert run_client(sock, "client", "--run", "1:11")["cached"] == [0]
+    # Process A exits right after its generate(): its prefixes reach the sidecar on the way out.
+    assert run_client(sock, "commit-and-exit", "--doc-seed", "1")["cached"] == [0]
     # A fresh process: the document's whole blocks come from the sidecar. Another model of the
     # same shape (other weights) and another namespace read nothing of it.
     b = run_client(sock, "client", "--run", "1:12", "--run", "1:12::7", "--run", "1:12:tenant-b")

@@ -40,7 +40,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from radixkv.sidecar.layout import KVLayout, PoolGeometry
-from radixkv.sidecar.protocol import FrameBuffer, recv, send
+from radixkv.sidecar.protocol import FrameBuffer, ProtocolError, recv, send
 from radixkv.store.pool import BlockPool
 from radixkv.store.tier import copy_blocks
 from radixkv.tree.node import PackedTokens
@@ -198,7 +198,7 @@ class SidecarTier:
             try:
                 send(self._sock, header, body)
                 answer = recv(self._sock, self._buffer)[0] if reply else {}
-            except (OSError, ConnectionError) as e:
+            except (OSError, ConnectionError, ProtocolError) as e:  # a broken stream: start again
                 self._lost_locked(e)
                 raise SidecarDown(str(e)) from None
             if "error" in answer:
@@ -248,6 +248,9 @@ class SidecarTier:
                     target=self._write_loop, name="radixkv-sidecar-writer", daemon=True
                 )
                 self._writer.start()
+                # A process that commits and exits (a batch rank, a script) still hands its last
+                # prefixes over; bounded, so a hung sidecar cannot hold the exit for long.
+                atexit.register(self.flush, EXIT_FLUSH_S)
             self._cond.notify()
 
     def flush(self, timeout: float = 10.0) -> bool:

@@ -108,7 +108,11 @@ class KVStore:
             and self.remote is not None
             and query.num_tokens // self.block_size * self.block_size > match.num_tokens
         ):
-            lease.remote = self.remote.lookup(query, namespace, match.num_tokens)
+            try:
+                lease.remote = self.remote.lookup(query, namespace, match.num_tokens)
+            except BaseException:  # a fault there is no hit, never a pin left behind
+                lease.release()
+                raise
         return lease
 
     def read(
