@@ -1,7 +1,7 @@
 """The sidecar: what sharing one prefix cache between processes saves. Run by hand (never a test)::
 
     python -m benchmarks.bench_sidecar                         # all parts
-    python -m benchmarks.bench_sidecar --parts ttft,memory     # a subset: ranks, ttft, memory
+    python -m benchmarks.bench_sidecar --parts ttft,memory     # a subset: ranks, ttft, memory, write
 
 1. ``ranks``: two CPU ranks under torchrun, without and with one sidecar, against one process:
    evalrun (lm-eval, ``split=docs``: lm-eval's document striding, so both ranks meet every task's
@@ -16,6 +16,8 @@
    private host tiers (the prompt demoted into each) against no host tier and one sidecar. PSS
    (proportional set size: shared pages counted once over all processes) of every process,
    summed, each side's processes otherwise identical.
+4. ``write``: the cost of write-through: generate() of a 2,000-token miss with a local store vs
+   one with a sidecar (the copy to the sidecar is queued), and the background write's duration.
 
 Model: benchmarks/bench_hf.py's random Llama (hidden 512, 8 layers, 4 KV heads, fp32: 16 KiB of
 KV per token) for parts 2-3; demo's builtin (Llama 512x6) for part 1, as bench_eval/bench_batch.
@@ -214,6 +216,51 @@ def part_ttft(args) -> None:
               f"compute/this {med['compute'] / value:5.1f}x, this/local host hit {value / med['local host-tier hit']:4.2f}x")  # fmt: skip
 
 
+# -- 4. write-through cost ------------------------------------------------------------------------
+def part_write(args) -> None:
+    """A miss computed and committed: generate() wall time with a local store vs one with a
+    sidecar (write-through queued), and how long the background write then takes."""
+    import hf_patch
+    from benchmarks.bench_hf import build_model, document, ids
+    from hf_patch import RadixCache
+
+    model = build_model()
+    work = Path(tempfile.mkdtemp(prefix="bench_sidecar_"))
+    path = work / "s.sock"
+    proc = start_sidecar(path)
+    n = args.ttft_tokens
+    rng = random.Random(9)
+    budget = dict(block_size=16, budget_tokens=(args.rounds + 2) * (n + 32))
+    sides = {"local store": hf_patch.build_store(model, **budget),
+             "store + sidecar": hf_patch.build_store(model, **budget, sidecar=path)}  # fmt: skip
+    model.generate(ids(document(rng, 32)), max_new_tokens=1)
+    walls: dict[str, list[float]] = {k: [] for k in sides}
+    flushes: list[float] = []
+    try:
+        for r in range(args.rounds):
+            prompt = ids(document(rng, n))
+            for name in sides if r % 2 == 0 else reversed(list(sides)):
+                store = sides[name]
+                t0 = time.perf_counter()
+                model.generate(prompt, past_key_values=RadixCache(store), max_new_tokens=1, do_sample=False)
+                walls[name].append(time.perf_counter() - t0)
+                if store.remote is not None:
+                    t0 = time.perf_counter()
+                    assert store.remote.flush(60)
+                    flushes.append(time.perf_counter() - t0)
+    finally:
+        proc.kill()
+        proc.wait()
+    base = statistics.median(walls["local store"])
+    print(f"\n4. write-through: a {n}-token miss computed and committed, {args.rounds} rounds", flush=True)
+    for name, values in walls.items():
+        print(
+            f"   {name:<16} generate() median {statistics.median(values) * 1e3:8.1f} ms ({statistics.median(values) / base:4.2f}x)"
+        )
+    print(f"   background write to the sidecar after it: median {statistics.median(flushes) * 1e3:.1f} ms "
+          f"({n // 16} blocks of 16 tokens, {n * 16 / 1024:.0f} MiB)", flush=True)  # fmt: skip
+
+
 # -- 3. memory ------------------------------------------------------------------------------------
 WORKER = r"""
 import sys, time, random, torch
@@ -294,7 +341,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--parts", default="ranks,ttft,memory")
+    parser.add_argument("--parts", default="ranks,ttft,memory,write")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--ttft-tokens", type=int, default=2000)
     parser.add_argument("--memory-tokens", type=int, default=2000)
@@ -309,6 +356,8 @@ def main() -> None:
         part_ttft(args)
     if "memory" in parts:
         part_memory(args)
+    if "write" in parts:
+        part_write(args)
     if "ranks" in parts:
         part_ranks(args)
     print(f"load after {os.getloadavg()}", flush=True)
