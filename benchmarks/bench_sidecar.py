@@ -121,17 +121,27 @@ def part_ranks(args) -> None:
         rows = {m[1]: (int(m[2]), int(m[4])) for m in figure.finditer(stdout)}
         return rows.get("all ranks") or rows["rank 0"]
 
+    if not args.skip_eval:
+        _eval_part(work, eval_cmd, env, eval_figures, args)
+    _batch_part(work, args)
+
+
+def _eval_part(work, eval_cmd, env, eval_figures, args) -> None:
     print(f"\n1a. evalrun split=docs, 4 MMLU-shape tasks x {args.rank_questions} questions x 4 choices, "
           "Llama 512x6 (demo builtin), 1 thread a rank", flush=True)  # fmt: skip
     _sides(work, eval_cmd, env, eval_figures)
 
+
+def _batch_part(work: Path, args) -> None:
     from demo.model.loading import build_builtin
 
     rng = random.Random(7)
     docs = [[rng.randrange(300, 750) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
     with open(work / "requests.jsonl", "w") as f:
         for i in range(args.prompts):
-            prompt = docs[i % args.docs] + [rng.randrange(300, 750) for _ in range(rng.randrange(15, 30))]
+            prompt = docs[rng.randrange(args.docs)] + [
+                rng.randrange(300, 750) for _ in range(rng.randrange(15, 30))
+            ]
             body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
             f.write(
                 json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body})
@@ -345,9 +355,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--ttft-tokens", type=int, default=2000)
     parser.add_argument("--memory-tokens", type=int, default=2000)
+    parser.add_argument("--skip-eval", action="store_true", help="part ranks: batchrun only")
     parser.add_argument("--rank-questions", type=int, default=32, help="per task, four tasks")
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--docs", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=48)
+    parser.add_argument("--docs", type=int, default=12)
     parser.add_argument("--doc-tokens", type=int, default=600)
     args = parser.parse_args()
     print(f"load {os.getloadavg()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
