@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 
+from radixkv.l2 import block_keys
 from radixkv.sidecar.layout import KVLayout, PoolGeometry
 from radixkv.sidecar.metrics import prometheus_text, serve_metrics
 from radixkv.sidecar.protocol import HEADER, FrameBuffer, ProtocolError, encode, recv, send
@@ -208,3 +209,54 @@ def test_metrics_text_and_endpoint():
         assert "radixkv_sidecar_evicted_blocks_total 0" in body
     finally:
         server.shutdown()
+
+
+class FakeL2:
+    """An in-memory L2 with the radixkv.l2 contract; ``broken`` keys answer None (refused)."""
+
+    def __init__(self) -> None:
+        self.values: dict[bytes, bytes] = {}
+        self.broken: set[bytes] = set()
+
+    def get_many(self, keys):
+        return [None if k in self.broken else self.values.get(k) for k in keys]
+
+    def put_many(self, items):
+        self.values.update(items)
+        return len(items)
+
+    def stats(self):
+        return {"reads": 0, "hits": 0, "writes": len(self.values), "errors": 0, "refused": 0}
+
+    def close(self):
+        pass
+
+
+def test_l2_fills_a_miss_in_memory_and_stops_at_the_first_refused_block():
+    l2 = FakeL2()
+    a = Sidecar(32 * 8, l2=l2, l2_writer=l2.put_many)  # committed blocks go straight to the L2
+    a.add_client(1)
+    a.hello(1, SMALL)
+    doc = toks(1, 2, 3, 4, 5, 6, 7, 8)  # four blocks
+    txn = a.alloc(1, NS, doc)
+    pool = next(iter(a.pools.values()))
+    pool.geometry.write_block(pool.buf, txn["slots"][0], b"\x07" * 32)
+    a.commit(1, txn["txn"])
+    assert len(l2.values) == 4
+    b = Sidecar(32 * 8, l2=l2)  # a second sidecar (another machine) on the same L2
+    b.add_client(1)
+    b.hello(1, SMALL)
+    hit = b.match(1, NS, doc, 0)
+    assert hit["num_tokens"] == 8 and b.counters.l2_hit_tokens == 8
+    pool = next(iter(b.pools.values()))
+    assert pool.geometry.read_block(pool.buf, hit["slots"][0]) == b"\x07" * 32  # the bytes came along
+    # Another identity finds nothing; a refused third block stops the fill after two blocks.
+    c = Sidecar(32 * 8, l2=l2)
+    c.add_client(1)
+    c.hello(1, SMALL)
+    assert c.match(1, (b"\x09" * 32, b"null"), doc, 0)["num_tokens"] == 0
+    keys = block_keys(NS[0], NS[1], [1, 2, 3, 4, 5, 6, 7, 8], 2)
+    l2.broken = {keys[2]}
+    assert c.match(1, NS, doc, 0)["num_tokens"] == 4
+    for s in (a, b, c):
+        s.check_invariants()
