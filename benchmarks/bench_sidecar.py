@@ -158,7 +158,7 @@ def _batch_part(work: Path, args) -> None:
                 "--max-batch-size", "4"]  # fmt: skip
 
     def batch_figures(stdout: str) -> tuple[int, int]:
-        m = re.search(r"prompt tokens (\d+), computed (\d+), hit rate", stdout)
+        m = re.search(r"job:.*prompt tokens (\d+), computed (\d+), hit rate", stdout)
         return int(m[1]), int(m[2])
 
     print(f"\n1b. batchrun --routing round-robin, {args.prompts} completions over {args.docs} documents of "

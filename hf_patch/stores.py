@@ -75,6 +75,9 @@ def build_store(
     ``python -m radixkv.sidecar``. A prefix missing here is asked of it, and what this store
     commits is written through to it (in the background) for every other process. A sidecar
     that is not running (yet, or any more) costs nothing but a connect attempt now and then.
+    ``RADIXKV_SIDECAR_WAIT_S`` (default 0: off): a prompt prefix another process is computing
+    right now is waited for, up to that many seconds, instead of computed again (batch and
+    eval ranks that meet one preamble at the same moment; docs/sidecar.md).
     """
     if budget_tokens is not None and budget_bytes is not None:
         raise ValueError("give at most one of budget_tokens= and budget_bytes=")
@@ -96,7 +99,16 @@ def build_store(
         host = host_pool_for(pool, tokens=host_cache_tokens, bytes=host_cache_bytes)
     remote = None
     if sidecar is not None:
-        remote = SidecarTier(os.fspath(sidecar), pool, sidecar_namer(model, pool))
+        wait = os.environ.get("RADIXKV_SIDECAR_WAIT_S") or "0"
+        try:
+            wait_s = float(wait)
+        except ValueError:
+            raise ValueError(
+                f"environment variable RADIXKV_SIDECAR_WAIT_S must be seconds, got {wait!r}"
+            ) from None
+        if not 0 <= wait_s <= 60:
+            raise ValueError(f"environment variable RADIXKV_SIDECAR_WAIT_S must be in [0, 60], got {wait_s}")
+        remote = SidecarTier(os.fspath(sidecar), pool, sidecar_namer(model, pool), wait_s=wait_s)
     store = KVStore(pool, host, remote=remote)
     logger.info(
         "radixkv store for %s: %d blocks x %d tokens, %.1f MiB, %d layers%s%s",

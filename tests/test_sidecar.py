@@ -9,6 +9,7 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -166,3 +167,29 @@ def test_a_sidecar_full_of_pinned_blocks_degrades(tmp_path_factory):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_prefix_another_process_is_computing_is_waited_for(sock, monkeypatch):
+    monkeypatch.setenv("RADIXKV_SIDECAR_WAIT_S", "60")
+    model = build("llama-sdpa")
+    a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=sock)
+    b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=sock)
+    ns = (model_scope(model), None)
+    doc = document(9)
+    a.acquire(doc + tokens(6, 90), ns).release()  # A missed the document: it claims it
+    prompt = ids(doc + tokens(6, 91))
+    stock = model.generate(prompt, max_new_tokens=3, do_sample=False)
+    result = {}
+
+    def replica_b():
+        cache = hf_patch.RadixCache(b)
+        result["out"] = model.generate(prompt, max_new_tokens=3, do_sample=False, past_key_values=cache)
+        result["cached"] = cache.cached_tokens
+
+    thread = threading.Thread(target=replica_b)
+    thread.start()
+    time.sleep(0.5)  # B is polling for A's document now
+    assert_same_as_stock(model, ids(doc + tokens(6, 90)), a, max_new_tokens=3, do_sample=False)
+    thread.join(120)
+    assert torch.equal(result["out"], stock) and result["cached"] == [DOC_BLOCKS_TOKENS]
+    assert b.stats()["sidecar_waited"] == 1

@@ -260,3 +260,29 @@ def test_l2_fills_a_miss_in_memory_and_stops_at_the_first_refused_block():
     assert c.match(1, NS, doc, 0)["num_tokens"] == 4
     for s in (a, b, c):
         s.check_invariants()
+
+
+def test_a_prefix_in_flight_is_claimed_waited_for_and_released():
+    state = Sidecar(32 * 16)
+    for c in (1, 2, 3):
+        state.add_client(c)
+        state.hello(c, SMALL)
+    doc = toks(1, 2, 3, 4, 5, 6, 7, 8, 9)  # four whole blocks
+    assert state.match(1, NS, doc, 0, claim_s=5)["wait"] == 0  # client 1 computes it
+    other_question = toks(1, 2, 3, 4, 5, 6, 9, 9)
+    assert state.match(2, NS, other_question, 0, claim_s=5)["wait"] == 6 // 2 * 2  # 3 common blocks
+    assert state.match(2, (b"\x03" * 32, b"null"), doc, 0, claim_s=5)["wait"] == 0  # other identity
+    # Client 2 holds a claim of its own now: it never waits (no two clients wait for each other).
+    assert state.match(2, NS, doc, 0, claim_s=5)["wait"] == 0
+    assert write(state, 1, doc) == 8  # the commit fulfils client 1's claim
+    hit = state.match(3, NS, other_question, 0, claim_s=5)
+    assert hit["wait"] == 0 and hit["num_tokens"] == 6
+    # A claim goes with its client; expired claims are dropped.
+    state.drop_client(2)
+    assert all(c.cid != 2 for c in state.claims)
+    state.match(3, NS, toks(7, 7, 7, 7), 0, claim_s=1e-6)
+    import time
+
+    time.sleep(0.01)
+    assert state.match(1, NS, toks(7, 7, 7, 7), 0, claim_s=5)["wait"] == 0
+    state.check_invariants()

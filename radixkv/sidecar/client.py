@@ -48,6 +48,7 @@ from radixkv.tree.node import PackedTokens
 logger = logging.getLogger(__name__)
 
 EXIT_FLUSH_S = 5.0
+POLL_S = 0.01  # between polls for a prefix another process is computing
 Namer = Callable[[Hashable], "tuple[bytes, bytes] | None"]
 
 
@@ -109,6 +110,7 @@ class SidecarTier:
         timeout_s: float = 2.0,
         max_retry_s: float = 2.0,
         max_queue: int = 256,
+        wait_s: float = 0.0,
     ) -> None:
         self.path = path
         self.namer = namer
@@ -117,6 +119,7 @@ class SidecarTier:
         self.timeout_s = timeout_s
         self.max_retry_s = max_retry_s
         self.max_queue = max_queue
+        self.wait_s = wait_s
         self._store = None
         self._lock = threading.Lock()  # one request/reply at a time on the socket
         self._sock: socket.socket | None = None
@@ -208,20 +211,47 @@ class SidecarTier:
             return answer, self._view, self._generation
 
     # -- reads ------------------------------------------------------------------------------
-    def lookup(self, tokens: PackedTokens, namespace: Hashable, have: int) -> RemoteHit | None:
-        """Pin the sidecar's blocks of ``tokens`` past the ``have`` tokens held locally; None on a miss."""
+    def lookup(
+        self, tokens: PackedTokens, namespace: Hashable, have: int, *, request: bool = True
+    ) -> RemoteHit | None:
+        """Pin the sidecar's blocks of ``tokens`` past the ``have`` tokens held locally; None on a miss.
+
+        With ``wait_s`` > 0 and ``request`` (a prompt this process will compute and commit), the
+        rest is claimed; when another process claimed it first (it is computing that prefix right
+        now), this one polls for its commit for up to ``wait_s`` seconds instead of computing it
+        again (ranks meeting one preamble at the same moment).
+        """
         key = self.namer(namespace)
         if key is None:
             return None
-        try:
-            answer, view, generation = self._call(
-                {"op": "match", "ident": key[0].hex(), "ns": key[1].decode(), "have": have}, bytes(tokens)
-            )
-        except (SidecarDown, ValueError):
-            return None
-        if not answer.get("lease"):
-            return None
-        return RemoteHit(have, answer["num_tokens"], answer["slots"], view, answer["lease"], generation)
+        header = {"op": "match", "ident": key[0].hex(), "ns": key[1].decode(), "have": have}
+        if request and self.wait_s > 0:
+            header["claim"] = self.wait_s
+        body = bytes(tokens)
+        deadline = time.monotonic() + self.wait_s
+        hit = None
+        polled = False
+        while True:
+            try:
+                answer, view, generation = self._call(header, body)
+            except (SidecarDown, ValueError):
+                return hit
+            if answer.get("lease"):
+                if hit is not None:
+                    self.release(hit)
+                hit = RemoteHit(
+                    have, answer["num_tokens"], answer["slots"], view, answer["lease"], generation
+                )
+            wait = answer.get("wait", 0)
+            done = not wait or (hit is not None and hit.num_tokens >= wait)
+            if done or time.monotonic() >= deadline:
+                if polled:
+                    self.counters["waited" if done else "wait_timeouts"] += 1
+                return hit
+            # Polling keeps the claim: if the other process's claim goes (expired, its client
+            # gone) with nothing cached, this one claims the prefix and computes it.
+            polled = True
+            time.sleep(POLL_S)
 
     def release(self, hit: RemoteHit) -> None:
         with self._lock:

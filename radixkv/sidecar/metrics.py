@@ -22,6 +22,7 @@ GAUGES = {
     "open_leases",
     "open_txns",
     "private_blocks",
+    "claims",
     "l2_queued_bytes",
 }
 COUNTERS = set(Counters.__dataclass_fields__) | {"l2_dropped_blocks"}

@@ -8,8 +8,11 @@ socket: they sit in the shared-memory pool whose file descriptor the ``hello`` r
 Client -> sidecar (every op but ``release`` and ``abort`` gets one reply, in order):
 
     hello   {layout}                       -> {num_blocks, pool_bytes} + the pool's fd
-    match   {ident, ns, have} body=tokens  -> {lease, num_tokens, slots}  (slots of the blocks past
-                                              ``have`` tokens, pinned until release; lease 0: none)
+    match   {ident, ns, have, claim} body=tokens
+                                           -> {lease, num_tokens, slots, wait}  (slots of the blocks
+                                              past ``have`` tokens, pinned until release; lease 0:
+                                              none; ``claim`` s > 0: "I compute the rest", and
+                                              ``wait``: tokens another client is computing now)
     release {lease}                        (no reply)
     alloc   {ident, ns} body=tokens        -> {txn, start, slots}  (``start`` blocks cached; slots to
                                               write for blocks start.., private to this client)

@@ -148,7 +148,12 @@ class Server:
                     reply = {"num_blocks": pool.num_blocks, "pool_bytes": pool.geometry.total_bytes}
                     fds = [pool.fd]
                 elif op == "match":
-                    reply = state.match(cid, _namespace(header), _tokens(body), header.get("have", 0))
+                    claim = header.get("claim", 0.0)
+                    if type(claim) not in (int, float) or not 0 <= claim <= 3600:
+                        raise ValueError(f"claim must be seconds in [0, 3600], got {claim!r}")
+                    reply = state.match(
+                        cid, _namespace(header), _tokens(body), header.get("have", 0), float(claim)
+                    )
                 elif op == "release":
                     state.release(cid, int(header.get("lease", 0)))
                     return

@@ -26,6 +26,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable
 
 from radixkv.sidecar.layout import KVLayout, PoolGeometry
@@ -49,6 +50,7 @@ class Counters:
     aborted_blocks: int = 0  # blocks of transactions aborted or left open by a client that went
     released_pins: int = 0  # leases a client that went away still held
     clients_total: int = 0
+    waits: int = 0  # matches told to wait for another client's prefix in flight
 
 
 class SharedPool:
@@ -95,6 +97,36 @@ class Txn:
 
 
 @dataclasses.dataclass
+class Claim:
+    """A client computing ``tokens`` now (it missed them): others may wait for its commit."""
+
+    cid: int
+    pool: SharedPool
+    namespace: tuple
+    tokens: PackedTokens
+    expires: float
+
+
+MAX_CLAIMS = 1024
+MAX_CLAIM_S = 60.0
+
+
+def _common_tokens(a: bytes, b: bytes) -> int:
+    """Leading tokens two packed sequences share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n // 8
+    lo, hi = 0, n  # bytes known equal up to lo; differ somewhere before hi
+    while hi - lo > 8:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo // 8
+
+
+@dataclasses.dataclass
 class Client:
     pool: SharedPool | None = None
     leases: dict[int, Lease] = dataclasses.field(default_factory=dict)
@@ -115,6 +147,7 @@ class Sidecar:
         self.l2 = l2
         self.l2_writer = l2_writer  # l2_writer(list of (key, payload)): queue blocks for the L2
         self._ids = itertools.count(1)
+        self.claims: list[Claim] = []
 
     # -- clients --------------------------------------------------------------------------
     def add_client(self, cid: int) -> None:
@@ -141,6 +174,7 @@ class Sidecar:
         client = self.clients.pop(cid, None)
         if client is None:
             return
+        self.claims = [c for c in self.claims if c.cid != cid]
         for lease in client.leases.values():
             lease.pool.tree.unpin(lease.node)
             self.counters.released_pins += 1
@@ -154,9 +188,15 @@ class Sidecar:
         return pool
 
     # -- reads ----------------------------------------------------------------------------
-    def match(self, cid: int, namespace: tuple, tokens: bytes, have: int) -> dict:
+    def match(self, cid: int, namespace: tuple, tokens: bytes, have: int, claim_s: float = 0.0) -> dict:
         """Pin the longest cached prefix of ``tokens`` (whole blocks) when it is longer than
-        ``have`` tokens (what the client holds itself); returns its lease and the slots past ``have``."""
+        ``have`` tokens (what the client holds itself); returns its lease and the slots past ``have``.
+
+        ``claim_s`` > 0: the client is about to compute what is missing. If another client
+        claimed a longer common prefix (it is computing it now), the reply's ``wait`` names how
+        many tokens will come: the caller may poll for them rather than compute them again.
+        Else this client's claim is recorded for ``claim_s`` seconds (or until it goes away).
+        """
         pool = self._pool_of(cid)
         packed = tokens if type(tokens) is PackedTokens else PackedTokens(tokens)
         bs = pool.layout.block_size
@@ -171,15 +211,43 @@ class Sidecar:
             l2_blocks = self._fill_from_l2(pool, namespace, packed, match)
             if l2_blocks:
                 match = pool.tree.match(packed, namespace)
+        wait = self._claim(cid, pool, namespace, packed, match.num_tokens, claim_s) if claim_s > 0 else 0
         if match.num_tokens <= have:
-            return {"lease": 0, "num_tokens": 0, "slots": []}
+            return {"lease": 0, "num_tokens": 0, "slots": [], "wait": wait}
         pool.tree.pin(match.node)
         lease = next(self._ids)
         self.clients[cid].leases[lease] = Lease(pool, match.node)
         served = match.num_tokens - have
         self.counters.hit_tokens += served
         self.counters.l2_hit_tokens += min(served, l2_blocks * bs)
-        return {"lease": lease, "num_tokens": match.num_tokens, "slots": list(match.block_ids[have // bs :])}
+        return {
+            "lease": lease,
+            "num_tokens": match.num_tokens,
+            "slots": list(match.block_ids[have // bs :]),
+            "wait": wait,
+        }
+
+    def _claim(
+        self, cid: int, pool: SharedPool, namespace: tuple, tokens: PackedTokens, cached: int, claim_s: float
+    ) -> int:
+        """Tokens of ``tokens`` another client's live claim covers past ``cached`` (0: none, and
+        this client's claim is recorded). O(claims x prompt length)."""
+        now = time.monotonic()
+        self.claims = [c for c in self.claims if c.expires > now and c.cid in self.clients]
+        bs = pool.layout.block_size
+        best = 0
+        # A client with live claims of its own never waits: two ranks each computing one prefix
+        # the other wants would otherwise wait for each other until their claims expire.
+        mine = any(c.cid == cid for c in self.claims)
+        for c in self.claims if not mine else ():
+            if c.cid != cid and c.pool is pool and c.namespace == namespace:
+                best = max(best, _common_tokens(c.tokens, tokens) // bs * bs)
+        if best > cached:
+            self.counters.waits += 1
+            return best
+        if tokens.num_tokens // bs * bs > cached and len(self.claims) < MAX_CLAIMS:
+            self.claims.append(Claim(cid, pool, namespace, tokens, now + min(claim_s, MAX_CLAIM_S)))
+        return 0
 
     def release(self, cid: int, lease: int) -> None:
         held = self.clients[cid].leases.pop(lease, None)
@@ -198,6 +266,7 @@ class Sidecar:
         start = match.num_tokens // bs
         need = num_blocks - start
         if need <= 0:
+            self._fulfil(cid, namespace, packed)
             return {"txn": 0, "start": start, "slots": []}
         pool.tree.pin(match.node)
         if len(pool.free) < need or self._used_bytes() + need * pool.layout.block_bytes > self.budget_bytes:
@@ -219,7 +288,22 @@ class Sidecar:
         txn = self.clients[cid].txns.pop(txn_id, None)
         if txn is None:
             raise ValueError(f"no open transaction {txn_id}")
+        self._fulfil(cid, txn.namespace, txn.tokens)
         return self._close_txn(txn, commit=True)
+
+    def _fulfil(self, cid: int, namespace: tuple, tokens: PackedTokens) -> None:
+        """Drop ``cid``'s claims that ``tokens`` (now cached) cover."""
+        if self.claims:
+            self.claims = [
+                c
+                for c in self.claims
+                if not (
+                    c.cid == cid
+                    and c.namespace == namespace
+                    and _common_tokens(c.tokens, tokens) // c.pool.layout.block_size
+                    >= c.tokens.num_tokens // c.pool.layout.block_size
+                )
+            ]
 
     def abort(self, cid: int, txn_id: int) -> None:
         txn = self.clients[cid].txns.pop(txn_id, None)
@@ -325,6 +409,7 @@ class Sidecar:
             pinned_blocks=sum(p.tree.num_pinned_blocks for p in self.pools.values()),
             open_leases=sum(len(c.leases) for c in self.clients.values()),
             open_txns=sum(len(c.txns) for c in self.clients.values()),
+            claims=len(self.claims),
             private_blocks=sum(len(t.slots) for c in self.clients.values() for t in c.txns.values()),
         )
         if self.l2 is not None:

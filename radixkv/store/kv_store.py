@@ -109,7 +109,7 @@ class KVStore:
             and query.num_tokens // self.block_size * self.block_size > match.num_tokens
         ):
             try:
-                lease.remote = self.remote.lookup(query, namespace, match.num_tokens)
+                lease.remote = self.remote.lookup(query, namespace, match.num_tokens, request=count)
             except BaseException:  # a fault there is no hit, never a pin left behind
                 lease.release()
                 raise
