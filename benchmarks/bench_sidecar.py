@@ -6,7 +6,9 @@
 1. ``ranks``: two CPU ranks under torchrun, without and with one sidecar, against one process:
    evalrun (lm-eval, ``split=docs``: lm-eval's document striding, so both ranks meet every task's
    few-shot preamble) and batchrun (``--routing round-robin``: both ranks meet every document).
-   Prompt tokens computed and wall time (torchrun start-up included).
+   Prompt tokens computed and wall time (torchrun start-up included). "wait": with
+   ``RADIXKV_SIDECAR_WAIT_S=10``, a rank that misses a prefix the other rank is computing right
+   now waits for it instead of computing it too.
 2. ``ttft``: replica B's first request on a 2,000-token document that replica A computed:
    through the sidecar (B's own pool is empty), against a local hit in B's device pool, a local
    host-tier hit, and computing the document. A and B are two stores with two sidecar connections
@@ -71,28 +73,26 @@ def _run(cmd: list[str], env: dict) -> tuple[float, str]:
 
 
 def _sides(work: Path, launch, env: dict, parse) -> None:
-    for name, nproc, sidecar in (
-        ("one process", 1, False),
-        ("2 ranks", 2, False),
-        ("2 ranks + sidecar", 2, True),
-    ):
+    sides = (("one process", 1, None), ("2 ranks", 2, None), ("2 ranks + sidecar", 2, "0"),
+             ("2 ranks + sidecar, wait", 2, "10"))  # fmt: skip
+    for name, nproc, wait in sides:
         side_env = dict(env)
         proc = None
-        if sidecar:
+        if wait is not None:
             path = work / f"s{time.monotonic_ns()}.sock"
             proc = start_sidecar(path)
-            side_env["RADIXKV_SIDECAR"] = str(path)
+            side_env.update(RADIXKV_SIDECAR=str(path), RADIXKV_SIDECAR_WAIT_S=wait)
         try:
-            seconds, stdout = _run(launch(nproc, name.replace(" ", "_").replace("+", "")), side_env)
+            seconds, stdout = _run(launch(nproc, re.sub(r"\W+", "_", name)), side_env)
         finally:
             if proc is not None:
-                hits = sidecar_stats(path)["hit_tokens"]
+                stats = sidecar_stats(path)
                 proc.kill()
                 proc.wait()
         prompt, computed = parse(stdout)
-        extra = f", sidecar hit tokens {hits}" if sidecar else ""
+        extra = f", sidecar hit tokens {stats['hit_tokens']}, waits {stats['waits']}" if proc else ""
         print(
-            f"   {name:<18} prompt tokens {prompt:7d}, computed {computed:7d}, wall {seconds:6.1f} s{extra}",
+            f"   {name:<24} prompt tokens {prompt:7d}, computed {computed:7d}, wall {seconds:6.1f} s{extra}",
             flush=True,
         )
 
