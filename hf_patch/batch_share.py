@@ -247,7 +247,8 @@ def _share_group(
             waiting.setdefault(deepest[row], []).append(row)
     for p, prefix in enumerate(prefixes):
         # Not counted as a request: the rows' own lookups below are the prompts' queries and hits.
-        with store.acquire(prefix, namespace, count=False) as lease:
+        # claim: this call computes what is missing (another process may be computing it now)
+        with store.acquire(prefix, namespace, count=False, claim=True) as lease:
             if lease.num_tokens < prefix.num_tokens:
                 owner = next(i for i in members if reusable[i].startswith(prefix))
                 ids = rows[owner].ids.head(prefix.num_tokens)

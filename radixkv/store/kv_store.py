@@ -85,6 +85,7 @@ class KVStore:
         *,
         count: bool = True,
         remote: bool = True,
+        claim: bool | None = None,
     ) -> Lease:
         """Match the longest cached whole-block prefix of ``tokens[:max_tokens]`` and pin it.
 
@@ -92,7 +93,9 @@ class KVStore:
         counted). O(len(tokens)) to pack them (outside the
         lock; nothing for PackedTokens) plus the tree's match. With a remote tier (and
         ``remote``), a match shorter than the whole blocks asked is extended by the remote's
-        (one round trip, no lock held): ``Lease.remote`` pins those blocks there.
+        (one round trip, no lock held): ``Lease.remote`` pins those blocks there. ``claim``
+        (default: ``count``): the caller will compute and commit what is missing, so the remote
+        may have it wait for another process computing the same prefix (radixkv.sidecar).
         """
         query = pack_tokens(tokens if max_tokens is None else head_of(tokens, max_tokens))
         with self._lock:
@@ -109,7 +112,9 @@ class KVStore:
             and query.num_tokens // self.block_size * self.block_size > match.num_tokens
         ):
             try:
-                lease.remote = self.remote.lookup(query, namespace, match.num_tokens, request=count)
+                lease.remote = self.remote.lookup(
+                    query, namespace, match.num_tokens, request=count if claim is None else claim
+                )
             except BaseException:  # a fault there is no hit, never a pin left behind
                 lease.release()
                 raise
