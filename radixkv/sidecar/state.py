@@ -107,7 +107,8 @@ class Claim:
     expires: float
 
 
-MAX_CLAIMS = 1024
+MAX_CLAIMS = 256  # live claims over all clients (a claim keeps at most MAX_CLAIM_TOKENS tokens)
+MAX_CLAIM_TOKENS = 1 << 16
 MAX_CLAIM_S = 60.0
 
 
@@ -246,7 +247,8 @@ class Sidecar:
             self.counters.waits += 1
             return best
         if tokens.num_tokens // bs * bs > cached and len(self.claims) < MAX_CLAIMS:
-            self.claims.append(Claim(cid, pool, namespace, tokens, now + min(claim_s, MAX_CLAIM_S)))
+            head = tokens.head(MAX_CLAIM_TOKENS // bs * bs)
+            self.claims.append(Claim(cid, pool, namespace, head, now + min(claim_s, MAX_CLAIM_S)))
         return 0
 
     def release(self, cid: int, lease: int) -> None:
