@@ -220,7 +220,8 @@ class RedisStore:
             return memoryview(bytearray(nbytes))
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < nbytes:
-            buf = self._local.buf = bytearray(self._write_batch_bytes)  # never resized: views may live
+            size = min(self._write_batch_bytes, 1 << (nbytes - 1).bit_length())  # grows by doubling
+            buf = self._local.buf = bytearray(max(size, nbytes))  # a new one: views of the old may live
         return memoryview(buf)
 
     def _put_batch(self, batch: list[tuple[bytes, memoryview]]) -> int | None:
