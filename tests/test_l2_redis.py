@@ -242,3 +242,19 @@ def test_one_store_many_threads(server):
     st = s.stats()
     assert (st["writes"], st["hits"], st["reads"], st["errors"], st["refused"]) == (360, 360, 360, 0, 0)
     s.close()
+
+
+def test_hostile_values(server, store):
+    """Values nobody should find under a key: a big blob, a header claiming a huge length, an
+    empty string, a sound header over a missing payload. Each is refused, none raises."""
+    raw = server.client()
+    keys = block_keys(ID_A, b"hostile", list(range(16 * 5)), 16)
+    rkey = [b"radixkv:" + k.hex().encode() for k in keys]
+    sound = bytes(pack(digest16(ID_A), keys[2], memoryview(b"payload")))
+    raw.set(rkey[0], os.urandom(16 << 20))
+    raw.set(rkey[1], sound[:8] + (2**64 - 1).to_bytes(8, "little") + sound[16:])
+    raw.set(rkey[2], sound[:HEADER_BYTES])
+    raw.set(rkey[3], b"")
+    raw.set(rkey[4], sound + sound)  # two values glued together
+    assert store.get_many(keys) == [None] * 5
+    assert store.stats()["refused"] == 5 and store.stats()["errors"] == 0

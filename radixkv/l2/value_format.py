@@ -43,15 +43,17 @@ SHORT, MAGIC_KIND, VERSION, LENGTH, IDENTITY, KEY, CHECKSUM = (
     "key",
     "checksum",
 )
+NOT_A_FILE = "not_a_file"  # file: a symlink, FIFO, device or directory where a block should be
 
 WHY = {
     SHORT: "shorter than a header",
     MAGIC_KIND: "not a radixkv value",
     VERSION: "another value format version",
-    LENGTH: "truncated or extended",
+    LENGTH: "truncated, extended or over max_value_bytes",
     IDENTITY: "written for another model identity",
     KEY: "stored under another key",
     CHECKSUM: "checksum mismatch: damaged",
+    NOT_A_FILE: "not a plain file (symlink, FIFO, device or directory)",
 }
 
 
