@@ -61,7 +61,13 @@ class FileStore:
         max_value_bytes: int = 512 * 1024 * 1024,
         backoff_s: float = 0.5,
         backoff_max_s: float = 10.0,
+        **unknown,
     ):
+        if unknown:
+            raise ValueError(
+                f"L2 option(s) {sorted(unknown)} unknown for file: (allowed: identity, fsync, file_mode, "
+                "max_value_bytes, backoff_s, backoff_max_s)"
+            )
         root = os.path.abspath(url.path)
         if not os.path.isdir(root):
             raise ValueError(

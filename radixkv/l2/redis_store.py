@@ -84,7 +84,9 @@ class RedisStore:
             raise ValueError(
                 f"L2 TLS options {sorted(k for k in redis_opts if k.startswith('ssl_'))} need a rediss:// URL"
             )
-        if ttl_s is not None and not ttl_s > 0:
+        if ttl_s is not None and (
+            isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s > 0
+        ):
             raise ValueError(f"L2 ttl_s must be > 0 seconds or None, got {ttl_s!r}")
         if not isinstance(key_prefix, bytes):
             raise ValueError(f"L2 key_prefix must be bytes, got {type(key_prefix).__name__}")
@@ -128,7 +130,6 @@ class RedisStore:
             kwargs.update(host=url.host, port=url.port, ssl=url.scheme == "rediss")
         self._client = redis.Redis(**kwargs)
         self._errors = (redis.RedisError, OSError)
-        self._response_error = redis.ResponseError
 
     def _redis_key(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
