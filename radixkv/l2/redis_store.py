@@ -13,6 +13,7 @@ before it sends them; a read returns views into the replies redis-py allocated (
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Sequence
@@ -128,6 +129,9 @@ class RedisStore:
             kwargs["unix_socket_path"] = url.path
         else:
             kwargs.update(host=url.host, port=url.port, ssl=url.scheme == "rediss")
+        accepted = inspect.signature(redis.Redis.__init__).parameters
+        if "socket_read_size" not in accepted:  # older redis-py (5.0) takes it through a pool only
+            kwargs.pop("socket_read_size")
         self._client = redis.Redis(**kwargs)
         self._errors = (redis.RedisError, OSError)
 
