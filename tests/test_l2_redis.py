@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -17,6 +18,7 @@ from radixkv.l2.value_format import digest16, pack
 from tests.redis_server import RedisServer, need_redis
 
 ID_A, ID_B = b"model-a", b"model-b"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +78,31 @@ def test_two_machines_share_blocks(server):
     assert b.get_many(block_keys(ID_A, b"other-tenant", tokens, 16)) == [None] * 4
     a.close()
     b.close()
+
+
+MACHINE_B = """
+import sys
+from radixkv.l2 import block_keys, open_l2
+l2 = open_l2(sys.argv[1])
+keys = block_keys(b"model-a", b"doc", list(range(5000, 5000 + 16 * 3 + 5)), 16)  # computed here
+got = l2.get_many(keys)
+print([None if v is None else bytes(v).hex() for v in got], l2.stats()["hits"])
+"""
+
+
+def test_another_process_reads_what_one_wrote(server):
+    """Machine B is another process: it computes the keys from the tokens itself."""
+    a = open_l2(server.url)
+    keys = block_keys(ID_A, b"doc", list(range(5000, 5048)), 16)
+    payloads = blocks(3, size=1000, seed=3)
+    assert a.put_many(list(zip(keys, payloads))) == 3
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", MACHINE_B, server.url], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{[p.hex() for p in payloads]} 3"
+    a.close()
 
 
 def test_damaged_and_foreign_values_are_refused(server, store, caplog):
