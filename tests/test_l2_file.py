@@ -140,3 +140,27 @@ def test_full_filesystem_is_counted(tmp_path, monkeypatch, caplog):
     assert [g is not None for g in s.get_many(keys)] == [True, False, False]
     assert not [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]  # cleaned up
     assert sum("rejects writes" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_hostile_paths_are_refused_without_blocking(tmp_path):
+    """A FIFO, a symlink, a directory or an oversized file where a block should be: refused
+    (never followed, never blocked on, never read whole); the reader goes on."""
+    s = open_l2(f"file:{tmp_path}", identity=ID_A, max_value_bytes=1 << 20)
+    keys = block_keys(ID_A, b"hostile", list(range(16 * 5)), 16)
+    assert s.put_many([(keys[0], b"sound")]) == 1
+    sound = s.path_of(keys[0])
+    paths = [s.path_of(k) for k in keys]
+    for p in paths[1:]:
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+    os.mkfifo(paths[1])  # opening it to read would block without O_NONBLOCK
+    os.symlink(sound, paths[2])  # a sound value, but through a link someone planted
+    os.mkdir(paths[3])
+    with open(paths[4], "wb") as f:
+        f.truncate(2 << 20)  # over max_value_bytes: not read
+    got = s.get_many(keys)
+    assert bytes(got[0]) == b"sound" and got[1:] == [None] * 4
+    assert s.stats()["refused"] == 4 and s.stats()["errors"] == 0
+    assert s.put_many([(keys[4], bytes(2 << 20))]) == 0 and s.stats()["errors"] == 1  # not written either
+    assert s.put_many([(keys[2], b"replaced")]) == 1  # a write replaces the planted link itself
+    assert os.path.islink(paths[2]) is False and bytes(s.get_many([keys[2]])[0]) == b"replaced"
+    assert open(sound, "rb").read().endswith(b"sound")  # the link's target was not written through

@@ -163,3 +163,15 @@ def test_bad_options(tmp_path):
         open_l2(f"file:{tmp_path}/missing")
     with pytest.raises(ValueError, match="fsnc"):
         open_l2(f"file:{tmp_path}", fsnc=True)
+    with pytest.raises(ValueError, match="ttl_s"):
+        open_l2("redis://h", ttl_s="60")
+    with pytest.raises(ValueError, match="backoff"):
+        open_l2("redis://h", backoff_s="1")
+    with pytest.raises(ValueError, match="backoff"):
+        open_l2(f"file:{tmp_path}", backoff_s=2, backoff_max_s=1)
+    with pytest.raises(ValueError, match="keys_per_mget"):
+        open_l2("redis://h", keys_per_mget=0)
+    with pytest.raises(ValueError, match="key_prefix"):
+        open_l2("redis://h", key_prefix="radixkv:")
+    with pytest.raises(ValueError, match="file_mode"):
+        open_l2(f"file:{tmp_path}", file_mode="600")

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -17,6 +18,7 @@ from radixkv.l2.value_format import digest16, pack
 from tests.redis_server import RedisServer, need_redis
 
 ID_A, ID_B = b"model-a", b"model-b"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +78,31 @@ def test_two_machines_share_blocks(server):
     assert b.get_many(block_keys(ID_A, b"other-tenant", tokens, 16)) == [None] * 4
     a.close()
     b.close()
+
+
+MACHINE_B = """
+import sys
+from radixkv.l2 import block_keys, open_l2
+l2 = open_l2(sys.argv[1])
+keys = block_keys(b"model-a", b"doc", list(range(5000, 5000 + 16 * 3 + 5)), 16)  # computed here
+got = l2.get_many(keys)
+print([None if v is None else bytes(v).hex() for v in got], l2.stats()["hits"])
+"""
+
+
+def test_another_process_reads_what_one_wrote(server):
+    """Machine B is another process: it computes the keys from the tokens itself."""
+    a = open_l2(server.url)
+    keys = block_keys(ID_A, b"doc", list(range(5000, 5048)), 16)
+    payloads = blocks(3, size=1000, seed=3)
+    assert a.put_many(list(zip(keys, payloads))) == 3
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", MACHINE_B, server.url], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{[p.hex() for p in payloads]} 3"
+    a.close()
 
 
 def test_damaged_and_foreign_values_are_refused(server, store, caplog):
@@ -162,21 +189,22 @@ def test_value_too_big_is_counted_not_sent(server):
 
 def test_auth(tmp_path):
     need_redis()
-    srv = RedisServer(
-        tmp_path, "--requirepass", "s3cret:@x", "--user", "alice", "on", ">pw", "~radixkv:*", "+@all"
-    ).start()
+    # alice: the least an ACL user needs (docs/l2.md): these keys, GET/MGET/SET, SELECT for db != 0
+    alice_acl = ["--user", "alice", "on", ">pw", "~radixkv:*", "+get", "+mget", "+set", "+select"]
+    srv = RedisServer(tmp_path, "--requirepass", "s3cret:@x", *alice_acl).start()
     try:
         key = block_keys(b"", b"auth", list(range(16)), 16)[0]
-        good = open_l2(f"redis://:{'s3cret%3A%40x'}@127.0.0.1:{srv.port}/0")
+        good = open_l2(f"redis://:{'s3cret%3A%40x'}@127.0.0.1:{srv.port}/1")
         assert good.put_many([(key, b"secret block")]) == 1
-        alice = open_l2(f"redis://127.0.0.1:{srv.port}/0", username="alice", password="pw")
+        alice = open_l2(f"redis://127.0.0.1:{srv.port}/1", username="alice", password="pw")
         assert bytes(alice.get_many([key])[0]) == b"secret block"
+        assert alice.put_many([(key, b"alice's block")]) == 1
         for bad in (open_l2(srv.url), open_l2(srv.url, password="wrong")):
             assert bad.get_many([key]) == [None] and bad.put_many([(key, b"x")]) == 0  # no raise
             s = bad.stats()
             assert s["errors"] == 1 and s["skipped"] == 1 and s["down"] == 1
             bad.close()
-        assert bytes(good.get_many([key])[0]) == b"secret block"
+        assert bytes(good.get_many([key])[0]) == b"alice's block"
         good.close()
         alice.close()
     finally:
@@ -241,3 +269,19 @@ def test_one_store_many_threads(server):
     st = s.stats()
     assert (st["writes"], st["hits"], st["reads"], st["errors"], st["refused"]) == (360, 360, 360, 0, 0)
     s.close()
+
+
+def test_hostile_values(server, store):
+    """Values nobody should find under a key: a big blob, a header claiming a huge length, an
+    empty string, a sound header over a missing payload. Each is refused, none raises."""
+    raw = server.client()
+    keys = block_keys(ID_A, b"hostile", list(range(16 * 5)), 16)
+    rkey = [b"radixkv:" + k.hex().encode() for k in keys]
+    sound = bytes(pack(digest16(ID_A), keys[2], memoryview(b"payload")))
+    raw.set(rkey[0], os.urandom(16 << 20))
+    raw.set(rkey[1], sound[:8] + (2**64 - 1).to_bytes(8, "little") + sound[16:])
+    raw.set(rkey[2], sound[:HEADER_BYTES])
+    raw.set(rkey[3], b"")
+    raw.set(rkey[4], sound + sound)  # two values glued together
+    assert store.get_many(keys) == [None] * 5
+    assert store.stats()["refused"] == 5 and store.stats()["errors"] == 0

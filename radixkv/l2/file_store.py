@@ -21,6 +21,7 @@ import errno
 import logging
 import os
 import secrets
+import stat
 from collections.abc import Sequence
 
 import blake3
@@ -28,7 +29,7 @@ import blake3
 from radixkv.l2.health import Health
 from radixkv.l2.inputs import checked_items, checked_keys, identities, identity_digest
 from radixkv.l2.url import L2Url
-from radixkv.l2.value_format import HEADER_BYTES, check, pack_header
+from radixkv.l2.value_format import HEADER_BYTES, LENGTH, NOT_A_FILE, check, pack_header
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,16 @@ class FileStore:
         identity: bytes | None = None,
         fsync: bool = False,
         file_mode: int = 0o600,
+        max_value_bytes: int = 512 * 1024 * 1024,
         backoff_s: float = 0.5,
         backoff_max_s: float = 10.0,
+        **unknown,
     ):
+        if unknown:
+            raise ValueError(
+                f"L2 option(s) {sorted(unknown)} unknown for file: (allowed: identity, fsync, file_mode, "
+                "max_value_bytes, backoff_s, backoff_max_s)"
+            )
         root = os.path.abspath(url.path)
         if not os.path.isdir(root):
             raise ValueError(
@@ -67,6 +75,9 @@ class FileStore:
             )
         if not isinstance(file_mode, int) or not 0 <= file_mode <= 0o777:
             raise ValueError(f"L2 file_mode must be a permission number like 0o600, got {file_mode!r}")
+        if not isinstance(max_value_bytes, int) or max_value_bytes < 1:
+            raise ValueError(f"L2 max_value_bytes must be a positive int, got {max_value_bytes!r}")
+        self._max_value_bytes = max_value_bytes
         self.url = url
         self.name = f"file:{root}"
         self.root = root
@@ -80,21 +91,32 @@ class FileStore:
         name = key.hex() if len(key) <= 64 else blake3.blake3(key).hexdigest()
         return os.path.join(self.root, name[:2], name[2:4], name)
 
-    def _read(self, path: str) -> bytearray | None:
+    def _read(self, path: str) -> tuple[bytearray | None, str | None]:
+        """``(file bytes, None)``, ``(None, None)`` for no file, or ``(None, reason)`` for a path
+        that is no plain file (a symlink, FIFO, device, directory: opened without following or
+        blocking) or one larger than ``max_value_bytes`` (not read)."""
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            return None
+            return None, None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlink where a block should be
+                return None, NOT_A_FILE
+            raise
         try:
-            size = os.fstat(fd).st_size
-            buf = bytearray(size)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None, NOT_A_FILE
+            if st.st_size > self._max_value_bytes:
+                return None, LENGTH
+            buf = bytearray(st.st_size)
             view, got = memoryview(buf), 0
-            while got < size:
+            while got < st.st_size:
                 n = os.readv(fd, [view[got:]])
-                if n == 0:  # replaced files keep their inode: this only happens on a damaged filesystem
-                    return buf[:got]
+                if n == 0:  # shrunk under us (rename replaces, never truncates): damaged
+                    return None, LENGTH
                 got += n
-            return buf
+            return buf, None
         finally:
             os.close(fd)
 
@@ -118,10 +140,13 @@ class FileStore:
         hits = nbytes = errors = 0
         for i, key in enumerate(keys):
             try:
-                value = self._read(self.path_of(key))
+                value, reason = self._read(self.path_of(key))
             except OSError as exc:
                 errors += 1
                 logger.debug("L2 %s read %s: %s", self.name, key[:8].hex(), exc)
+                continue
+            if reason is not None:
+                self.health.refused(reason, key)
                 continue
             if value is None:
                 continue
@@ -144,7 +169,7 @@ class FileStore:
             except FileExistsError:
                 pass
         tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self._mode)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self._mode)
         try:
             try:
                 _write_all(fd, [memoryview(header), payload])
@@ -173,6 +198,9 @@ class FileStore:
             return 0
         stored = nbytes = 0
         for i, (key, payload) in enumerate(items):
+            if HEADER_BYTES + payload.nbytes > self._max_value_bytes:
+                self.health.write_rejected(1, f"value over max_value_bytes={self._max_value_bytes}")
+                continue
             try:
                 self._write(key, pack_header(idents[i], key, payload), payload)
             except OSError as exc:

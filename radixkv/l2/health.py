@@ -38,7 +38,10 @@ class Health:
     """Counters (``COUNTERS``) and the up/down state of one store; every method takes one lock."""
 
     def __init__(self, name: str, backoff_s: float, backoff_max_s: float):
-        if not (backoff_s > 0 and backoff_max_s >= backoff_s):
+        numbers = all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in (backoff_s, backoff_max_s)
+        )
+        if not (numbers and backoff_s > 0 and backoff_max_s >= backoff_s):
             raise ValueError(
                 f"L2 backoff_s must be > 0 and backoff_max_s >= backoff_s, got {backoff_s}, {backoff_max_s}"
             )

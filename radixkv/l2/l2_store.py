@@ -68,13 +68,7 @@ def open_l2(url: str, *, timeout_s: float = 0.5, **opts) -> L2Store:
     if parsed.scheme == "file":
         from radixkv.l2.file_store import FileStore
 
-        try:
-            return FileStore(parsed, timeout_s=timeout_s, **opts)
-        except TypeError as exc:  # an unknown keyword
-            raise ValueError(f"L2 option not known for file: ({exc})") from None
+        return FileStore(parsed, timeout_s=timeout_s, **opts)
     from radixkv.l2.redis_store import RedisStore
 
-    try:
-        return RedisStore(parsed, timeout_s=float(timeout_s), **opts)
-    except TypeError as exc:
-        raise ValueError(f"L2 option not known for {parsed.scheme}:// ({exc})") from None
+    return RedisStore(parsed, timeout_s=float(timeout_s), **opts)

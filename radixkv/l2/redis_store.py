@@ -13,6 +13,7 @@ before it sends them; a read returns views into the replies redis-py allocated (
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Sequence
@@ -84,7 +85,9 @@ class RedisStore:
             raise ValueError(
                 f"L2 TLS options {sorted(k for k in redis_opts if k.startswith('ssl_'))} need a rediss:// URL"
             )
-        if ttl_s is not None and not ttl_s > 0:
+        if ttl_s is not None and (
+            isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s > 0
+        ):
             raise ValueError(f"L2 ttl_s must be > 0 seconds or None, got {ttl_s!r}")
         if not isinstance(key_prefix, bytes):
             raise ValueError(f"L2 key_prefix must be bytes, got {type(key_prefix).__name__}")
@@ -126,9 +129,11 @@ class RedisStore:
             kwargs["unix_socket_path"] = url.path
         else:
             kwargs.update(host=url.host, port=url.port, ssl=url.scheme == "rediss")
+        accepted = inspect.signature(redis.Redis.__init__).parameters
+        if "socket_read_size" not in accepted:  # older redis-py (5.0) takes it through a pool only
+            kwargs.pop("socket_read_size")
         self._client = redis.Redis(**kwargs)
         self._errors = (redis.RedisError, OSError)
-        self._response_error = redis.ResponseError
 
     def _redis_key(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
@@ -220,7 +225,8 @@ class RedisStore:
             return memoryview(bytearray(nbytes))
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < nbytes:
-            buf = self._local.buf = bytearray(self._write_batch_bytes)  # never resized: views may live
+            size = min(self._write_batch_bytes, 1 << (nbytes - 1).bit_length())  # grows by doubling
+            buf = self._local.buf = bytearray(max(size, nbytes))  # a new one: views of the old may live
         return memoryview(buf)
 
     def _put_batch(self, batch: list[tuple[bytes, memoryview]]) -> int | None:
