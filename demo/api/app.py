@@ -16,8 +16,11 @@ generation routes' answers (JSON or an SSE stream) in demo.api.completions.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
+import threading
 import time
 
 from flask import Flask, Response, jsonify, render_template, request
@@ -89,6 +92,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         tasks.pin(engine)
     app = Flask(__name__, static_folder="static", template_folder="templates")
     media = config.media_policy if engine.processor is not None else None  # images taken
+    # Decoding and processing images: at most this many requests at once (memory, not speed)
+    image_slots = threading.BoundedSemaphore(media.processing_slots if media is not None else 1)
     max_body = max(MAX_BODY_BYTES, media.body_bytes) if media is not None else MAX_BODY_BYTES
     # One byte over the limit: werkzeug refuses a too-long Content-Length itself, but silently
     # truncates a chunked body at the limit; reading one byte more lets body() tell (413).
@@ -231,11 +236,13 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
             )
         # Images are fetched (maybe from a remote host, for seconds) before a queue place is
         # taken: a request still downloading is not queued, so it must not hold a place.
-        pictures = images.load_images(parts, media) if media is not None else []
+        processed = functools.partial(vision.processed_pixels, engine.processor)
+        pictures = images.load_images(parts, media, processed, image_slots) if media is not None else []
         with reserve() as slot:
             inputs = None
             if media is not None:  # a vision-language model: its processor renders every chat
-                prompt = vision.render(engine.processor, messages, pictures)
+                with image_slots if pictures else contextlib.nullcontext():
+                    prompt = vision.render(engine.processor, messages, pictures)
                 ids, inputs = prompt.ids, prompt.inputs
             else:
                 try:
