@@ -59,6 +59,7 @@ class Config:
     task_prompts_json: str | None = field(default=None, repr=False)  # the same JSON, from the env
     # PEFT adapters served as extra model names (demo.model.adapters), vLLM's --lora-modules
     lora_modules: tuple[LoraModule, ...] = ()
+    lora_download_timeout: float = 120.0  # seconds for a Hub id's adapter files (demo.model.adapter_files)
     # Images (a vision-language --model, demo.api.images): per request, encoded bytes per image, the
     # hosts http(s) images may be fetched from (none: data: URLs only) and the fetch's time limit
     limit_images: int = 4
@@ -100,6 +101,8 @@ class Config:
             )
         if self.cache_save_every is not None and (self.cache_save_every <= 0 or not self.cache_file):
             raise ValueError("cache_save_every must be > 0 seconds and needs a cache_file")
+        if not self.lora_download_timeout > 0:
+            raise ValueError(f"lora_download_timeout must be > 0 seconds, got {self.lora_download_timeout}")
         if not self.cache_save_timeout > 0:  # also refuses NaN
             raise ValueError(f"cache_save_timeout must be > 0 seconds, got {self.cache_save_timeout}")
         self.media_policy  # noqa: B018  (raises ValueError for bad image limits)
@@ -193,6 +196,7 @@ _ENV = {
     "connections_per_address": ("RADIXKV_CONNECTIONS_PER_ADDRESS", int),
     "decode_chunk": ("RADIXKV_DECODE_CHUNK", int),
     "lora_modules": ("RADIXKV_LORA_MODULES", _lora_env),
+    "lora_download_timeout": ("RADIXKV_LORA_DOWNLOAD_TIMEOUT", float),
     "limit_images": ("RADIXKV_LIMIT_MM_PER_PROMPT", parse_limit_mm),
     "max_image_bytes": ("RADIXKV_MAX_IMAGE_BYTES", int),
     "allowed_media_domains": ("RADIXKV_ALLOWED_MEDIA_DOMAINS", _domains),
@@ -306,6 +310,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="PEFT adapters served as extra model names: name=path or a JSON object "
         '{"name", "path", "base_model_name"} (vLLM\'s flag; env RADIXKV_LORA_MODULES)',
+    )
+    p.add_argument(
+        "--lora-download-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="time for downloading an adapter named by Hub id, retries included (default 120; "
+        "env RADIXKV_LORA_DOWNLOAD_TIMEOUT)",
     )
     p.add_argument(
         "--limit-mm-per-prompt",

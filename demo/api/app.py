@@ -63,7 +63,9 @@ def build_engine(config: Config) -> Engine:
     device = config.resolve_device()
     options = model_lib.LoadOptions(config.revision, config.trust_remote_code, config.device_map)
     model, tokenizer, processor = model_lib.load(config.model, device, config.resolve_dtype(device), options)
-    adapters = Adapters(model, config.model_id, aliases=(config.model,))
+    adapters = Adapters(
+        model, config.model_id, aliases=(config.model,), download_timeout=config.lora_download_timeout
+    )
     for module in config.lora_modules:  # before the engine's store: restored files find them
         adapters.load(module)
     return Engine(
