@@ -34,6 +34,7 @@ from waitress.server import BaseWSGIServer, create_server
 from waitress.task import ErrorTask
 
 log = logging.getLogger(__name__)
+STOP_WAIT = 0.5  # seconds worker threads get to finish once their requests are cut (shutdown)
 
 
 @dataclass(frozen=True)
@@ -254,14 +255,37 @@ def serving(app, host: str = "127.0.0.1", port: int = 0, limits: Limits | None =
         yield server.url
 
 
-def serve_forever(app, host: str, port: int, announce=None, limits: Limits | None = None) -> None:
-    """Foreground server until Ctrl-C; `announce(url)` is called once the port is bound."""
+def serve_forever(
+    app,
+    host: str,
+    port: int,
+    announce=None,
+    limits: Limits | None = None,
+    stopping: Callable[[], None] | None = None,
+) -> None:
+    """Foreground server until Ctrl-C (or SIGTERM raised as KeyboardInterrupt); `announce(url)`
+    is called once the port is bound. Then: the listeners are closed (nothing more is taken),
+    `stopping()` cuts the requests in flight (demo.engine.engine.Engine.shutdown), worker
+    threads get `STOP_WAIT` seconds to finish their answers, and every connection is closed:
+    what time is left of a shutdown budget is the caller's (the cache save), not theirs."""
     server = _server(app, host, port, limits or Limits())
     if announce is not None:
         announce(f"http://{host}:{server.effective_port}")
-    try:
-        server.run()
+    single = isinstance(server, BaseWSGIServer)
+    sockets = server._map if single else server.map
+    try:  # the loop of server.run(), whose own KeyboardInterrupt handling waits 5 s for threads
+        server.asyncore.loop(
+            timeout=server.adj.asyncore_loop_timeout, map=sockets, use_poll=server.adj.asyncore_use_poll
+        )
     except KeyboardInterrupt:
         pass
     finally:
-        server.close()
+        for listener in [server] if single else list(sockets.values()):
+            if isinstance(listener, BaseWSGIServer):
+                wasyncore.dispatcher.close(listener)  # the listening socket only, not the trigger
+        try:
+            if stopping is not None:
+                stopping()
+        finally:
+            server.task_dispatcher.shutdown(timeout=STOP_WAIT)
+            wasyncore.close_all(sockets, ignore_all=True)
