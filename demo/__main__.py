@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 config.max_batch_size,
                 config.connections_per_address,
                 app.extensions["radixkv"]["max_body_bytes"],
+                config.proxies,
             ),
             stopping,
         )

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 from demo.api.images import MediaPolicy, parse_limit_mm
+from demo.api.proxies import TrustedProxies
 from demo.model.adapters import LoraModule, parse_lora_modules
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -45,6 +46,8 @@ class Config:
     # open connections one client address may hold; None: half of the server's connection
     # limit, 0: no cap (behind a trusted proxy or gateway, which is one address for everyone)
     connections_per_address: int | None = None
+    # peers (addresses or networks) whose X-Forwarded-For names the client (demo.api.proxies)
+    trusted_proxies: tuple[str, ...] = ()
     served_name: str | None = None  # model id in responses; default: basename of `model`
     tenant_secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
     cache_file: str | None = None  # restored at start, saved at shutdown (and every cache_save_every s)
@@ -106,6 +109,12 @@ class Config:
         if not self.cache_save_timeout > 0:  # also refuses NaN
             raise ValueError(f"cache_save_timeout must be > 0 seconds, got {self.cache_save_timeout}")
         self.media_policy  # noqa: B018  (raises ValueError for bad image limits)
+        self.proxies  # noqa: B018  (raises ValueError for a bad --trusted-proxies entry)
+
+    @property
+    def proxies(self) -> TrustedProxies:
+        """The peers whose X-Forwarded-For is believed (demo.api.proxies)."""
+        return TrustedProxies.parse(self.trusted_proxies)
 
     @property
     def media_policy(self) -> MediaPolicy:
@@ -194,6 +203,7 @@ _ENV = {
     "max_batch_size": ("RADIXKV_MAX_BATCH_SIZE", int),
     "max_batch_tokens": ("RADIXKV_MAX_BATCH_TOKENS", int),
     "connections_per_address": ("RADIXKV_CONNECTIONS_PER_ADDRESS", int),
+    "trusted_proxies": ("RADIXKV_TRUSTED_PROXIES", _keys),
     "decode_chunk": ("RADIXKV_DECODE_CHUNK", int),
     "lora_modules": ("RADIXKV_LORA_MODULES", _lora_env),
     "lora_download_timeout": ("RADIXKV_LORA_DOWNLOAD_TIMEOUT", float),
@@ -267,6 +277,14 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         help="open connections one client address may hold (default: half of the server's limit; "
         "0 = no cap, e.g. behind a gateway; env RADIXKV_CONNECTIONS_PER_ADDRESS)",
+    )
+    p.add_argument(
+        "--trusted-proxies",
+        type=_keys,
+        metavar="ADDR[,ADDR...]",
+        help="comma-separated addresses or networks of gateways / proxies whose X-Forwarded-For names "
+        "the client (failed-auth throttle); their connections are not capped per address "
+        "(env RADIXKV_TRUSTED_PROXIES)",
     )
     p.add_argument(
         "--max-batch-tokens",

@@ -5,11 +5,8 @@ however it ends."""
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import signal
-import tempfile
 import threading
 import time
 
@@ -35,7 +32,13 @@ def test_sigterm_under_load_cuts_the_streams_and_saves_within_the_timeout(tmp_pa
     first = [threading.Event() for _ in range(8)]
 
     def stream(i: int) -> None:
-        body = {"prompt": prompt(i), "max_tokens": 700, "temperature": 0, "stream": True, "logit_bias": no_eos}
+        body = {
+            "prompt": prompt(i),
+            "max_tokens": 700,
+            "temperature": 0,
+            "stream": True,
+            "logit_bias": no_eos,
+        }
         try:
             with requests.post(url + "/v1/completions", json=body, stream=True, timeout=120) as r:
                 for line in r.iter_lines():
@@ -75,22 +78,32 @@ def test_sigterm_under_load_cuts_the_streams_and_saves_within_the_timeout(tmp_pa
         proc.wait(timeout=60)
 
 
-def _ours() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "radixkv-builtin-tiny-tokenizer-*")))
+def test_no_tokenizer_directory_outlives_the_process_however_it_ends(tmp_path, monkeypatch):
+    """/model_info saves a built-in model's tokenizer for the gateway: into the user's cache, named
+    for its content, never a temporary directory that an exit through os._exit (SIGTERM) or a
+    SIGKILL leaves behind; two processes share the one directory, which loads as the tokenizer."""
+    from transformers import AutoTokenizer
 
-
-def test_no_tokenizer_directory_outlives_the_process_however_it_ends(tmp_path):
-    """/model_info saves a built-in model's tokenizer for the gateway; the directory goes with the
-    process whether it ends by SIGTERM (which ends in os._exit) or by a usage error after start."""
-    before = _ours()
-    for how in ("sigterm", "sigint"):
-        proc, url = start_demo(ARGS, str(tmp_path / f"{how}.log"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the server's temporary files, if any
+    (tmp_path / "tmp").mkdir()
+    paths = set()
+    for how in (signal.SIGTERM, signal.SIGKILL):
+        proc, url = start_demo(ARGS, str(tmp_path / "server.log"))
         try:
-            info = requests.get(url + "/model_info", timeout=30).json()
-            assert os.path.isdir(info["tokenizer_path"]) or info["tokenizer_path"] == "builtin-tiny", info
-            proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGINT)
-            assert proc.wait(timeout=60) == 0
+            paths.add(requests.get(url + "/model_info", timeout=30).json()["tokenizer_path"])
+            proc.send_signal(how)
+            proc.wait(timeout=60)
         finally:
             if proc.poll() is None:
                 proc.kill()
-        assert _ours() == before, (how, json.dumps(sorted(_ours() - before)))
+        left = [
+            f for f in os.listdir(tmp_path / "tmp") if not f.startswith("torchinductor_")
+        ]  # torch's cache
+        assert left == [], (how, left)
+    (path,) = paths
+    assert path.startswith(str(tmp_path / "cache" / "radixkv" / "tokenizers")), path
+    assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]  # no partial copies
+    _, tokenizer = build_builtin("builtin-tiny")
+    text = "| Item 3-4 | 2 |"
+    assert AutoTokenizer.from_pretrained(path)(text)["input_ids"] == tokenizer(text)["input_ids"]

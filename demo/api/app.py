@@ -88,6 +88,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     engine = engine or build_engine(config)
     auth = Auth(config.api_keys, config.admin_token, tenant_secret(config))
     throttle = Throttle()  # failed authentications per client address
+    proxies = config.proxies  # whose X-Forwarded-For names the client
     metrics = Metrics()
     tasks = TaskPrompts(load_task_prompts(config.task_prompts, config.task_prompts_json))
     if tasks and engine.store is not None:
@@ -141,7 +142,9 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
 
     def authenticated(check):
         """check(headers) under the failed-attempt throttle of the client's address."""
-        addr = request.remote_addr or "unknown"
+        addr = proxies.client(request.remote_addr or "unknown", request.headers.get("X-Forwarded-For"))
+        if addr is None:  # a trusted gateway's request naming no client: never throttled as one
+            return check(request.headers)
         wait = throttle.retry_after(addr)
         if wait:
             raise ApiError(
@@ -284,7 +287,18 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
 
     # /v1/cache/save|restore|files, --cache-file; admin checks under the same throttle as flush
     cache_files.install(app, engine, config, lambda: authenticated(auth.check_admin))
-    gateway.install(app, engine, config)  # /server_info, /model_info, /get_load (SGLang gateway)
+
+    def gateway_key() -> None:
+        """The metadata routes: a tenant key, or the request of a trusted gateway itself (its
+        worker registration and load polls; sglang_router sends them keyless unless it has an
+        --api-key of its own, which it would then demand from every client too)."""
+        peer = request.remote_addr
+        if not (
+            proxies.trusts(peer) and proxies.client(peer, request.headers.get("X-Forwarded-For")) is None
+        ):
+            tenant()
+
+    gateway.install(app, engine, config, gateway_key)  # /server_info, /model_info, /get_load (SGLang gateway)
     if engine.adapters is not None:  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         adapters.install(app, engine, lambda: authenticated(auth.check_admin))
 

@@ -33,7 +33,10 @@ from waitress.channel import HTTPChannel
 from waitress.server import BaseWSGIServer, create_server
 from waitress.task import ErrorTask
 
+from demo.api.proxies import TrustedProxies
+
 log = logging.getLogger(__name__)
+NO_PROXIES = TrustedProxies()
 STOP_WAIT = 0.5  # seconds worker threads get to finish once their requests are cut (shutdown)
 
 
@@ -46,6 +49,8 @@ class Limits:
     max_body_bytes: int = 4 << 20  # the app refuses its own, smaller limit with a JSON 413
     per_address: int | None = None  # open connections of one client address; None: half of
     # `connections`, 0: no cap
+    trusted: TrustedProxies = NO_PROXIES  # gateways: not capped per address, their
+    # X-Forwarded-For reaches the app (waitress strips it from every other peer)
 
     def __post_init__(self) -> None:
         if self.per_address is not None and self.per_address < 0:
@@ -58,14 +63,23 @@ class Limits:
 
     @classmethod
     def for_engine(
-        cls, max_queue: int, max_batch: int, per_address: int | None = None, app_body_bytes: int = 0
+        cls,
+        max_queue: int,
+        max_batch: int,
+        per_address: int | None = None,
+        app_body_bytes: int = 0,
+        trusted: TrustedProxies = NO_PROXIES,
     ) -> Limits:
         """Enough threads for every queued and running request plus a few for /metrics etc.;
         bodies up to the app's own limit (larger with images) reach the app, which answers 413."""
         threads = max_queue + max_batch + 8
         body = max(cls.max_body_bytes, app_body_bytes + 1)
         return cls(
-            threads=threads, connections=max(256, 4 * threads), per_address=per_address, max_body_bytes=body
+            threads=threads,
+            connections=max(256, 4 * threads),
+            per_address=per_address,
+            max_body_bytes=body,
+            trusted=trusted,
         )
 
 
@@ -89,15 +103,15 @@ class _JsonErrorTask(ErrorTask):
 
 
 class _AddressCount:
-    """Open connections per client address, capped."""
+    """Open connections per client address, capped (trusted proxies are not)."""
 
-    def __init__(self, cap: int) -> None:
-        self.cap, self._open, self._lock = cap, {}, threading.Lock()
+    def __init__(self, cap: int, trusted: TrustedProxies = NO_PROXIES) -> None:
+        self.cap, self._open, self._lock, self.trusted = cap, {}, threading.Lock(), trusted
 
     def enter(self, address: str) -> bool:
         with self._lock:
             n = self._open.get(address, 0)
-            if self.cap and n >= self.cap:
+            if self.cap and n >= self.cap and not self.trusted.trusts(address):
                 return False
             self._open[address] = n + 1
             return True
@@ -155,7 +169,7 @@ def _channel_class(count: _AddressCount):
 
 def _server(app, host: str, port: int, limits: Limits):
     server = _create_server(app, host, port, limits)
-    channel = _channel_class(_AddressCount(limits.address_cap))  # one count over every listener
+    channel = _channel_class(_AddressCount(limits.address_cap, limits.trusted))  # one count, every listener
     listeners = [server] if isinstance(server, BaseWSGIServer) else list(server.map.values())
     for listener in listeners:
         if isinstance(listener, BaseWSGIServer):
@@ -179,7 +193,9 @@ def _create_server(app, host: str, port: int, limits: Limits):
         channel_request_lookahead=1,
         asyncore_use_poll=True,  # poll, not select: no FD_SETSIZE (1024) limit on sockets
         ident="radixkv",
-        clear_untrusted_proxy_headers=True,
+        # The app reads X-Forwarded-For of trusted proxies only (demo.api.proxies): without
+        # any, waitress strips the proxy headers of every request.
+        clear_untrusted_proxy_headers=not limits.trusted,
     )
 
 
