@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (docker stop, systemd, Kubernetes) ends the server like Ctrl-C, so the cache file
     # is saved, within --cache-save-timeout of the signal (demo.shutdown_save).
     signal.signal(signal.SIGTERM, _interrupt)
+
+    def stopping() -> None:  # the save must not wait for requests: they are cut, as a stream
+        # would be by the exit anyway, and the batch running stops at its next step
+        engine.shutdown(wait=min(2.0, config.cache_save_timeout / 4))
+
     # A fixed line on stdout that scripts (benchmarks/bench_http.py) wait for.
     try:
         serve_forever(
@@ -71,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
                 config.max_batch_size,
                 config.connections_per_address,
                 app.extensions["radixkv"]["max_body_bytes"],
+                config.proxies,
             ),
+            stopping,
         )
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the save kills

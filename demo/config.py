@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 from demo.api.images import MediaPolicy, parse_limit_mm
+from demo.api.proxies import TrustedProxies
 from demo.model.adapters import LoraModule, parse_lora_modules
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -46,6 +47,8 @@ class Config:
     # open connections one client address may hold; None: half of the server's connection
     # limit, 0: no cap (behind a trusted proxy or gateway, which is one address for everyone)
     connections_per_address: int | None = None
+    # peers (addresses or networks) whose X-Forwarded-For names the client (demo.api.proxies)
+    trusted_proxies: tuple[str, ...] = ()
     served_name: str | None = None  # model id in responses; default: basename of `model`
     tenant_secret: bytes = field(default_factory=lambda: os.urandom(32), repr=False)
     cache_file: str | None = None  # restored at start, saved at shutdown (and every cache_save_every s)
@@ -60,6 +63,7 @@ class Config:
     task_prompts_json: str | None = field(default=None, repr=False)  # the same JSON, from the env
     # PEFT adapters served as extra model names (demo.model.adapters), vLLM's --lora-modules
     lora_modules: tuple[LoraModule, ...] = ()
+    lora_download_timeout: float = 120.0  # seconds for a Hub id's adapter files (demo.model.adapter_files)
     # Images (a vision-language --model, demo.api.images): per request, encoded bytes per image, the
     # hosts http(s) images may be fetched from (none: data: URLs only) and the fetch's time limit
     limit_images: int = 4
@@ -101,9 +105,17 @@ class Config:
             )
         if self.cache_save_every is not None and (self.cache_save_every <= 0 or not self.cache_file):
             raise ValueError("cache_save_every must be > 0 seconds and needs a cache_file")
+        if not self.lora_download_timeout > 0:
+            raise ValueError(f"lora_download_timeout must be > 0 seconds, got {self.lora_download_timeout}")
         if not self.cache_save_timeout > 0:  # also refuses NaN
             raise ValueError(f"cache_save_timeout must be > 0 seconds, got {self.cache_save_timeout}")
         self.media_policy  # noqa: B018  (raises ValueError for bad image limits)
+        self.proxies  # noqa: B018  (raises ValueError for a bad --trusted-proxies entry)
+
+    @property
+    def proxies(self) -> TrustedProxies:
+        """The peers whose X-Forwarded-For is believed (demo.api.proxies)."""
+        return TrustedProxies.parse(self.trusted_proxies)
 
     @property
     def media_policy(self) -> MediaPolicy:
@@ -193,8 +205,10 @@ _ENV = {
     "max_batch_size": ("RADIXKV_MAX_BATCH_SIZE", int),
     "max_batch_tokens": ("RADIXKV_MAX_BATCH_TOKENS", int),
     "connections_per_address": ("RADIXKV_CONNECTIONS_PER_ADDRESS", int),
+    "trusted_proxies": ("RADIXKV_TRUSTED_PROXIES", _keys),
     "decode_chunk": ("RADIXKV_DECODE_CHUNK", int),
     "lora_modules": ("RADIXKV_LORA_MODULES", _lora_env),
+    "lora_download_timeout": ("RADIXKV_LORA_DOWNLOAD_TIMEOUT", float),
     "limit_images": ("RADIXKV_LIMIT_MM_PER_PROMPT", parse_limit_mm),
     "max_image_bytes": ("RADIXKV_MAX_IMAGE_BYTES", int),
     "allowed_media_domains": ("RADIXKV_ALLOWED_MEDIA_DOMAINS", _domains),
@@ -272,6 +286,14 @@ def parser() -> argparse.ArgumentParser:
         "0 = no cap, e.g. behind a gateway; env RADIXKV_CONNECTIONS_PER_ADDRESS)",
     )
     p.add_argument(
+        "--trusted-proxies",
+        type=_keys,
+        metavar="ADDR[,ADDR...]",
+        help="comma-separated addresses or networks of gateways / proxies whose X-Forwarded-For names "
+        "the client (failed-auth throttle); their connections are not capped per address "
+        "(env RADIXKV_TRUSTED_PROXIES)",
+    )
+    p.add_argument(
         "--max-batch-tokens",
         type=int,
         help="cap on rows x padded prompt tokens of one batch (default 16384; env RADIXKV_MAX_BATCH_TOKENS)",
@@ -313,6 +335,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="PEFT adapters served as extra model names: name=path or a JSON object "
         '{"name", "path", "base_model_name"} (vLLM\'s flag; env RADIXKV_LORA_MODULES)',
+    )
+    p.add_argument(
+        "--lora-download-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="time for downloading an adapter named by Hub id, retries included (default 120; "
+        "env RADIXKV_LORA_DOWNLOAD_TIMEOUT)",
     )
     p.add_argument(
         "--limit-mm-per-prompt",

@@ -124,3 +124,64 @@ def test_the_cap_is_a_flag_and_zero_turns_it_off():
     assert Limits.for_engine(32, 8, 16).address_cap == 16
     with pytest.raises(ValueError, match="connections_per_address must be >= 0"):
         Config(connections_per_address=-1)
+
+
+def _idle(host: str, port: int, source: str, n: int) -> list[socket.socket]:
+    return [socket.create_connection((host, port), timeout=10, source_address=(source, 0)) for _ in range(n)]
+
+
+def test_two_addresses_holding_their_caps_leave_room_for_a_third(app):
+    """Issue 28: two addresses each holding their cap (half of the connections) took every slot,
+    and a third waited for the idle timeout. Near the limit the oldest idle connections give way."""
+    limits = Limits(connections=64, idle_timeout=120)
+    assert limits.address_cap == 32
+    held: list[socket.socket] = []
+    with serving(app, limits=limits) as url:
+        host, port = url.removeprefix("http://").split(":")
+        try:
+            held += _idle(host, int(port), "127.0.0.1", 32)
+            held += _idle(host, int(port), "127.0.0.2", 32)
+            time.sleep(0.5)  # accepted by the loop
+            status, _, body = raw(
+                url, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", "127.0.0.3"
+            )
+            assert status == 200 and body == {"status": "ok"}  # not after the 120 s idle timeout
+            closed = sum(1 for s in held if _closed(s))
+            assert closed >= 1  # the oldest idle gave way
+        finally:
+            for s in held:
+                s.close()
+
+
+def _closed(s: socket.socket, wait: float = 0.0) -> bool:
+    s.settimeout(wait or 0.01)
+    try:
+        return s.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+def test_a_connection_dripping_its_headers_is_closed_at_the_header_timeout(app):
+    """A byte every 0.3 s keeps the idle timeout from ever firing; the header timeout does not
+    care: a request not complete within it is closed."""
+    limits = Limits(connections=64, idle_timeout=120, header_timeout=2)
+    with serving(app, limits=limits) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\n")
+            started, gone = time.monotonic(), False
+            while time.monotonic() - started < 30:
+                try:
+                    s.sendall(b"X")
+                except OSError:
+                    gone = True
+                    break
+                if _closed(s, 0.3):
+                    gone = True
+                    break
+            assert gone and time.monotonic() - started < 25
+        # a keep-alive connection answered in time stays usable
+        status, _, body = raw(url, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert status == 200

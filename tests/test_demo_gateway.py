@@ -79,10 +79,12 @@ def start_replica(log_path: str) -> tuple[subprocess.Popen, str]:
     )
 
 
-def start_router(urls: list[str], policy: str, log_path: str) -> tuple[subprocess.Popen, str]:
+def start_router(
+    urls: list[str], policy: str, log_path: str, extra: tuple[str, ...] | list[str] = ()
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--prometheus-port", str(free_port()), "--policy", policy, "--worker-urls", *urls]
+    cmd += ["--prometheus-port", str(free_port()), "--policy", policy, *extra, "--worker-urls", *urls]
     log = open(log_path, "ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
     url = f"http://127.0.0.1:{port}"

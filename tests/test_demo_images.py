@@ -329,13 +329,11 @@ def test_malformed_remote_urls_are_400s_naming_the_part(engine, checkpoint):
     number, a userinfo trick: http.client.InvalidURL) are the caller's error, not the server's."""
     cfg = make_config(checkpoint, allowed_media_domains=("allowed.example",), media_fetch_timeout=1.0)
     client = create_app(cfg, engine).test_client()
-    for url in (
-        "http://allowed.example:abc/x.png",
-        "http://127.0.0.1:1\\@allowed.example/x.png",
+    for url, words in (
+        ("http://allowed.example:abc/x.png", "malformed"),  # refused before any fetch
+        ("http://127.0.0.1:1\\@allowed.example/x.png", "fetching the image"),
     ):
-        _refused(
-            post(client, [user(url, "what?")], status=400), "messages[0].content[0]", "fetching the image"
-        )
+        _refused(post(client, [user(url, "what?")], status=400), "messages[0].content[0]", words)
 
 
 def test_a_remote_image_download_holds_no_queue_slot(

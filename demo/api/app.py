@@ -16,8 +16,11 @@ generation routes' answers (JSON or an SSE stream) in demo.api.completions.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
+import threading
 import time
 
 from flask import Flask, Response, jsonify, render_template, request
@@ -60,7 +63,9 @@ def build_engine(config: Config) -> Engine:
     device = config.resolve_device()
     options = model_lib.LoadOptions(config.revision, config.trust_remote_code, config.device_map)
     model, tokenizer, processor = model_lib.load(config.model, device, config.resolve_dtype(device), options)
-    adapters = Adapters(model, config.model_id, aliases=(config.model,))
+    adapters = Adapters(
+        model, config.model_id, aliases=(config.model,), download_timeout=config.lora_download_timeout
+    )
     for module in config.lora_modules:  # before the engine's store: restored files find them
         adapters.load(module)
     return Engine(
@@ -84,12 +89,15 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     engine = engine or build_engine(config)
     auth = Auth(config.api_keys, config.admin_token, tenant_secret(config))
     throttle = Throttle()  # failed authentications per client address
+    proxies = config.proxies  # whose X-Forwarded-For names the client
     metrics = Metrics()
     tasks = TaskPrompts(load_task_prompts(config.task_prompts, config.task_prompts_json))
     if tasks and engine.store is not None:
         tasks.pin(engine)
     app = Flask(__name__, static_folder="static", template_folder="templates")
     media = config.media_policy if engine.processor is not None else None  # images taken
+    # Decoding and processing images: at most this many requests at once (memory, not speed)
+    image_slots = threading.BoundedSemaphore(media.processing_slots if media is not None else 1)
     max_body = max(MAX_BODY_BYTES, media.body_bytes) if media is not None else MAX_BODY_BYTES
     # One byte over the limit: werkzeug refuses a too-long Content-Length itself, but silently
     # truncates a chunked body at the limit; reading one byte more lets body() tell (413).
@@ -135,7 +143,9 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
 
     def authenticated(check):
         """check(headers) under the failed-attempt throttle of the client's address."""
-        addr = request.remote_addr or "unknown"
+        addr = proxies.client(request.remote_addr or "unknown", request.headers.get("X-Forwarded-For"))
+        if addr is None:  # a trusted gateway's request naming no client: never throttled as one
+            return check(request.headers)
         wait = throttle.retry_after(addr)
         if wait:
             raise ApiError(
@@ -232,11 +242,13 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
             )
         # Images are fetched (maybe from a remote host, for seconds) before a queue place is
         # taken: a request still downloading is not queued, so it must not hold a place.
-        pictures = images.load_images(parts, media) if media is not None else []
+        processed = functools.partial(vision.processed_pixels, engine.processor)
+        pictures = images.load_images(parts, media, processed, image_slots) if media is not None else []
         with reserve() as slot:
             inputs = None
             if media is not None:  # a vision-language model: its processor renders every chat
-                prompt = vision.render(engine.processor, messages, pictures)
+                with image_slots if pictures else contextlib.nullcontext():
+                    prompt = vision.render(engine.processor, messages, pictures)
                 ids, inputs = prompt.ids, prompt.inputs
             else:
                 try:
@@ -276,7 +288,18 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
 
     # /v1/cache/save|restore|files, --cache-file; admin checks under the same throttle as flush
     cache_files.install(app, engine, config, lambda: authenticated(auth.check_admin))
-    gateway.install(app, engine, config)  # /server_info, /model_info, /get_load (SGLang gateway)
+
+    def gateway_key() -> None:
+        """The metadata routes: a tenant key, or the request of a trusted gateway itself (its
+        worker registration and load polls; sglang_router sends them keyless unless it has an
+        --api-key of its own, which it would then demand from every client too)."""
+        peer = request.remote_addr
+        if not (
+            proxies.trusts(peer) and proxies.client(peer, request.headers.get("X-Forwarded-For")) is None
+        ):
+            tenant()
+
+    gateway.install(app, engine, config, gateway_key)  # /server_info, /model_info, /get_load (SGLang gateway)
     if engine.adapters is not None:  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         adapters.install(app, engine, lambda: authenticated(auth.check_admin))
 

@@ -5,12 +5,21 @@
 - ``data:`` URLs (base64) are decoded here, nothing is fetched;
 - ``http(s)`` URLs are refused unless their host is in ``--allowed-media-domains`` (vLLM's flag;
   a server that fetches any URL for anonymous callers reaches its own network: SSRF). Allowed
-  ones are fetched within ``--media-fetch-timeout`` seconds (the whole download) and
-  ``--max-image-bytes``, without following redirects (a redirect may point anywhere);
+  ones are fetched within ``--media-fetch-timeout`` seconds, one deadline from the name lookup
+  to the last byte (demo.api.media_fetch), and ``--max-image-bytes``, without following
+  redirects (a redirect may point anywhere); a URL that does not even parse is a 400 too;
 - any other scheme (``file:``, ``ftp:``) is refused;
 - at most ``--limit-mm-per-prompt`` images per request (vLLM's flag: ``image=4`` or
   ``{"image": 4}``), each at most ``--max-image-bytes`` of encoded bytes and ``MAX_PIXELS`` pixels
-  (a small PNG can claim a huge canvas), decoded by Pillow as PNG, JPEG, GIF, WebP or BMP.
+  (a small PNG can claim a huge canvas), decoded by Pillow as PNG, JPEG, GIF, WebP or BMP;
+- what an image costs once the model's processor has resized it is bounded before any pixel
+  is decoded, from the size in the file's header: an aspect ratio of at most
+  ``MAX_ASPECT_RATIO`` (Qwen2-VL's limit) and at most ``MAX_PROCESSED_PIXELS`` pixels after
+  resizing (``processed(width, height)``, demo.model.vision.processed_pixels). A 553-byte PNG
+  of 1x120,000 pixels is cheap to decode, but a processor that scales its short side up to
+  336 builds a 336 x 40M array;
+- decoding and processing run in at most ``processing_slots`` requests at once (``slots``:
+  an app's semaphore), so a burst of small images cannot add up to the server's memory.
 
 Each refusal is a 400 whose ``param`` names the part (``messages[0].content[1]``).
 """
@@ -19,20 +28,22 @@ from __future__ import annotations
 
 import base64
 import binascii
-import http.client
+import contextlib
 import io
 import json
+import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from demo.api import media_fetch
 from demo.errors import ApiError
 
 MAX_PIXELS = 40_000_000  # per image, width x height (Pillow's own bomb guard is ~179 M)
+MAX_ASPECT_RATIO = 200.0  # long side / short side (Qwen2-VL refuses more)
+MAX_PROCESSED_PIXELS = 16_000_000  # per image after the processor's resize (~190 MB in float32 RGB)
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
-_CHUNK = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -50,8 +61,16 @@ class MediaPolicy:
     allowed_domains: tuple[str, ...] = ()  # hosts http(s) images may come from; () = none
     fetch_timeout: float = 5.0  # seconds for one whole download
     max_pixels: int = MAX_PIXELS
+    max_aspect_ratio: float = MAX_ASPECT_RATIO
+    max_processed_pixels: int = MAX_PROCESSED_PIXELS
+    processing_slots: int = 2  # requests decoding or processing images at once
 
     def __post_init__(self) -> None:
+        if self.processing_slots < 1 or self.max_processed_pixels < 1 or not self.max_aspect_ratio >= 1:
+            raise ValueError(
+                "processing_slots and max_processed_pixels must be >= 1 and max_aspect_ratio >= 1, got "
+                f"{self.processing_slots}, {self.max_processed_pixels}, {self.max_aspect_ratio}"
+            )
         if self.max_images < 0 or self.max_image_bytes < 1 or self.fetch_timeout <= 0 or self.max_pixels < 1:
             raise ValueError(
                 "limit-mm-per-prompt must be >= 0, max-image-bytes >= 1 and media-fetch-timeout > 0, got "
@@ -97,14 +116,23 @@ def _bad(part: ImagePart, message: str) -> ApiError:
     return ApiError(400, f"{part.param}: {message}", part.param, "invalid_image")
 
 
-def load_images(parts: list[ImagePart], policy: MediaPolicy) -> list:
-    """One PIL image (RGB) per part, in order; ApiError 400 naming the first part refused."""
+def load_images(
+    parts: list[ImagePart],
+    policy: MediaPolicy,
+    processed: Callable[[int, int], int] | None = None,
+    slots: threading.Semaphore | None = None,
+) -> list:
+    """One PIL image (RGB) per part, in order; ApiError 400 naming the first part refused.
+    ``processed(width, height)``: the pixels the model's processor makes of such an image;
+    ``slots``: held while decoding (not while fetching: a download costs no memory to speak of)."""
     if len(parts) > policy.max_images:
         raise _bad(
             parts[policy.max_images],
             f"at most {policy.max_images} images per request (--limit-mm-per-prompt), got {len(parts)}",
         )
-    return [decode(fetch_bytes(part, policy), part, policy) for part in parts]
+    raw = [fetch_bytes(part, policy) for part in parts]
+    with slots if slots is not None else contextlib.nullcontext():
+        return [decode(data, part, policy, processed) for data, part in zip(raw, parts)]
 
 
 def fetch_bytes(part: ImagePart, policy: MediaPolicy) -> bytes:
@@ -115,14 +143,18 @@ def fetch_bytes(part: ImagePart, policy: MediaPolicy) -> bytes:
         return _data_url(part, policy)
     if scheme not in ("http", "https"):
         raise _bad(part, "the image URL must be a data: URL (base64) or http(s)")
-    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    try:  # a bracketed host that is no IP address, a netloc changed by NFKC, a bad port...
+        split = urllib.parse.urlsplit(url)
+        host, _ = (split.hostname or "").lower(), split.port
+    except ValueError as e:
+        raise _bad(part, f"the image URL is malformed: {e}") from None
     if host not in policy.allowed_domains:
         raise _bad(
             part,
             f"fetching images from {host or 'that URL'!r} is not allowed on this server: send the image "
             "as a data: URL (operators allow hosts with --allowed-media-domains)",
         )
-    return _download(part, policy)
+    return _download(part, policy, split)
 
 
 def _data_url(part: ImagePart, policy: MediaPolicy) -> bytes:
@@ -140,50 +172,26 @@ def _data_url(part: ImagePart, policy: MediaPolicy) -> bytes:
     return raw
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl} not followed", headers, fp)
-
-
-def _download(part: ImagePart, policy: MediaPolicy) -> bytes:
-    """GET ``part.url`` within the policy's time and size limits (no proxies, no redirects)."""
-    deadline = time.monotonic() + policy.fetch_timeout
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects)
-    req = urllib.request.Request(part.url, headers={"User-Agent": "radixkv-demo"})
+def _download(part: ImagePart, policy: MediaPolicy, split: urllib.parse.SplitResult) -> bytes:
+    """GET the part's URL within the policy's one deadline and size limit (demo.api.media_fetch)."""
+    path = split.path + (f"?{split.query}" if split.query else "")
     try:
-        with opener.open(req, timeout=policy.fetch_timeout) as resp:
-            length = resp.headers.get("Content-Length")
-            if length is not None and length.isdigit() and int(length) > policy.max_image_bytes:
-                raise _bad(
-                    part, f"the image is larger than {policy.max_image_bytes} bytes (--max-image-bytes)"
-                )
-            chunks, size = [], 0
-            while True:
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                chunk = resp.read1(_CHUNK)  # what has arrived: the deadline is checked between reads
-                if not chunk:
-                    break
-                size += len(chunk)
-                if size > policy.max_image_bytes:
-                    raise _bad(
-                        part, f"the image is larger than {policy.max_image_bytes} bytes (--max-image-bytes)"
-                    )
-                chunks.append(chunk)
+        return media_fetch.fetch(
+            path,
+            split.scheme.lower(),
+            split.hostname,
+            split.port,
+            time.monotonic() + policy.fetch_timeout,
+            policy.max_image_bytes,
+        )
     except TimeoutError:
         raise _bad(part, f"fetching the image took longer than {policy.fetch_timeout} s") from None
-    except urllib.error.HTTPError as e:
-        raise _bad(part, f"fetching the image failed: HTTP {e.code} {e.msg}") from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        if isinstance(reason, TimeoutError) or "timed out" in str(reason):
-            raise _bad(part, f"fetching the image took longer than {policy.fetch_timeout} s") from None
-        raise _bad(part, f"fetching the image failed: {reason}") from None
-    except (http.client.HTTPException, ValueError, OverflowError) as e:
-        # A URL urllib cannot open (a port that is no number or out of range, a host that is
-        # no name) or a response cut short: the caller's URL or the remote host, not the server.
-        raise _bad(part, f"fetching the image failed: {type(e).__name__}: {e}") from None
-    return b"".join(chunks)
+    except media_fetch.TooLarge:
+        raise _bad(
+            part, f"the image is larger than {policy.max_image_bytes} bytes (--max-image-bytes)"
+        ) from None
+    except media_fetch.FetchError as e:
+        raise _bad(part, f"fetching the image failed: {e}") from None
 
 
 def _rgb(image):
@@ -198,17 +206,33 @@ def _rgb(image):
     return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
-def decode(raw: bytes, part: ImagePart, policy: MediaPolicy):
+def check_size(width: int, height: int, part: ImagePart, policy: MediaPolicy, processed=None) -> None:
+    """ApiError 400 unless a ``width`` x ``height`` image is within the policy's bounds: pixels,
+    aspect ratio, and pixels after the processor's resize (``processed(width, height)``)."""
+    if width * height > policy.max_pixels:
+        raise _bad(part, f"the image is {width}x{height} pixels, more than {policy.max_pixels}")
+    if max(width, height) > policy.max_aspect_ratio * max(1, min(width, height)):
+        raise _bad(
+            part,
+            f"the image is {width}x{height} pixels, an aspect ratio over {policy.max_aspect_ratio:g}:1",
+        )
+    after = processed(width, height) if processed is not None else width * height
+    if after > policy.max_processed_pixels:
+        raise _bad(
+            part,
+            f"the image is {width}x{height} pixels: the model's processor would make {after} pixels of it, "
+            f"more than {policy.max_processed_pixels}",
+        )
+
+
+def decode(raw: bytes, part: ImagePart, policy: MediaPolicy, processed=None):
     """An RGB PIL image from encoded bytes (transparency on white); ApiError 400 if undecodable or
-    too large."""
+    too costly (``check_size``, from the header, before the pixels are decoded)."""
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(raw), formats=FORMATS) as image:
-            if image.width * image.height > policy.max_pixels:
-                raise _bad(
-                    part, f"the image is {image.width}x{image.height} pixels, more than {policy.max_pixels}"
-                )
+            check_size(image.width, image.height, part, policy, processed)
             return _rgb(image)  # loads the pixels: a truncated file fails here
     except ApiError:
         raise

@@ -8,18 +8,17 @@ slow clients cost a socket, not a thread; it tells a running request that its cl
 
 Limits (`Limits`): worker threads and open connections are bounded; a connection idle for
 `idle_timeout` seconds (a client that stopped sending headers or body, or an idle keep-alive)
-is closed; headers and bodies have size caps. A streaming or waiting request holds a worker
-thread for its whole life, so the thread count follows the engine's queue and batch sizes.
-One client address holds at most `per_address` of the open connections (default half of
-them): a connection over that cap is answered at once with a JSON 429 and closed, so one
-address cannot take every slot while others wait for theirs. What waitress itself refuses
-(a body or Content-Length over the cap, malformed requests) is answered with the API's JSON
-error shape too, not waitress's text/plain page.
+is closed, and so is one that has not sent a complete request within `header_timeout`
+seconds however it drips; headers and bodies have size caps. A streaming or waiting request
+holds a worker thread for its whole life, so the thread count follows the engine's queue and
+batch sizes. Who gets a connection (demo.api.connections): one client address holds at most
+`per_address` of them (default half; trusted proxies: no cap), and near the limit the oldest
+idle connections give way to new ones, so several addresses holding their caps cannot lock a
+new one out. What waitress itself refuses is answered in the API's JSON error shape.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import selectors
 import socket
@@ -29,11 +28,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from waitress import wasyncore
-from waitress.channel import HTTPChannel
 from waitress.server import BaseWSGIServer, create_server
-from waitress.task import ErrorTask
+
+from demo.api import connections
+from demo.api.proxies import TrustedProxies
 
 log = logging.getLogger(__name__)
+NO_PROXIES = TrustedProxies()
+STOP_WAIT = 0.5  # seconds worker threads get to finish once their requests are cut (shutdown)
 
 
 @dataclass(frozen=True)
@@ -41,10 +43,13 @@ class Limits:
     threads: int = 48  # requests being answered at once (each stream holds one)
     connections: int = 256  # open sockets; beyond it, new ones wait in the listen backlog
     idle_timeout: int = 30  # seconds without a byte from an idle connection before closing it
+    header_timeout: int = 30  # seconds a connection may take to send a complete request (body too)
     max_header_bytes: int = 64 << 10
     max_body_bytes: int = 4 << 20  # the app refuses its own, smaller limit with a JSON 413
     per_address: int | None = None  # open connections of one client address; None: half of
     # `connections`, 0: no cap
+    trusted: TrustedProxies = NO_PROXIES  # gateways: not capped per address, their
+    # X-Forwarded-For reaches the app (waitress strips it from every other peer)
 
     def __post_init__(self) -> None:
         if self.per_address is not None and self.per_address < 0:
@@ -57,108 +62,33 @@ class Limits:
 
     @classmethod
     def for_engine(
-        cls, max_queue: int, max_batch: int, per_address: int | None = None, app_body_bytes: int = 0
+        cls,
+        max_queue: int,
+        max_batch: int,
+        per_address: int | None = None,
+        app_body_bytes: int = 0,
+        trusted: TrustedProxies = NO_PROXIES,
     ) -> Limits:
         """Enough threads for every queued and running request plus a few for /metrics etc.;
         bodies up to the app's own limit (larger with images) reach the app, which answers 413."""
         threads = max_queue + max_batch + 8
         body = max(cls.max_body_bytes, app_body_bytes + 1)
         return cls(
-            threads=threads, connections=max(256, 4 * threads), per_address=per_address, max_body_bytes=body
+            threads=threads,
+            connections=max(256, 4 * threads),
+            per_address=per_address,
+            max_body_bytes=body,
+            trusted=trusted,
         )
-
-
-def _json_error(status: int, message: str, code: str | None = None) -> bytes:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
-
-
-class _JsonErrorTask(ErrorTask):
-    """waitress's own refusals (413, 400, 431, ...) in the API's JSON error shape."""
-
-    def execute(self):
-        e = self.request.error
-        message = f"request body too large ({e.body})" if e.code == 413 else f"{e.reason}: {e.body}"
-        body = _json_error(e.code, message)
-        self.status = f"{e.code} {e.reason}"
-        self.response_headers.append(("Content-Type", "application/json"))
-        self.set_close_on_finish()
-        self.content_length = len(body)
-        self.write(body)
-
-
-class _AddressCount:
-    """Open connections per client address, capped."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap, self._open, self._lock = cap, {}, threading.Lock()
-
-    def enter(self, address: str) -> bool:
-        with self._lock:
-            n = self._open.get(address, 0)
-            if self.cap and n >= self.cap:
-                return False
-            self._open[address] = n + 1
-            return True
-
-    def leave(self, address: str) -> None:
-        with self._lock:
-            n = self._open.pop(address, 1) - 1
-            if n > 0:
-                self._open[address] = n
-
-
-def _channel_class(count: _AddressCount):
-    refusal = _json_error(
-        429,
-        f"too many open connections from your address (at most {count.cap}); close idle ones and retry",
-        "too_many_connections",
-    )
-    response = (
-        b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nConnection: close\r\n"
-        + f"Content-Length: {len(refusal)}\r\n\r\n".encode()
-        + refusal
-    )
-
-    class Channel(HTTPChannel):
-        error_task_class = _JsonErrorTask
-        address: str | None = None
-
-        def __new__(cls, server, sock, addr, adj, map=None):
-            address = addr[0] if isinstance(addr, tuple) else str(addr)
-            if count.enter(address):
-                channel = super().__new__(cls)
-                channel.address = address
-                return channel
-            try:  # over the cap: answer now (a fresh socket's buffer takes it whole), close;
-                sock.setblocking(False)  # what the client sent already is read first, else the
-                try:  # close would reset the connection before it reads the answer
-                    sock.recv(65536)
-                except BlockingIOError:
-                    pass
-                sock.send(response)
-                sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-            sock.close()
-            return None  # __init__ is not run: the server keeps no channel
-
-        def del_channel(self, map=None):
-            if self.address is not None:
-                count.leave(self.address)
-                self.address = None
-            super().del_channel(map)
-
-    return Channel
 
 
 def _server(app, host: str, port: int, limits: Limits):
     server = _create_server(app, host, port, limits)
-    channel = _channel_class(_AddressCount(limits.address_cap))  # one count over every listener
     listeners = [server] if isinstance(server, BaseWSGIServer) else list(server.map.values())
-    for listener in listeners:
-        if isinstance(listener, BaseWSGIServer):
-            listener.channel_class = channel
+    connections.install(  # one count and one idle order over every listener
+        [listener for listener in listeners if isinstance(listener, BaseWSGIServer)],
+        connections.Policy(limits.address_cap, limits.trusted, limits.connections, limits.header_timeout),
+    )
     return server
 
 
@@ -170,7 +100,7 @@ def _create_server(app, host: str, port: int, limits: Limits):
         threads=limits.threads,
         connection_limit=limits.connections,
         channel_timeout=limits.idle_timeout,
-        cleanup_interval=max(1, min(10, limits.idle_timeout)),
+        cleanup_interval=max(1, min(10, limits.idle_timeout, limits.header_timeout // 2)),
         max_request_header_size=limits.max_header_bytes,
         max_request_body_size=limits.max_body_bytes,
         # >= 1: the loop keeps reading a connection whose request is running, so a hang-up
@@ -178,7 +108,9 @@ def _create_server(app, host: str, port: int, limits: Limits):
         channel_request_lookahead=1,
         asyncore_use_poll=True,  # poll, not select: no FD_SETSIZE (1024) limit on sockets
         ident="radixkv",
-        clear_untrusted_proxy_headers=True,
+        # The app reads X-Forwarded-For of trusted proxies only (demo.api.proxies): without
+        # any, waitress strips the proxy headers of every request.
+        clear_untrusted_proxy_headers=not limits.trusted,
     )
 
 
@@ -254,14 +186,37 @@ def serving(app, host: str = "127.0.0.1", port: int = 0, limits: Limits | None =
         yield server.url
 
 
-def serve_forever(app, host: str, port: int, announce=None, limits: Limits | None = None) -> None:
-    """Foreground server until Ctrl-C; `announce(url)` is called once the port is bound."""
+def serve_forever(
+    app,
+    host: str,
+    port: int,
+    announce=None,
+    limits: Limits | None = None,
+    stopping: Callable[[], None] | None = None,
+) -> None:
+    """Foreground server until Ctrl-C (or SIGTERM raised as KeyboardInterrupt); `announce(url)`
+    is called once the port is bound. Then: the listeners are closed (nothing more is taken),
+    `stopping()` cuts the requests in flight (demo.engine.engine.Engine.shutdown), worker
+    threads get `STOP_WAIT` seconds to finish their answers, and every connection is closed:
+    what time is left of a shutdown budget is the caller's (the cache save), not theirs."""
     server = _server(app, host, port, limits or Limits())
     if announce is not None:
         announce(f"http://{host}:{server.effective_port}")
-    try:
-        server.run()
+    single = isinstance(server, BaseWSGIServer)
+    sockets = server._map if single else server.map
+    try:  # the loop of server.run(), whose own KeyboardInterrupt handling waits 5 s for threads
+        server.asyncore.loop(
+            timeout=server.adj.asyncore_loop_timeout, map=sockets, use_poll=server.adj.asyncore_use_poll
+        )
     except KeyboardInterrupt:
         pass
     finally:
-        server.close()
+        for listener in [server] if single else list(sockets.values()):
+            if isinstance(listener, BaseWSGIServer):
+                wasyncore.dispatcher.close(listener)  # the listening socket only, not the trigger
+        try:
+            if stopping is not None:
+                stopping()
+        finally:
+            server.task_dispatcher.shutdown(timeout=STOP_WAIT)
+            wasyncore.close_all(sockets, ignore_all=True)

@@ -109,6 +109,21 @@ class Engine:
         self.scheduler.submit(gen, slot)
         return gen
 
+    def shutdown(self, wait: float) -> None:
+        """Stop taking requests and cut those queued or running (each answered 503), then wait
+        up to ``wait`` seconds for the running generate() call to stop at its next step, so that
+        the KV it computed is in the store for the shutdown save."""
+        from demo.errors import ApiError
+
+        self.scheduler.close(
+            ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        )
+        lock = self.exclusive()
+        if lock.acquire(timeout=max(0.0, wait)):
+            lock.release()
+        else:
+            log.warning("shutdown: the running batch did not stop within %.1fs", wait)
+
     def exclusive(self) -> threading.RLock:
         """The model lock: held, no generate() runs (the worker waits for it between batches)."""
         return self.runner.lock

@@ -64,6 +64,7 @@ class Scheduler:
         self._waiting: deque[Generation] = deque()
         self._reserved = 0  # slots handed out, not yet submitted
         self._running: list[Generation] = []  # the batch now running (read by /get_load)
+        self._closed: Exception | None = None  # set by close(): what every request is told
         # Observed here, rendered by /metrics.
         self.batch_sizes = Histogram(BATCH_SIZE_BUCKETS)
         self.queue_waits = Histogram()
@@ -72,6 +73,8 @@ class Scheduler:
     def reserve(self) -> Slot:
         """A place in the queue for a request about to be submitted; raises Busy if full. O(1)."""
         with self._cond:
+            if self._closed is not None:
+                raise Busy("the server is shutting down")
             if self._reserved + len(self._waiting) >= self.max_queue:
                 raise Busy(f"{self.max_queue} requests are already waiting")
             self._reserved += 1
@@ -92,6 +95,23 @@ class Scheduler:
             self._reserved -= 1
             self._waiting.append(gen)
             self._cond.notify()
+        if self._closed is not None:  # reserved before close(), submitted after
+            self._cut([gen])
+
+    def close(self, error: Exception) -> None:
+        """Shutting down: no more places, and every queued, running or paused request is cut
+        (``error`` is what its client hears; the running batch stops at its next decode step,
+        its KV so far committed). Idempotent."""
+        with self._cond:
+            self._closed = error
+            gens = [*self._waiting, *self._running]
+        self._cut(gens)
+
+    def _cut(self, gens: Sequence[Generation]) -> None:
+        for gen in gens:
+            if not gen.finished.is_set():
+                gen._events.put(("error", self._closed))
+            gen.cancel()
 
     # -- the worker's side ---------------------------------------------------------------------
     def next_batch(self) -> list[Generation]:
@@ -116,6 +136,8 @@ class Scheduler:
         if batch:
             self.batch_sizes.observe(len(batch))
             self._running = batch
+            if self._closed is not None:  # taken while close() ran: stops at its first step
+                self._cut(batch)
         return batch
 
     def finished(self, paused: Sequence[Generation] = ()) -> None:
@@ -125,6 +147,8 @@ class Scheduler:
         if paused:
             with self._cond:
                 self._waiting.extend(paused)
+            if self._closed is not None:
+                self._cut(paused)
 
     def _take(self) -> list[Generation]:
         """The oldest request, plus the queued ones that can share its generate() call (oldest

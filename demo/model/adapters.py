@@ -17,7 +17,10 @@ base, and a re-load of other weights under the same name never reads the old KV,
 dropped anyway (``hf_patch.drop_stale_adapters`` after every load and unload).
 
 The model changes only between generate() calls: the engine's worker holds ``engine.exclusive()``
-while it generates, and loading / unloading take it too. PEFT's adapter names are derived from
+while it generates, and loading / unloading take it too, but only to attach or detach: an
+adapter's files are found (a local directory, or a bounded Hub download: demo.model.adapter_files)
+and read (config and weights) before the lock is taken, so a slow disk, a slow Hub or a Hub id
+that does not exist never holds generation up. PEFT's adapter names are derived from
 the API's (``peft_name``): a name PEFT accepts as a module key, the same in every process, so a
 cache file's adapter prefixes find their adapter again after a restart.
 """
@@ -37,6 +40,7 @@ from collections.abc import Callable, Collection, Hashable, Sequence
 from flask import Blueprint, Response, request
 
 from demo.errors import ApiError
+from demo.model.adapter_files import AdapterError, local_files
 
 log = logging.getLogger(__name__)
 BASE = "__base__"  # PEFT's adapter_names entry for "no adapter"
@@ -93,10 +97,6 @@ def peft_name(name: str) -> str:
     return f"{readable}-{hashlib.sha256(name.encode('utf-8')).hexdigest()[:8]}"
 
 
-class AdapterError(ApiError):
-    """A load or unload that cannot be done; an API error (vLLM's statuses: 400, 404)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Adapter:
     name: str  # the model name the API lists and requests use
@@ -117,9 +117,12 @@ class Adapters:
     ``unload`` drop the KV of adapters no longer held with the same weights. ``aliases``: other
     names requests pick the base by (the name it was started with); no adapter may take one."""
 
-    def __init__(self, model, base_name: str, aliases: Collection[str] = ()):
+    def __init__(self, model, base_name: str, aliases: Collection[str] = (), download_timeout: float = 120.0):
         self.model, self.base_name = model, base_name
         self.base_names = {base_name, *aliases}
+        self.download_timeout = download_timeout  # seconds for a Hub id's files
+        self._pending: set[str] = set()  # names being read off the lock, not attached yet
+        self._names_lock = threading.Lock()
         self.peft = None  # PeftModelForCausalLM over ``model`` while any adapter is loaded
         self._loaded: dict[str, Adapter] = {}
         self.lock = threading.RLock()
@@ -151,25 +154,37 @@ class Adapters:
         return list(calls.values())
 
     def load(self, module: LoraModule) -> Adapter:
-        """Load ``module`` under its name, between generate() calls; AdapterError (nothing
-        changed) when it cannot be."""
-        with self.lock:
-            adapter = self._load(module)
-            self._drop_stale()
-        return adapter
-
-    def _load(self, module: LoraModule) -> Adapter:
-        try:
-            from peft import PeftConfig, PeftModelForCausalLM, PeftType
-        except ImportError:  # pragma: no cover - peft is in the demo extra
-            raise AdapterError(400, "serving adapters needs peft (pip install peft)") from None
-        name, path = module.name, module.path
+        """Load ``module`` under its name: its files found and read first, without the model
+        lock (generation goes on), then attached between generate() calls; AdapterError
+        (nothing changed) when it cannot be."""
+        name = module.name
         if name in self.base_names:  # requests naming it get the base: the adapter would never serve
             raise AdapterError(400, f"'{name}' is the base model's name", "lora_name")
-        if name in self._loaded:
-            raise AdapterError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        with self._names_lock:
+            if name in self._loaded or name in self._pending:
+                raise AdapterError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+            self._pending.add(name)
         try:
-            config = PeftConfig.from_pretrained(path)
+            config, weights = self._read(name, module.path)
+            with self.lock:
+                adapter = self._attach(module, config, weights)
+                self._drop_stale()
+        finally:
+            with self._names_lock:
+                self._pending.discard(name)
+        return adapter
+
+    def _read(self, name: str, path: str):
+        """(PeftConfig, state dict) of the adapter at ``path`` (a directory or a Hub id), read
+        without the model lock."""
+        try:
+            from peft import PeftConfig
+            from peft.utils import load_peft_weights
+        except ImportError:  # pragma: no cover - peft is in the demo extra
+            raise AdapterError(400, "serving adapters needs peft (pip install peft)") from None
+        directory = local_files(path, self.download_timeout)
+        try:
+            config = PeftConfig.from_pretrained(directory)
         except (OSError, ValueError) as e:
             raise AdapterError(
                 404, f"No adapter found at {path!r}: {e}", "lora_path", "adapter_not_found"
@@ -181,6 +196,18 @@ class Adapters:
                 "(LoRA and other tuners) of a causal language model can be served",
                 "lora_path",
             )
+        try:
+            weights = load_peft_weights(directory, device=str(self.model.device))
+        except Exception as e:
+            raise AdapterError(400, f"cannot load adapter '{name}' from {path!r}: {e}", "lora_path") from None
+        return config, weights
+
+    def _attach(self, module: LoraModule, config, weights) -> Adapter:
+        """Inject the adapter's layers and set their weights; holding the model lock."""
+        from peft import PeftModelForCausalLM, PeftType
+        from peft.utils import set_peft_model_state_dict
+
+        name, path = module.name, module.path
         internal = peft_name(name)
         config.inference_mode = True
         fresh = self.peft is None
@@ -189,8 +216,13 @@ class Adapters:
             # The wrapper injects the first adapter's layers as it is built: an adapter that does
             # not fit the model (target modules it lacks, a module type LoRA cannot wrap) fails
             # here, possibly after some layers went in.
-            peft = PeftModelForCausalLM(self.model, config, adapter_name=internal) if fresh else peft
-            result = peft.load_adapter(path, adapter_name=internal, is_trainable=False)
+            if fresh:
+                peft = PeftModelForCausalLM(self.model, config, adapter_name=internal)
+            else:
+                if hasattr(peft, "_check_new_adapter_config"):
+                    peft._check_new_adapter_config(config, is_trainable=False)
+                peft.add_adapter(internal, config)
+            result = set_peft_model_state_dict(peft, weights, adapter_name=internal)
             missing = [k for k in getattr(result, "missing_keys", ()) if f".{internal}." in k]
             if missing:
                 raise ValueError(f"the adapter's file lacks {len(missing)} of its weights, e.g. {missing[0]}")

@@ -49,6 +49,35 @@ def load(name_or_path: str, kwargs: dict, model_kwargs: dict):
     return model, processor
 
 
+def processed_pixels(processor, width: int, height: int) -> int:
+    """Pixels per image the processor's resize makes of a ``width`` x ``height`` image, computed
+    from its ``size`` rule before anything is allocated (demo.api.images bounds it): a short
+    side scaled to ``shortest_edge`` (within ``longest_edge``), a long side to ``longest_edge``,
+    a fixed ``height`` x ``width``, a ``max_pixels`` cap (Qwen2-VL); the image's own pixels
+    where the processor does not resize or names no rule this knows."""
+    ip = getattr(processor, "image_processor", None)
+    size = getattr(ip, "size", None)
+    if ip is None or size is None or getattr(ip, "do_resize", True) is False:
+        return width * height
+    if isinstance(size, int):
+        size = {"shortest_edge": size}
+
+    def rule(key: str):
+        value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+        return value if isinstance(value, (int, float)) and value > 0 else None
+
+    short, long = min(width, height), max(width, height)
+    if rule("height") and rule("width"):
+        return int(rule("height") * rule("width"))
+    if rule("shortest_edge") or rule("longest_edge"):
+        scale = rule("shortest_edge") / short if rule("shortest_edge") else rule("longest_edge") / long
+        if rule("longest_edge") and long * scale > rule("longest_edge"):
+            scale = rule("longest_edge") / long
+        return (int(width * scale) + 1) * (int(height * scale) + 1)
+    cap = rule("max_pixels") or getattr(ip, "max_pixels", None)
+    return min(width * height, int(cap)) if isinstance(cap, (int, float)) and cap > 0 else width * height
+
+
 @dataclass(frozen=True)
 class Prompt:
     ids: list[int]
