@@ -258,6 +258,8 @@ def family_inputs(name: str, model, rows: list[list[Item]]) -> tuple[list[list[l
 
         def tokens(it, k):
             t, h, w = (2, 4, 4) if it.video else _GRIDS[it.size]
+            if it.video and name == "qwen3_vl":  # a timestamp, then each frame in its own delimiters
+                return [t for f in range(t) for t in [3 + f, START] + [VIDEO] * (h * w // 4) + [END]]
             return [START] + [VIDEO if it.video else IMAGE] * (t * h * w // 4) + [END]
 
     out, counters = [], {False: 0, True: 0}

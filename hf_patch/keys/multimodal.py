@@ -270,13 +270,13 @@ def _select(value, keep: list[int]):
 
 def drop_pixels(images: Images, drop: set, model_kwargs: dict) -> set:
     """Before encoding: remove the items ``drop`` (``ImageSpan.item``) from ``model_kwargs``.
-    Returns the items actually removed (a family that cannot remove some items of a call while
-    encoding others, LLaVA-OneVision, removes all or none)."""
+    Returns the items actually removed: all or none where the call gives a per-row input
+    (LLaVA-OneVision's batch_num_images: removing some of a row's images would change it)."""
     family = images.family
     everything = {s.item for s in images.spans}
     if not drop:
         return set()
-    if not family.partial_drop and drop != everything:
+    if drop != everything and any(model_kwargs.get(name) is not None for name in family.row_inputs):
         return set()
     for modality in family.modalities:
         spans = images.of(modality.name)

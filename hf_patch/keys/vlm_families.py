@@ -57,14 +57,13 @@ class Modality:
 class Family:
     """``token_types``: inputs checked per call to equal what the ids imply (name -> the value
     of image and of video placeholders); ``row_inputs``: per-row inputs hashed into each item of
-    the row; ``partial_drop``: whether some items can be removed from the encoder's inputs while
-    others stay (else a call encodes all of them or none)."""
+    the row; where a call gives one, its items are encoded all or none (removing some items of a
+    row would change the row's value and so the others' features)."""
 
     modalities: tuple[Modality, ...]
     token_types: tuple[str, ...] = ()
     row_inputs: tuple[str, ...] = ()
     extra_inputs: tuple[str, ...] = ()  # encoder inputs of the rows layout (pixel_attention_mask)
-    partial_drop: bool = True
 
 
 def _grid_counts(grid_input: str) -> Callable:
@@ -113,12 +112,10 @@ FAMILIES: dict[str, Family] = {
     "smolvlm": Family((Modality(**_IMAGE, layout="rows"),), extra_inputs=("pixel_attention_mask",)),
     "llava_next": Family((_ANYRES,)),
     # OneVision's image features depend on how many images their row has (one: any-resolution
-    # tiles; more: the base tile only), so that count is hashed into each image, and images are
-    # encoded all or none (a row's count cannot be changed by removing some of its images).
+    # tiles; more: the base tile only) when the call gives batch_num_images: hashed per row.
     "llava_onevision": Family(
         (_ANYRES, Modality("video", "pixel_values_videos", "video_token_id", "items")),
         row_inputs=("batch_num_images",),
-        partial_drop=False,
     ),
     "mistral3": Family(
         (
