@@ -22,10 +22,19 @@ from tests.hf_models import (
     stock,
     tokens,
 )
-from tests.vlm_models import IMAGE, VIDEO, Item, build_vlm, family_inputs, token_types
+from tests.vlm_models import IMAGE, VIDEO, Item, build_vlm, family_inputs, images_encoded, token_types
 
 BS = 4
-FAMILIES = ["gemma3", "llava_next", "llava_onevision", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+FAMILIES = [
+    "gemma3",
+    "llama4",
+    "llava_next",
+    "llava_onevision",
+    "mistral3",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+]
 VIDEO_FAMILIES = ["llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 
@@ -39,7 +48,7 @@ class Encoded:
     def __init__(self, model) -> None:
         self.items = 0
         self.depth = 0  # Qwen3-VL's video encoder calls its image encoder: count the outer call
-        base = model.model
+        base = model.base_model  # where generate() looks for get_image_features
         for modality in ("image", "video"):
             original = getattr(base, f"get_{modality}_features", None)
             if original is not None:
@@ -54,7 +63,7 @@ class Encoded:
             finally:
                 self.depth -= 1
             if self.depth == 0:
-                self.items += len(out.pooler_output)
+                self.items += images_encoded(out, args, kwargs)
             return out
 
         return counted

@@ -155,8 +155,20 @@ def _qwen3_vl():
     return AutoConfig.for_model("qwen3_vl", text_config=text, vision_config=vision, **_QWEN_IDS)
 
 
+def _llama4():
+    text = {**BASE, "model_type": "llama4_text", "head_dim": 16, "attention_chunk_size": 8, "num_local_experts": 2,
+            "intermediate_size_mlp": 128, "layer_types": ["chunked_attention", "full_attention"],
+            "no_rope_layers": [1, 0]}  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8, pixel_shuffle_ratio=0.5, projector_input_dim=32, projector_output_dim=32,
+                  vision_output_dim=32, rope_theta=10000)  # fmt: skip
+    return AutoConfig.for_model("llama4", text_config=text, vision_config=vision, image_token_index=IMAGE,
+                                boi_token_index=START, eoi_token_index=END)  # fmt: skip
+
+
 VLMS.update(
     {
+        "llama4": (_llama4, "flat", 4),
         "llava_next": (_llava_next, "tiles", 0),
         "llava_onevision": (_llava_onevision, "tiles", 0),
         "mistral3": (_mistral3, "sizes", 0),
@@ -165,6 +177,18 @@ VLMS.update(
         "qwen3_vl": (_qwen3_vl, "grid", 0),
     }
 )
+
+
+TILE_OWNER: dict[bytes, int] = {}  # Llama 4 tile bytes -> its image's seed (to count images encoded)
+
+
+def images_encoded(output, args, kwargs) -> int:
+    """Images (or videos) one encoder call encoded: its per-item outputs, or for Llama 4's flat
+    tile batch the distinct images its tiles belong to."""
+    if output.pooler_output is not None:
+        return len(output.pooler_output)
+    tiles = kwargs.get("pixel_values", args[0] if args else None)
+    return len({TILE_OWNER[t.numpy().tobytes()] for t in tiles})
 
 
 @dataclass(frozen=True)
@@ -201,7 +225,17 @@ def family_inputs(name: str, model, rows: list[list[Item]]) -> tuple[list[list[l
     images = [it for it in items if not it.video]
     videos = [it for it in items if it.video]
     kwargs: dict = {}
-    if layout == "items":  # fixed-size images (Gemma 3), wrapped in begin / end of image
+    if layout == "flat":  # Llama 4: 1, 2 + 1 global or 4 + 1 global tiles of 4 placeholders
+        tiles = [[1, 3, 5][it.size] for it in images]
+        kwargs["pixel_values"] = torch.cat([_rand(it.seed, n, 3, 32, 32) for it, n in zip(images, tiles)])
+        for it, n in zip(images, tiles):
+            for tile in _rand(it.seed, n, 3, 32, 32):
+                TILE_OWNER[tile.numpy().tobytes()] = it.seed
+
+        def tokens(it, k):  # tiles apart by a separator, as the processor writes them
+            n = tiles[k]
+            return [START] + [t for i in range(n) for t in [IMAGE] * 4 + ([3] if i < n - 1 else [])] + [END]
+    elif layout == "items":  # fixed-size images (Gemma 3), wrapped in begin / end of image
         kwargs["pixel_values"] = torch.stack([image(it.seed) for it in images])
 
         def tokens(it, k):

@@ -2,8 +2,8 @@
 
 ``mm_encoder_outputs[modality]`` holds one feature row per placeholder of that modality, in
 placeholder order over (batch, seq): ``pooler_output`` (a tensor ``[items, tokens, hidden]``
-or a list / tuple of per-item ``[tokens, hidden]``) and, for Qwen3-VL, ``deepstack_features``
-(per layer, the same rows). After encoding, each encoded item's rows are filed by content id
+or a list / tuple of per-item ``[tokens, hidden]``; Llama 4: ``last_hidden_state``, the
+family's ``feature``) and, for Qwen3-VL, ``deepstack_features`` (per layer, the same rows). After encoding, each encoded item's rows are filed by content id
 (``remember_features``); before the prefill, the output is rebuilt to hold exactly the rows of
 the placeholders the model is fed (``feed_features``), as transformers' chunked prefill does.
 """
@@ -44,35 +44,36 @@ class Container:
     """How a model's encoder hands one modality's features over (kept when feeding them back)."""
 
     kind: type
-    as_tensor: bool  # pooler_output one tensor with a batch of one, else a one-item list
+    as_tensor: bool  # the features one tensor with a batch of one, else a one-item list
+    field: str = "pooler_output"
 
 
 def _flat(features) -> torch.Tensor:
     return torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
 
 
-def flatten(output) -> Features | None:
+def flatten(output, field: str = "pooler_output") -> Features | None:
     """An encoder output's rows, in placeholder order."""
-    pooled = None if output is None else output.get("pooler_output")
+    pooled = None if output is None else output.get(field)
     if pooled is None:
         return None
     deep = output.get("deepstack_features") or ()
     return Features(_flat(pooled), tuple(_flat(layer) for layer in deep))
 
 
-def container(output) -> Container:
-    return Container(type(output), isinstance(output["pooler_output"], torch.Tensor))
+def container(output, field: str) -> Container:
+    return Container(type(output), isinstance(output[field], torch.Tensor), field)
 
 
-def build(rows: Features, how: Container | None):
+def build(rows: Features, how: Container | None, field: str):
     """An encoder output holding ``rows``, in the container ``how`` (default: a one-item list)."""
     kind = BaseModelOutputWithPooling if how is None else how.kind
-    as_tensor = how is not None and how.as_tensor
+    as_tensor = how.as_tensor if how is not None else field != "pooler_output"
 
     def wrap(t: torch.Tensor):
         return t.unsqueeze(0) if as_tensor else [t]
 
-    fields = {"pooler_output": wrap(rows.pooled)}
+    fields = {field: wrap(rows.pooled)}
     if rows.deep:
         fields["deepstack_features"] = [wrap(d) for d in rows.deep]
     return kind(**fields)
@@ -84,12 +85,13 @@ def remember_features(images: Images, skipped: set, model_kwargs: dict, cache) -
     outputs = model_kwargs.get("mm_encoder_outputs")
     if cache is None or not isinstance(outputs, dict):
         return
+    field = images.family.feature
     for name, output in outputs.items():
-        rows = flatten(output)
+        rows = flatten(output, field)
         encoded = [s for s in images.of(name) if s.item not in skipped]
         if rows is None or rows.pooled.shape[0] != sum(len(s.cols) for s in encoded):
             continue
-        cache.containers[name] = container(output)
+        cache.containers[name] = container(output, field)
         at = 0
         for span in encoded:
             cache.put(span.content, rows[at : at + len(span.cols)])
@@ -106,9 +108,10 @@ def feed_features(
     if common <= 0 and not known:
         return
     outputs = dict(model_kwargs.get("mm_encoder_outputs") or {})
+    field = images.family.feature
     for name in {s.modality for s in images.spans}:
         output = outputs.get(name)
-        fresh = flatten(output)
+        fresh = flatten(output, field)
         if fresh is None and not any(s.item in known for s in images.of(name)):
             continue
         parts, at = [], 0
@@ -122,6 +125,6 @@ def feed_features(
                 rows, at = fresh[at : at + length], at + length
             if span.end > common:
                 parts.append(rows[span.placeholders_before(common) :])
-        how = container(output) if output is not None else containers.get(name)
-        outputs[name] = build(Features.cat(parts), how) if parts else None
+        how = container(output, field) if output is not None else containers.get(name)
+        outputs[name] = build(Features.cat(parts), how, field) if parts else None
     model_kwargs["mm_encoder_outputs"] = outputs

@@ -37,6 +37,7 @@ import torch
 from hf_patch.keys.vlm_families import (
     Family,
     Modality,
+    config_token,
     family_inputs,
     family_of,
     implied_token_types,
@@ -152,10 +153,26 @@ def _items(modality: Modality, pixels: torch.Tensor, model_kwargs: dict, batch: 
     return [(i,) for i in range(pixels.shape[0])]
 
 
-def _counts(model, modality: Modality, model_kwargs: dict, placeholders: torch.Tensor, n: int) -> list[int]:
+def _delimited(model, modality: Modality, input_ids: torch.Tensor, placeholders: torch.Tensor) -> list[int]:
+    """Placeholders between each begin- and end-of-item token, in order (rows, then columns)."""
+    begin, end = (config_token(model, name) for name in modality.delimiters)
+    counts = []
+    for ids, marks in zip(input_ids, placeholders):
+        inside = torch.cumsum((ids == begin).long() - (ids == end).long(), 0)
+        if inside.min() < 0 or inside.max() > 1 or (marks & (inside != 1)).any():
+            raise UnkeyableImages(f"{modality.name} placeholders outside begin / end tokens, or nested")
+        starts = (ids == begin).nonzero().flatten().tolist()
+        stops = (ids == end).nonzero().flatten().tolist()
+        counts += [int(marks[a:b].sum()) for a, b in zip(starts, stops)]
+    return [c for c in counts if c]
+
+
+def _counts(model, modality: Modality, model_kwargs: dict, input_ids, placeholders, n: int) -> list[int]:
     total = int(placeholders.sum())
     if modality.counts is not None:
         counts = [int(c) for c in modality.counts(model, model_kwargs)]
+    elif modality.delimiters is not None:
+        counts = _delimited(model, modality, input_ids, placeholders)
     elif modality.runs:
         counts = [end - start for row in placeholders for start, end in _runs(row)]
     else:
@@ -164,14 +181,29 @@ def _counts(model, modality: Modality, model_kwargs: dict, placeholders: torch.T
                 f"{total} {modality.name} placeholder tokens do not split evenly over {n} items"
             )
         counts = [total // n] * n
-    if len(counts) != n or sum(counts) != total:
+    if (n >= 0 and len(counts) != n) or sum(counts) != total:
         raise UnkeyableImages(
             f"{total} {modality.name} placeholder tokens do not match {n} items (expected {counts})"
         )
     return counts
 
 
+def _tiles(modality: Modality, pixels: torch.Tensor, counts: list[int]) -> list[int]:
+    """Tiles per item of a flat tile batch, each tile the same number of placeholders."""
+    total = sum(counts)
+    if not total or total % pixels.shape[0] or any(c % (total // pixels.shape[0]) for c in counts):
+        raise UnkeyableImages(
+            f"{total} {modality.name} placeholders do not split over {pixels.shape[0]} tiles"
+        )
+    per_tile = total // pixels.shape[0]
+    return [c // per_tile for c in counts]
+
+
 def _item_pixels(model, modality: Modality, pixels: torch.Tensor, model_kwargs: dict, index, counts, k):
+    if modality.layout == "tiles":
+        tiles = model_kwargs["_tiles"]
+        start = sum(tiles[: index[0]])
+        return pixels[start : start + tiles[index[0]]]
     if modality.layout == "patches":
         grid = model_kwargs[modality.encoder_inputs[0]]
         sizes = grid.prod(-1).tolist()
@@ -224,8 +256,13 @@ def image_keys(model, input_ids: torch.Tensor, model_kwargs: dict) -> Images | N
             continue
         token = placeholder_id(model, modality)
         placeholders = input_ids == token
-        items = _items(modality, pixels, model_kwargs, input_ids.shape[0])
-        counts = _counts(model, modality, model_kwargs, placeholders, len(items))
+        if modality.layout == "tiles":  # items known only from the ids: tiles split by count
+            counts = _counts(model, modality, model_kwargs, input_ids, placeholders, -1)
+            items = [(i,) for i in range(len(counts))]
+            model_kwargs = {**model_kwargs, "_tiles": _tiles(modality, pixels, counts)}
+        else:
+            items = _items(modality, pixels, model_kwargs, input_ids.shape[0])
+            counts = _counts(model, modality, model_kwargs, input_ids, placeholders, len(items))
         spans += _assign(model, family, modality, pixels, model_kwargs, placeholders, items, counts)
     if not spans:
         return None
@@ -301,8 +338,11 @@ def drop_pixels(images: Images, drop: set, model_kwargs: dict) -> set:
             model_kwargs[modality.pixels] = pixels
             continue
         keep = [s.index[0] for s in sorted(spans, key=lambda s: s.index) if s.index not in gone]
-        if modality.layout == "patches":
-            sizes = model_kwargs[modality.encoder_inputs[0]].prod(-1).tolist()
+        if modality.layout in ("patches", "tiles"):
+            if modality.layout == "tiles":
+                sizes = _tiles(modality, pixels, [len(s.cols) for s in sorted(spans, key=lambda s: s.index)])
+            else:
+                sizes = model_kwargs[modality.encoder_inputs[0]].prod(-1).tolist()
             starts = [sum(sizes[:i]) for i in range(len(sizes))]
             rows = [r for i in keep for r in range(starts[i], starts[i] + sizes[i])]
             model_kwargs[modality.pixels] = _select(pixels, rows)

@@ -15,7 +15,9 @@ Layouts of a modality's pixel input:
   batch's largest image, Gemma 3, InternVL, OneVision videos ``[videos, frames, C, H, W]``);
 - ``rows``: ``[batch, max_items, C, H, W]``, an all-zero item is padding (Idefics3, SmolVLM);
 - ``patches``: ``[sum of items' patches, D]`` with a grid ``[items, 3]`` (t, h, w) giving each
-  item's patch count (Qwen2-VL, Qwen2.5-VL, Qwen3-VL images and videos).
+  item's patch count (Qwen2-VL, Qwen2.5-VL, Qwen3-VL images and videos);
+- ``tiles``: ``[sum of items' tiles, C, H, W]``, each tile the same number of placeholders, each
+  item's placeholders between the family's begin- and end-of-image tokens (Llama 4).
 
 Positions: the M-RoPE families compute 3-D position ids for the whole prompt in generate()'s
 ``_prepare_position_ids_for_generation``, before the prefill and while the RadixCache is still
@@ -45,11 +47,12 @@ class Modality:
     name: str  # "image" | "video": its key in generate()'s mm_encoder_outputs
     pixels: str
     token: str  # config attribute holding the placeholder id
-    layout: str  # items | rows | patches
+    layout: str  # items | rows | patches | tiles
     encoder_inputs: tuple[str, ...] = ()
     hashed_inputs: tuple[str, ...] = ()
     counts: Callable | None = None
     runs: bool = False
+    delimiters: tuple[str, str] | None = None
     trim: Callable | None = None
 
 
@@ -64,6 +67,7 @@ class Family:
     token_types: tuple[str, ...] = ()
     row_inputs: tuple[str, ...] = ()
     extra_inputs: tuple[str, ...] = ()  # encoder inputs of the rows layout (pixel_attention_mask)
+    feature: str = "pooler_output"  # the encoder output's field the model reads its features from
 
 
 def _grid_counts(grid_input: str) -> Callable:
@@ -129,6 +133,12 @@ FAMILIES: dict[str, Family] = {
         )  # fmt: skip
     ),
     "gemma3": Family((Modality(**_IMAGE, layout="items"),), token_types=("token_type_ids",)),
+    # Llama 4: every image's tiles (and its global tile) in one flat batch; the model projects
+    # the encoder's last_hidden_state (one row per placeholder) itself.
+    "llama4": Family(
+        (Modality(**_IMAGE, layout="tiles", delimiters=("boi_token_id", "eoi_token_id")),),
+        feature="last_hidden_state",
+    ),
     "qwen2_vl": _QWEN,
     "qwen2_5_vl": _QWEN,
     "qwen3_vl": _QWEN,
@@ -151,12 +161,15 @@ def family_inputs(family: Family) -> frozenset[str]:
     return frozenset(names)
 
 
-def placeholder_id(model, modality: Modality) -> int | None:
+def config_token(model, name: str) -> int | None:
+    """A token id of the config, under its ``_id`` or its older ``_index`` name."""
     config = model.config
-    token = getattr(config, modality.token, None)
-    if token is None:
-        token = getattr(config, modality.token.replace("_id", "_index"), None)
-    return token
+    token = getattr(config, name, None)
+    return getattr(config, name.replace("_id", "_index"), None) if token is None else token
+
+
+def placeholder_id(model, modality: Modality) -> int | None:
+    return config_token(model, modality.token)
 
 
 def implied_token_types(model, family: Family, input_ids: torch.Tensor) -> torch.Tensor:
