@@ -27,6 +27,7 @@ from tests.vlm_models import IMAGE, VIDEO, Item, build_vlm, family_inputs, image
 BS = 4
 FAMILIES = [
     "gemma3",
+    "glm4v",
     "llama4",
     "llava_next",
     "llava_onevision",
@@ -196,7 +197,7 @@ def test_a_left_padded_batch_mixing_image_sizes_and_text_rows(family):
     assert encoded == 2 - sum(served)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("name", ["gemma3", "glm4v", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_token_types_must_be_the_ones_the_ids_imply(name, caplog):
     model = model_of(name)
     store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096)
@@ -245,4 +246,20 @@ def test_qwen_seconds_per_grid_are_keyed():
     check(model, ids, store, dict(kw, second_per_grid_ts=torch.tensor([1.0])))
     assert check(model, ids, store, dict(kw, second_per_grid_ts=torch.tensor([2.0])))[0] == [
         block_floor(start, BS)
+    ]
+
+
+def test_glm4v_videos_are_not_keyed():
+    """GLM-4V's video placeholders are its image id (only mm_token_type_ids tell them apart):
+    pixel_values_videos stays off the allowlist, so such a call runs without the store."""
+    from hf_patch.keys.inputs import unkeyed_inputs
+    from hf_patch.keys.multimodal import keyed_inputs
+
+    keyed = keyed_inputs(model_of("glm4v"))
+    assert {"pixel_values", "image_grid_thw", "mm_token_type_ids"} <= keyed
+    assert unkeyed_inputs(
+        {"pixel_values_videos": torch.zeros(1), "video_grid_thw": torch.zeros(1)}, keyed
+    ) == [
+        "pixel_values_videos",
+        "video_grid_thw",
     ]

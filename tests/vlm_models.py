@@ -155,6 +155,15 @@ def _qwen3_vl():
     return AutoConfig.for_model("qwen3_vl", text_config=text, vision_config=vision, **_QWEN_IDS)
 
 
+def _glm4v():
+    text = {**_QWEN_TEXT, "rope_parameters": {**_QWEN_TEXT["rope_parameters"], "partial_rotary_factor": 1.0}}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, image_size=16,
+                  **_QWEN_VISION)  # fmt: skip
+    return AutoConfig.for_model("glm4v", text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                video_token_id=VIDEO, image_start_token_id=START, image_end_token_id=END,
+                                video_start_token_id=5, video_end_token_id=6)  # fmt: skip
+
+
 def _llama4():
     text = {**BASE, "model_type": "llama4_text", "head_dim": 16, "attention_chunk_size": 8, "num_local_experts": 2,
             "intermediate_size_mlp": 128, "layer_types": ["chunked_attention", "full_attention"],
@@ -169,6 +178,7 @@ def _llama4():
 VLMS.update(
     {
         "llama4": (_llama4, "flat", 4),
+        "glm4v": (_glm4v, "grid", 0),
         "llava_next": (_llava_next, "tiles", 0),
         "llava_onevision": (_llava_onevision, "tiles", 0),
         "mistral3": (_mistral3, "sizes", 0),
