@@ -33,16 +33,9 @@ from transformers.generation.utils import GenerationMixin
 from hf_patch.cache import RadixCache
 from hf_patch.call import key_parts, open_request, sharing
 from hf_patch.keys import image_features
+from hf_patch.keys.encoder_outputs import feed_features, remember_features
 from hf_patch.keys.inputs import unkeyed_inputs
-from hf_patch.keys.multimodal import (
-    UnkeyableImages,
-    drop_pixels,
-    feed_features,
-    has_images,
-    image_keys,
-    keyed_inputs,
-    remember_features,
-)
+from hf_patch.keys.multimodal import UnkeyableImages, drop_pixels, has_images, image_keys, keyed_inputs
 from hf_patch.keys.weights import watch_fused_optimizers
 
 logger = logging.getLogger(__name__)
@@ -151,9 +144,17 @@ def _wrap_encode(original):
     def encode(self, inputs_tensor, model_kwargs, model_input_name, generation_config, *args, **kwargs):
         cache = model_kwargs.get("past_key_values")
         request = getattr(cache, "_request", None) if isinstance(cache, RadixCache) else None
-        if request is not None and not request.uncacheable and has_images(model_kwargs):
+        if (
+            request is not None
+            and not request.uncacheable
+            and (has_images(model_kwargs) or keyed_inputs(self))
+        ):
             try:
-                request.images = image_keys(self, inputs_tensor, model_kwargs)
+                if model_input_name != "input_ids":
+                    if has_images(model_kwargs):
+                        raise UnkeyableImages(f"images with {model_input_name} instead of input_ids")
+                else:
+                    request.images = image_keys(self, inputs_tensor, model_kwargs)
             except UnkeyableImages as e:
                 request.mark_uncacheable(str(e))
             reuse = _reuse_allowed(generation_config)
@@ -168,15 +169,16 @@ def _wrap_encode(original):
             ):
                 keys = key_parts(self, cache, inputs_tensor.shape, 1, images)
                 request.match(inputs_tensor, model_kwargs.get("attention_mask"), keys)
-                # Not encoded: images the store serves whole, and images whose features are known.
-                served = {s.index for s in images.spans if s.end <= request.common}
+                # Not encoded: items the store serves whole, and items whose features are known.
+                served = {s.item for s in images.spans if s.end <= request.common}
+                known = {}
                 if features is not None:
                     for span in images.spans:
-                        rows = None if span.index in served else features.get(span.content)
+                        rows = None if span.item in served else features.get(span.content)
                         if rows is not None:
-                            request.known[span.index] = rows
-                request.skipped = served | set(request.known)
-                drop_pixels(images, request.skipped, model_kwargs)
+                            known[span.item] = rows
+                request.skipped = drop_pixels(images, served | set(known), model_kwargs)
+                request.known = {item: rows for item, rows in known.items() if item in request.skipped}
             model_kwargs = original(
                 self, inputs_tensor, model_kwargs, model_input_name, generation_config, *args, **kwargs
             )
@@ -230,8 +232,10 @@ def _wrap_prefill(original):
                 share=share,
             )
             if images is not None:  # features for exactly the placeholders the model is fed
-                as_tensor = request.features is not None and request.features.as_tensor
-                feed_features(images, request.common, request.skipped, request.known, model_kwargs, as_tensor)
+                containers = request.features.containers if request.features is not None else {}
+                feed_features(
+                    images, request.common, request.skipped, request.known, model_kwargs, containers
+                )
         return original(self, input_ids, generation_config, model_kwargs, is_first_iteration, *args, **kwargs)
 
     setattr(_prefill, _MARK, True)

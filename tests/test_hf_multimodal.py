@@ -145,9 +145,9 @@ def test_a_left_padded_batch_mixing_images(vlm, store):
 
 
 def test_a_family_the_key_does_not_know_runs_without_reuse(caplog):
-    model = build_vlm("gemma3")
+    model = build_vlm("paligemma")
     store = hf_patch.build_store(model, block_size=BS, budget_tokens=2048)
-    prompt = ids(text(6, 1831) + [IMAGE] * VLMS["gemma3"][2] + text(6, 1832))
+    prompt = ids(text(6, 1831) + [IMAGE] * VLMS["paligemma"][2] + text(6, 1832))
     hf_patch.keys.inputs._logged.difference_update(
         [r for r in hf_patch.keys.inputs._logged if "pixel_values" in r]
     )

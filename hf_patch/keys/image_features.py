@@ -20,47 +20,48 @@ import threading
 import weakref
 from collections import OrderedDict
 
-import torch
-
 from hf_patch.keys.adapters import tuner_layers
+from hf_patch.keys.encoder_outputs import Features
 from hf_patch.keys.weights import fingerprint
 
 DEFAULT_BYTES = 64 << 20
 
 
 class FeatureCache:
-    """content id -> features ``[placeholders, hidden]``, least recently used dropped first."""
+    """content id -> encoder_outputs.Features (one row per placeholder), least recently used
+    dropped first."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
-        self.entries: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.entries: OrderedDict[int, Features] = OrderedDict()
         self.weights: int | None = None  # the fingerprint the entries were computed under
-        # How the model's encoder hands features over: one tensor [images, tokens, hidden]
-        # (True) or a list of per-image / per-row tensors (False); features fed back keep it.
-        self.as_tensor = False
+        # modality -> how the model's encoder hands its features over (encoder_outputs.Container);
+        # features fed back without an encoder output of this call keep it.
+        self.containers: dict = {}
         self.lock = threading.Lock()
 
-    def get(self, content_id: int) -> torch.Tensor | None:
+    def get(self, content_id: int) -> Features | None:
         with self.lock:
             rows = self.entries.get(content_id)
             if rows is not None:
                 self.entries.move_to_end(content_id)
             return rows
 
-    def put(self, content_id: int, rows: torch.Tensor) -> None:
-        size = rows.numel() * rows.element_size()
+    def put(self, content_id: int, rows: Features) -> None:
+        size = rows.nbytes
         if size > self.max_bytes:
             return
+        rows = Features(rows.pooled.detach(), tuple(d.detach() for d in rows.deep))
         with self.lock:
             old = self.entries.pop(content_id, None)
             if old is not None:
-                self.bytes -= old.numel() * old.element_size()
-            self.entries[content_id] = rows.detach()
+                self.bytes -= old.nbytes
+            self.entries[content_id] = rows
             self.bytes += size
             while self.bytes > self.max_bytes:
                 _, gone = self.entries.popitem(last=False)
-                self.bytes -= gone.numel() * gone.element_size()
+                self.bytes -= gone.nbytes
 
 
 _caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -1,35 +1,30 @@
-"""Images in the cache key: what the KV of a vision-language prompt depends on, and which image
-inputs to drop when part of the prompt is served from the store.
+"""Images and videos in the cache key: what the KV of a vision-language prompt depends on, and
+which inputs to drop when part of the prompt is served from the store.
 
-A VLM replaces each image's placeholder tokens (``config.image_token_id``) with features of that
-image. The same ids with another image give other KV from the first placeholder on. So:
+A VLM replaces each item's placeholder tokens with features of that item (an image, a video).
+The same ids with another item give other KV from the first placeholder on. So:
 
-- each image's placeholder span carries an extra id (hf_patch.keys) that is a hash of the
-  image's processed pixels (sha256 of dtype, shape and bytes; with its attention mask where the
-  family has one): the same image with the same text keys alike, another image does not;
-- a reuse may end inside an image's span: the model then receives that image's remaining
+- each item's span (its first to its last placeholder, text between them included: Mistral 3's
+  row breaks, Qwen3-VL's frame timestamps) carries an extra id (hf_patch.keys) that is a hash of
+  the item's modality, placeholder count, processed pixels and per-item inputs (sizes, grids,
+  seconds per grid; sha256 of dtype, shape and bytes): the same item with the same text keys
+  alike, another does not;
+- a reuse may end inside an item's span: the model then receives that item's remaining
   placeholders with their own feature rows (as transformers' chunked prefill feeds them), so a
-  second question about an image reuses all of it that whole blocks hold, whatever its
-  alignment. This holds for the families below: causal attention over image tokens, 1-D
-  positions, features consumed in placeholder order;
-- generate() (transformers >= 5.23) encodes images before its prefill, into
+  second question about an image reuses all of it that whole blocks hold. This holds for every
+  family in hf_patch.keys.vlm_families: features consumed in placeholder order, and KV of a
+  cached image token computed with the whole image present (Gemma 3's bidirectional image
+  blocks included: the cached part saw the whole image, the suffix sees the cached part);
+- generate() (transformers >= 5.23) encodes items before its prefill, into
   ``mm_encoder_outputs`` (one feature row per placeholder, in placeholder order). hf_patch
-  matches the prompt just before that encoding (``Request.match``), and the pixels of images
-  the store serves entirely are dropped (``drop_pixels``): the vision tower never sees them.
-  Where the match must wait for the prefill (beams / several returned sequences expand the
-  rows first), every image is encoded and the features of served placeholders are cut out
-  afterwards (``keep_uncached_features``, the slicing generate()'s own chunked prefill uses).
+  matches the prompt just before that encoding (``Request.match``), and the pixels of items the
+  store serves entirely are dropped (``drop_pixels``): the vision tower never sees them. Where
+  the match must wait for the prefill (beams / several returned sequences expand the rows
+  first), every item is encoded and the features of served placeholders are cut out afterwards
+  (hf_patch.keys.encoder_outputs).
 
-Supported families, by how their processor lays out ``pixel_values``:
-
-- ``items`` (LLaVA, VipLLaVA, InternVL): ``[num_images, C, H, W]``, images in prompt
-  order over the batch's rows, each with the same number of contiguous placeholders;
-- ``rows`` (Idefics3, SmolVLM): ``[batch, max_images, C, H, W]``, an all-zero image is padding
-  (the model skips it), so a cached image is zeroed out.
-
-Any other family passing image inputs runs without the store (hf_patch.keys.inputs: its image
-kwargs are not on the allowlist), as does a call whose placeholders do not split evenly over
-its images.
+A family the key does not know, or a call whose placeholders do not match its items, runs
+without the store (UnkeyableImages names why).
 """
 
 from __future__ import annotations
@@ -38,16 +33,16 @@ import hashlib
 from dataclasses import dataclass, replace
 
 import torch
-from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-FAMILIES = {
-    "llava": "items",
-    "vipllava": "items",
-    "internvl": "items",
-    "idefics3": "rows",
-    "smolvlm": "rows",
-}
-IMAGE_INPUTS = frozenset({"pixel_values", "pixel_attention_mask"})
+from hf_patch.keys.vlm_families import (
+    Family,
+    Modality,
+    config_token,
+    family_inputs,
+    family_of,
+    implied_token_types,
+    placeholder_id,
+)
 
 
 class UnkeyableImages(ValueError):
@@ -56,62 +51,78 @@ class UnkeyableImages(ValueError):
 
 @dataclass(frozen=True)
 class ImageSpan:
+    """One image or video of one row. ``cols``: its placeholder columns (``start`` the first,
+    ``end`` one past the last); ``index``: where it sits in its modality's pixel input."""
+
     row: int
-    start: int  # columns of input_ids
+    start: int
     end: int
-    index: tuple[int, ...]  # where the image sits in pixel_values
-    content: int = 0  # the image's content id (its extra id)
+    index: tuple[int, ...]
+    content: int = 0  # the item's content id (its extra id)
+    modality: str = "image"
+    cols: tuple[int, ...] = ()
+
+    @property
+    def item(self) -> tuple[str, tuple[int, ...]]:
+        """The item's identity within the call: (modality, index)."""
+        return (self.modality, self.index)
+
+    def placeholders_before(self, column: int) -> int:
+        return sum(c < column for c in self.cols)
 
 
 @dataclass(frozen=True)
 class Images:
-    """One call's images: per-token extra ids ``[B, T]`` (int64 holding uint64 bits), spans."""
+    """One call's items: per-token extra ids ``[B, T]`` (int64 holding uint64 bits), spans in
+    placeholder order per modality (rows, then columns)."""
 
-    layout: str
+    family: Family
     extra_ids: torch.Tensor
     spans: list[ImageSpan]
 
     def expand(self, rows_per_prompt: int) -> Images:
-        """The images of generate()'s expanded rows (each prompt repeated ``rows_per_prompt`` times)."""
+        """The items of generate()'s expanded rows (each prompt repeated ``rows_per_prompt`` times)."""
         if rows_per_prompt == 1:
             return self
         spans = [
             replace(s, row=s.row * rows_per_prompt + r) for s in self.spans for r in range(rows_per_prompt)
         ]
         spans.sort(key=lambda s: (s.row, s.start))  # feature rows run over (batch, seq)
-        return Images(self.layout, self.extra_ids.repeat_interleave(rows_per_prompt, dim=0), spans)
+        return Images(self.family, self.extra_ids.repeat_interleave(rows_per_prompt, dim=0), spans)
+
+    def of(self, modality: str) -> list[ImageSpan]:
+        return [s for s in self.spans if s.modality == modality]
 
 
 def keyed_inputs(model) -> frozenset[str]:
     """Model inputs this module keys for ``model`` (none for a family it does not know)."""
-    return IMAGE_INPUTS if _family(model) is not None else frozenset()
+    family = family_of(model)
+    return family_inputs(family) if family is not None else frozenset()
+
+
+_ANY_PIXELS = ("pixel_values", "pixel_values_videos", "pixel_attention_mask")
 
 
 def has_images(model_kwargs: dict) -> bool:
-    return any(model_kwargs.get(name) is not None for name in IMAGE_INPUTS)
+    return any(model_kwargs.get(name) is not None for name in _ANY_PIXELS)
 
 
-def _family(model) -> str | None:
-    if not model._supports_mm_encoder_outputs():
-        return None
-    return FAMILIES.get(getattr(model.config, "model_type", None))
-
-
-def _image_token(model) -> int:
-    config = model.config
-    token = getattr(config, "image_token_id", None)
-    return getattr(config, "image_token_index", None) if token is None else token
-
-
-def _content_id(*tensors: torch.Tensor | None) -> int:
-    """A nonzero 64-bit id of the tensors' dtypes, shapes and bytes."""
-    h = hashlib.sha256()
-    for t in tensors:
-        if t is None:
-            continue
-        data = t.detach().to("cpu").contiguous()
+def _hash_update(h, value) -> None:
+    if value is None:
+        h.update(b"none|")
+    elif isinstance(value, torch.Tensor):
+        data = value.detach().to("cpu").contiguous()
         h.update(f"{data.dtype}|{tuple(data.shape)}|".encode())
         h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    else:
+        h.update(f"{type(value).__name__}:{value!r}|".encode())
+
+
+def _content_id(*parts) -> int:
+    """A nonzero 64-bit id of ``parts`` (tensors by dtype, shape and bytes; others by repr)."""
+    h = hashlib.sha256()
+    for part in parts:
+        _hash_update(h, part)
     value = int.from_bytes(h.digest()[:8], "little") or 1
     return value - (1 << 64) if value >= 1 << 63 else value  # int64 holding the uint64 bits
 
@@ -125,125 +136,219 @@ def _runs(row: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(edges[0::2], edges[1::2]))
 
 
-def image_keys(model, input_ids: torch.Tensor, model_kwargs: dict) -> Images | None:
-    """The extra ids and spans of the images in this call, None when it has none.
-
-    Raises UnkeyableImages naming why the images cannot be keyed."""
-    pixels = model_kwargs.get("pixel_values")
-    if pixels is None:
-        return None
-    layout = _family(model)
-    if layout is None:
-        raise UnkeyableImages(f"{type(model).__name__}: image inputs of this family are not keyed")
-    token = _image_token(model)
-    placeholders = input_ids.to("cpu") == token
-    masks = model_kwargs.get("pixel_attention_mask")
-    if layout == "items":
-        items = [(i,) for i in range(pixels.shape[0])]
-        per_row = None
-    else:
-        if pixels.dim() != 5 or pixels.shape[0] != input_ids.shape[0]:
-            raise UnkeyableImages(f"pixel_values {tuple(pixels.shape)} is not [batch, images, C, H, W]")
+def _items(modality: Modality, pixels: torch.Tensor, model_kwargs: dict, batch: int) -> list[tuple[int, ...]]:
+    """Indices of the real items in the pixel input, in placeholder order."""
+    if modality.layout == "rows":
+        if pixels.dim() != 5 or pixels.shape[0] != batch:
+            raise UnkeyableImages(f"{modality.pixels} {tuple(pixels.shape)} is not [batch, images, C, H, W]")
         real = (pixels != 0).flatten(2).any(dim=2).to("cpu")  # all-zero images are padding
-        items = [(b, j) for b in range(pixels.shape[0]) for j in range(pixels.shape[1]) if real[b, j]]
-        per_row = real.sum(dim=1).tolist()
+        return [(b, j) for b in range(pixels.shape[0]) for j in range(pixels.shape[1]) if real[b, j]]
+    if modality.layout == "patches":
+        grid = model_kwargs.get(modality.encoder_inputs[0])
+        if grid is None or grid.dim() != 2 or grid.shape[1] != 3:
+            raise UnkeyableImages(f"{modality.pixels} needs {modality.encoder_inputs[0]} [items, 3]")
+        if int(grid.prod(-1).sum()) != pixels.shape[0]:
+            raise UnkeyableImages(f"{modality.encoder_inputs[0]} does not cover {modality.pixels}'s patches")
+        return [(i,) for i in range(grid.shape[0])]
+    return [(i,) for i in range(pixels.shape[0])]
+
+
+def _delimited(model, modality: Modality, input_ids: torch.Tensor, placeholders: torch.Tensor) -> list[int]:
+    """Placeholders between each begin- and end-of-item token, in order (rows, then columns)."""
+    begin, end = (config_token(model, name) for name in modality.delimiters)
+    counts = []
+    for ids, marks in zip(input_ids, placeholders):
+        inside = torch.cumsum((ids == begin).long() - (ids == end).long(), 0)
+        if inside.min() < 0 or inside.max() > 1 or (marks & (inside != 1)).any():
+            raise UnkeyableImages(f"{modality.name} placeholders outside begin / end tokens, or nested")
+        starts = (ids == begin).nonzero().flatten().tolist()
+        stops = (ids == end).nonzero().flatten().tolist()
+        counts += [int(marks[a:b].sum()) for a, b in zip(starts, stops)]
+    return [c for c in counts if c]
+
+
+def _counts(model, modality: Modality, model_kwargs: dict, input_ids, placeholders, n: int) -> list[int]:
     total = int(placeholders.sum())
-    if not items or total % len(items):
+    if modality.counts is not None:
+        counts = [int(c) for c in modality.counts(model, model_kwargs)]
+    elif modality.delimiters is not None:
+        counts = _delimited(model, modality, input_ids, placeholders)
+    elif modality.runs:
+        counts = [end - start for row in placeholders for start, end in _runs(row)]
+    else:
+        if not n or total % n:
+            raise UnkeyableImages(
+                f"{total} {modality.name} placeholder tokens do not split evenly over {n} items"
+            )
+        counts = [total // n] * n
+    if (n >= 0 and len(counts) != n) or sum(counts) != total:
         raise UnkeyableImages(
-            f"{total} image placeholder tokens do not split evenly over {len(items)} images"
+            f"{total} {modality.name} placeholder tokens do not match {n} items (expected {counts})"
         )
-    size = total // len(items)
+    return counts
+
+
+def _tiles(modality: Modality, pixels: torch.Tensor, counts: list[int]) -> list[int]:
+    """Tiles per item of a flat tile batch, each tile the same number of placeholders."""
+    total = sum(counts)
+    if not total or total % pixels.shape[0] or any(c % (total // pixels.shape[0]) for c in counts):
+        raise UnkeyableImages(
+            f"{total} {modality.name} placeholders do not split over {pixels.shape[0]} tiles"
+        )
+    per_tile = total // pixels.shape[0]
+    return [c // per_tile for c in counts]
+
+
+def _item_pixels(model, modality: Modality, pixels: torch.Tensor, model_kwargs: dict, index, counts, k):
+    if modality.layout == "tiles":
+        tiles = model_kwargs["_tiles"]
+        start = sum(tiles[: index[0]])
+        return pixels[start : start + tiles[index[0]]]
+    if modality.layout == "patches":
+        grid = model_kwargs[modality.encoder_inputs[0]]
+        sizes = grid.prod(-1).tolist()
+        start = sum(sizes[: index[0]])
+        return pixels[start : start + sizes[index[0]]]
+    if modality.trim is not None:
+        return modality.trim(model, pixels, model_kwargs, index[0])
+    return pixels[index]
+
+
+def _per_item(model_kwargs: dict, name: str, index: tuple[int, ...]):
+    value = model_kwargs.get(name)
+    if value is None:
+        return None
+    try:
+        return value[index] if isinstance(value, torch.Tensor) else value[index[0]]
+    except (IndexError, TypeError):
+        raise UnkeyableImages(f"{name} has no entry for item {index}") from None
+
+
+def _check_token_types(model, family: Family, input_ids: torch.Tensor, model_kwargs: dict) -> None:
+    mask = model_kwargs.get("attention_mask")
+    real = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.to("cpu").bool()
+    for name in family.token_types:
+        given = model_kwargs.get(name)
+        if given is None:
+            continue
+        implied = implied_token_types(model, family, input_ids)
+        if tuple(given.shape) != tuple(input_ids.shape) or not torch.equal(
+            given.to("cpu").long()[real], implied[real]
+        ):
+            raise UnkeyableImages(f"{name} is not the one the placeholder ids imply")
+
+
+def image_keys(model, input_ids: torch.Tensor, model_kwargs: dict) -> Images | None:
+    """The extra ids and spans of the items in this call, None when it has none.
+
+    Raises UnkeyableImages naming why the items cannot be keyed."""
+    family = family_of(model)
+    if family is None:
+        if has_images(model_kwargs):
+            raise UnkeyableImages(f"{type(model).__name__}: image inputs of this family are not keyed")
+        return None
+    input_ids = input_ids.to("cpu")
+    _check_token_types(model, family, input_ids, model_kwargs)
     spans: list[ImageSpan] = []
-    for b in range(input_ids.shape[0]):
-        for start, end in _runs(placeholders[b]):
-            if (end - start) % size:
-                raise UnkeyableImages(
-                    f"row {b}: a run of {end - start} image tokens is not a whole number of images"
-                )
-            for s in range(start, end, size):
-                index = items[len(spans)]
-                mask = None if masks is None else masks[index]
-                spans.append(ImageSpan(b, s, s + size, index, _content_id(pixels[index], mask)))
-    if per_row is not None and [sum(s.row == b for s in spans) for b in range(len(per_row))] != per_row:
-        raise UnkeyableImages("the rows' image placeholders do not match their images")
+    for modality in family.modalities:
+        pixels = model_kwargs.get(modality.pixels)
+        if pixels is None:
+            continue
+        token = placeholder_id(model, modality)
+        placeholders = input_ids == token
+        if modality.layout == "tiles":  # items known only from the ids: tiles split by count
+            counts = _counts(model, modality, model_kwargs, input_ids, placeholders, -1)
+            items = [(i,) for i in range(len(counts))]
+            model_kwargs = {**model_kwargs, "_tiles": _tiles(modality, pixels, counts)}
+        else:
+            items = _items(modality, pixels, model_kwargs, input_ids.shape[0])
+            counts = _counts(model, modality, model_kwargs, input_ids, placeholders, len(items))
+        spans += _assign(model, family, modality, pixels, model_kwargs, placeholders, items, counts)
+    if not spans:
+        return None
     extra = torch.zeros(input_ids.shape, dtype=torch.int64)
     for span in spans:
+        if extra[span.row, span.start : span.end].any():
+            raise UnkeyableImages(f"row {span.row}: two images or videos overlap")
         extra[span.row, span.start : span.end] = span.content
-    return Images(layout, extra, spans)
+    return Images(family, extra, spans)
 
 
-def drop_pixels(images: Images, drop: set[tuple[int, ...]], model_kwargs: dict) -> None:
-    """Before encoding: remove the images ``drop`` (indices into pixel_values) from ``model_kwargs``."""
+def _assign(model, family, modality, pixels, model_kwargs, placeholders, items, counts) -> list[ImageSpan]:
+    """Hand each item the next ``counts[k]`` placeholders in (row, column) order; an item's
+    placeholders must lie in one row."""
+    where = placeholders.nonzero().tolist()  # row-major: (row, col) in placeholder order
+    spans, at = [], 0
+    for k, (index, count) in enumerate(zip(items, counts)):
+        mine = where[at : at + count]
+        at += count
+        rows = {r for r, _ in mine}
+        if len(rows) != 1:
+            raise UnkeyableImages(f"{modality.name} {k}'s {count} placeholders are not in one row")
+        row = rows.pop()
+        if modality.layout == "rows" and index[0] != row:
+            raise UnkeyableImages("the rows' image placeholders do not match their images")
+        cols = tuple(c for _, c in mine)
+        parts = [modality.name, count, _item_pixels(model, modality, pixels, model_kwargs, index, counts, k)]
+        parts += [_per_item(model_kwargs, name, index) for name in (*modality.encoder_inputs, *modality.hashed_inputs, *family.extra_inputs)]  # fmt: skip
+        parts += [_per_item(model_kwargs, name, (row,)) for name in family.row_inputs]
+        # Gemma 3 without token_type_ids attends causally inside an image, Qwen without
+        # mm_token_type_ids gets 1-D positions: the KV differs, so does the key.
+        parts += [f"{name}:{model_kwargs.get(name) is not None}" for name in family.token_types]
+        spans.append(ImageSpan(row, cols[0], cols[-1] + 1, index, _content_id(*parts), modality.name, cols))
+    return spans
+
+
+def _select(value, keep: list[int]):
+    if isinstance(value, torch.Tensor):
+        return value.index_select(0, torch.tensor(keep, dtype=torch.long, device=value.device))
+    return [value[i] for i in keep]
+
+
+def drop_pixels(images: Images, drop: set, model_kwargs: dict) -> set:
+    """Before encoding: remove the items ``drop`` (``ImageSpan.item``) from ``model_kwargs``.
+    Returns the items actually removed: all or none where the call gives a per-row input
+    (LLaVA-OneVision's batch_num_images: removing some of a row's images would change it)."""
+    family = images.family
+    everything = {s.item for s in images.spans}
     if not drop:
-        return
-    pixels = model_kwargs["pixel_values"]
-    if drop >= {s.index for s in images.spans}:  # nothing left to encode: no vision forward at all
-        for name in IMAGE_INPUTS:
-            model_kwargs.pop(name, None)
-    elif images.layout == "items":
-        keep = torch.tensor([i for i in range(pixels.shape[0]) if (i,) not in drop], device=pixels.device)
-        model_kwargs["pixel_values"] = pixels.index_select(0, keep)
-    else:  # rows: a zeroed image is padding to the model
-        pixels = pixels.clone()
-        for index in drop:
-            pixels[index] = 0
-        model_kwargs["pixel_values"] = pixels
-
-
-def _flat_rows(output) -> torch.Tensor | None:
-    """An image encoder output's features as ``[placeholders, hidden]``, in placeholder order."""
-    features = None if output is None else output.get("pooler_output")
-    if features is None:
-        return None
-    return torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
-
-
-def remember_features(images: Images, skipped: set, model_kwargs: dict, cache) -> None:
-    """After encoding: file each encoded image's feature rows in ``cache`` by its content id.
-    ``skipped``: images not encoded (served from the store, or their features already known)."""
-    outputs = model_kwargs.get("mm_encoder_outputs")
-    rows = _flat_rows(outputs.get("image") if isinstance(outputs, dict) else None)
-    encoded = [s for s in images.spans if s.index not in skipped]
-    if rows is None or cache is None or rows.shape[0] != sum(s.end - s.start for s in encoded):
-        return
-    cache.as_tensor = isinstance(outputs["image"]["pooler_output"], torch.Tensor)
-    at = 0
-    for span in encoded:
-        cache.put(span.content, rows[at : at + span.end - span.start])
-        at += span.end - span.start
-
-
-def feed_features(
-    images: Images, common: int, skipped: set, known: dict, model_kwargs: dict, as_tensor: bool
-) -> None:
-    """Before the prefill: ``mm_encoder_outputs["image"]`` holds exactly the feature rows of the
-    placeholders the model is fed (columns ``>= common``), in order, in the container the
-    model's encoder uses (``as_tensor``: a batch of one, else a one-item list), as
-    transformers' chunked prefill hands them over. Rows come from this call's encoding
-    (images not in ``skipped``) or from ``known`` (image index -> rows, not encoded)."""
-    outputs = model_kwargs.get("mm_encoder_outputs")
-    output = outputs.get("image") if isinstance(outputs, dict) else None
-    if (common <= 0 and not known) or (output is None and not known):
-        return
-    fresh = _flat_rows(output)
-    parts, at = [], 0
-    for span in images.spans:
-        length = span.end - span.start
-        if span.index in known:
-            rows = known[span.index]
-        elif span.index in skipped:  # served from the store whole: fed no placeholder
+        return set()
+    if drop != everything and any(model_kwargs.get(name) is not None for name in family.row_inputs):
+        return set()
+    for modality in family.modalities:
+        spans = images.of(modality.name)
+        if not spans:
             continue
+        gone = {s.index for s in spans if s.item in drop}
+        if not gone:
+            continue
+        names = (modality.pixels, *modality.encoder_inputs)
+        if gone == {s.index for s in spans}:  # nothing left to encode: no vision forward at all
+            for name in names:
+                model_kwargs.pop(name, None)
+            if modality.layout == "rows":
+                for name in family.extra_inputs:
+                    model_kwargs.pop(name, None)
+            continue
+        pixels = model_kwargs[modality.pixels]
+        if modality.layout == "rows":  # a zeroed image is padding to the model
+            pixels = pixels.clone()
+            for index in gone:
+                pixels[index] = 0
+            model_kwargs[modality.pixels] = pixels
+            continue
+        keep = [s.index[0] for s in sorted(spans, key=lambda s: s.index) if s.index not in gone]
+        if modality.layout in ("patches", "tiles"):
+            if modality.layout == "tiles":
+                sizes = _tiles(modality, pixels, [len(s.cols) for s in sorted(spans, key=lambda s: s.index)])
+            else:
+                sizes = model_kwargs[modality.encoder_inputs[0]].prod(-1).tolist()
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            rows = [r for i in keep for r in range(starts[i], starts[i] + sizes[i])]
+            model_kwargs[modality.pixels] = _select(pixels, rows)
         else:
-            rows, at = fresh[at : at + length], at + length
-        if span.end > common:
-            parts.append(rows[max(0, common - span.start) :])
-    outputs = dict(outputs or {})
-    if not parts:
-        outputs["image"] = None
-    else:
-        make = type(output) if output is not None else BaseModelOutputWithPooling
-        rows = torch.cat(parts)
-        if output is not None:
-            as_tensor = isinstance(output["pooler_output"], torch.Tensor)
-        outputs["image"] = make(pooler_output=rows.unsqueeze(0) if as_tensor else [rows])
-    model_kwargs["mm_encoder_outputs"] = outputs
+            model_kwargs[modality.pixels] = _select(pixels, keep)
+        for name in modality.encoder_inputs:
+            if model_kwargs.get(name) is not None:
+                model_kwargs[name] = _select(model_kwargs[name], keep)
+    return drop
