@@ -96,13 +96,15 @@ class Engine:
         namespace: Hashable = None,
         slot: Slot | None = None,
         inputs: dict | None = None,
+        hooks=None,
     ) -> Generation:
         """Queue a request in `slot` (default: reserve one now; raises Busy if the queue is
-        full). ``inputs``: model inputs beside the ids (a VLM's pixel_values). Iterate the
-        result for text."""
+        full). ``inputs``: model inputs beside the ids (a VLM's pixel_values). ``hooks``: one
+        demo.engine.sampling.RowHook (or None) per row of the request (``params.rows``),
+        applied to that row's logits only. Iterate the result for text."""
         slot = slot or self.reserve()
         group = self.adapters.batch_group(params.adapter) if self.adapters is not None else None
-        gen = Generation(prompt_ids, params, namespace, self.decode, self.runner.eos, inputs, group)
+        gen = Generation(prompt_ids, params, namespace, self.decode, self.runner.eos, inputs, group, hooks)
         self.scheduler.submit(gen, slot)
         return gen
 
@@ -118,7 +120,7 @@ class Engine:
             paused: list[Generation] = []
             try:
                 pause = self.scheduler.pause_for(batch) if self.store is not None else None
-                paused = self.runner.run(batch, pause)
+                paused = self.runner.run(batch, pause, self.scheduler.rows_per_step.observe)
             finally:
                 self.scheduler.finished(paused)
 

@@ -1,12 +1,14 @@
 """The demo's scheduler: which queued requests run next, and when a running batch makes way.
 
 Every request becomes a `Generation` (demo.engine.generation) in a FIFO queue of at most `max_queue`.
-`next_batch()` takes the oldest and, if its options allow (demo.engine.batching.batch_key), up to
-`max_batch_size` - 1 more queued requests with the same options (of any tenant), within
-`max_batch_tokens` (rows x padded prompt length). After `decode_chunk` steps a batch pauses if
-a request that could join it waits (`pause_for`): its requests are `requeue`d behind that one,
-carrying what they generated, and resume from their committed KV (continuous batching in
-chunks). The scheduler never touches the model: demo.engine.runner executes what it hands out.
+`next_batch()` takes the oldest and the queued requests that can share its generate() call
+(demo.engine.batching.batch_key: the same adapter group and cache_prompt; sampling options never
+keep a request out), oldest first, within `max_batch_size` rows (n sampled choices are n rows)
+and `max_batch_tokens` (rows x padded width). After `decode_chunk` steps a batch pauses if any
+request waits (`pause_for`): its requests queue again behind the waiting ones, carrying what
+they generated (and their random generator, per-row hooks), and resume from their committed KV
+(continuous batching in chunks). The scheduler never touches the model: demo.engine.runner
+executes what it hands out.
 
 A queue place is taken with `reserve()` before the prompt is tokenised, so a full queue
 refuses at no cost; `submit(gen, slot)` then fills it. Thread-safe: HTTP threads reserve and
@@ -21,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from demo.engine import batching
-from demo.engine.generation import GREEDY_BELOW, Generation
+from demo.engine.generation import Generation
 from demo.metrics import BATCH_SIZE_BUCKETS, Histogram
 
 __all__ = ["Busy", "Scheduler", "Slot"]
@@ -65,8 +67,11 @@ class Scheduler:
         self._reserved = 0  # slots handed out, not yet submitted
         self._running: list[Generation] = []  # the batch now running (read by /get_load)
         # Observed here, rendered by /metrics.
-        self.batch_sizes = Histogram(BATCH_SIZE_BUCKETS)
-        self.queue_waits = Histogram()
+        self.batch_sizes = Histogram(BATCH_SIZE_BUCKETS)  # requests per generate() call
+        self.queue_waits = Histogram()  # submit -> first admitted to a batch (seconds)
+        self.rows_per_step = Histogram(BATCH_SIZE_BUCKETS)  # rows making a token, per step
+        self.pauses = 0  # requests paused between decode chunks
+        self.resumes = 0  # paused requests taken into a batch again
 
     # -- admission (HTTP threads) ------------------------------------------------------------
     def reserve(self) -> Slot:
@@ -108,6 +113,8 @@ class Scheduler:
             if gen.started is None:  # a resumed request waited once, at its start
                 gen.started = now
                 self.queue_waits.observe(now - gen.submitted)
+            else:
+                self.resumes += 1
             if gen.cancelled.is_set():
                 gen._events.put(("done", gen.cached or 0))
                 gen.finished.set()
@@ -124,46 +131,45 @@ class Scheduler:
         self._running = []
         if paused:
             with self._cond:
+                self.pauses += len(paused)
                 self._waiting.extend(paused)
 
     def _take(self) -> list[Generation]:
-        """The oldest request, plus the queued ones that can share its generate() call (oldest
-        first, within max_batch_size and max_batch_tokens). Call holding _cond. O(queue)."""
+        """The oldest request (whatever its size), plus the queued ones that can share its
+        generate() call (oldest first, within max_batch_size rows and max_batch_tokens). Call
+        holding _cond. O(queue)."""
         first = self._waiting.popleft()
-        key = batching.batch_key(first, GREEDY_BELOW)
-        batch, width = [first], len(first.context_ids)
+        key = batching.batch_key(first)
+        batch, width, rows = [first], first.width, len(first.open_rows)
         if key is None or self.max_batch_size == 1:
             return batch
         rest: deque[Generation] = deque()  # one pass: no deque.remove
         while self._waiting:
             gen = self._waiting.popleft()
-            new_width = max(width, len(gen.context_ids))
+            new_width, new_rows = max(width, gen.width), rows + len(gen.open_rows)
             if (
-                len(batch) < self.max_batch_size
-                and new_width * (len(batch) + 1) <= self.max_batch_tokens
-                and batching.batch_key(gen, GREEDY_BELOW) == key
+                new_rows <= self.max_batch_size
+                and new_width * new_rows <= self.max_batch_tokens
+                and batching.batch_key(gen) == key
             ):
                 batch.append(gen)
-                width = new_width
+                width, rows = new_width, new_rows
             else:
                 rest.append(gen)
         self._waiting = rest
         return batch
 
     def pause_for(self, batch: Sequence[Generation]) -> Callable[[int], bool] | None:
-        """pause(generated): True once the batch has made `decode_chunk` steps while a request
-        that could share its generate() call waits, so that the request starts within a chunk
-        instead of after the batch. None when this batch never pauses (decode_chunk 0, or its
+        """pause(generated): True once the batch has made `decode_chunk` steps while any request
+        waits, so that it starts within a chunk instead of after the batch (one that cannot
+        share this batch's call, another adapter group or cache_prompt, gets the next call to
+        itself: time slices). None when this batch never pauses (decode_chunk 0, or its
         requests cannot resume: demo.engine.batching.chunkable)."""
-        if not self.decode_chunk or not batch or not batching.chunkable(batch[0], GREEDY_BELOW):
+        if not self.decode_chunk or not batch or not batching.chunkable(batch[0]):
             return None
-        key = batching.batch_key(batch[0], GREEDY_BELOW)
 
         def pause(generated: int) -> bool:
-            if generated < self.decode_chunk:
-                return False
-            with self._cond:
-                return any(batching.batch_key(g, GREEDY_BELOW) == key for g in self._waiting)
+            return generated >= self.decode_chunk and bool(self._waiting)
 
         return pause
 
