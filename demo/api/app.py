@@ -289,8 +289,26 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                 ("radixkv_batch_size", "Requests per generate() call.", engine.scheduler.batch_sizes),
                 (
                     "radixkv_queue_wait_seconds",
-                    "Submit to the start of generation.",
+                    "Admission wait: submit to the request's first batch.",
                     engine.scheduler.queue_waits,
+                ),
+                (
+                    "radixkv_resume_wait_seconds",
+                    "A paused request's wait: pause to its next batch.",
+                    engine.scheduler.resume_waits,
+                ),
+                (
+                    "radixkv_rows_per_step",
+                    "Rows making a token, per decoding step.",
+                    engine.scheduler.rows_per_step,
+                ),
+            ),
+            engine_counters=(
+                ("radixkv_pauses_total", "Requests paused between decode chunks.", engine.scheduler.pauses),
+                (
+                    "radixkv_resumes_total",
+                    "Paused requests taken into a batch again.",
+                    engine.scheduler.resumes,
                 ),
             ),
         )

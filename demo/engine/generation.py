@@ -145,7 +145,8 @@ class Generation:
             raise ValueError(f"hooks: one per row ({params.rows}), got {len(self.hooks)}")
         self.cached: int | None = None  # the prompt's cached tokens, fixed by its first chunk
         self.submitted = time.perf_counter()
-        self.started: float | None = None
+        self.started: float | None = None  # first admitted to a batch
+        self.paused_at = 0.0  # when it last paused (perf_counter)
         self.cancelled = threading.Event()
         self.stopped = [False] * params.n  # per choice, read by the worker's stopping criterion
         self.result: Result | None = None

@@ -69,6 +69,7 @@ class Scheduler:
         # Observed here, rendered by /metrics.
         self.batch_sizes = Histogram(BATCH_SIZE_BUCKETS)  # requests per generate() call
         self.queue_waits = Histogram()  # submit -> first admitted to a batch (seconds)
+        self.resume_waits = Histogram()  # a paused request: pause -> its next batch (seconds)
         self.rows_per_step = Histogram(BATCH_SIZE_BUCKETS)  # rows making a token, per step
         self.pauses = 0  # requests paused between decode chunks
         self.resumes = 0  # paused requests taken into a batch again
@@ -115,6 +116,7 @@ class Scheduler:
                 self.queue_waits.observe(now - gen.submitted)
             else:
                 self.resumes += 1
+                self.resume_waits.observe(now - gen.paused_at)
             if gen.cancelled.is_set():
                 gen._events.put(("done", gen.cached or 0))
                 gen.finished.set()
@@ -130,6 +132,9 @@ class Scheduler:
         for them (time slices of a chunk)."""
         self._running = []
         if paused:
+            now = time.perf_counter()
+            for gen in paused:
+                gen.paused_at = now
             with self._cond:
                 self.pauses += len(paused)
                 self._waiting.extend(paused)
