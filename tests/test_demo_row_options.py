@@ -302,3 +302,50 @@ def test_over_http_the_openai_client_gets_per_row_options_in_one_batch(engine, m
                 assert (a is None) == (b is None) and (
                     a is None or max(abs(x - y) for x, y in zip(a, b)) < 1e-4
                 )
+
+
+def test_a_long_prompt_is_prefilled_in_slices_between_decode_chunks(engine, monkeypatch):
+    """Issue 27 item 4: a long prompt arriving while rows decode is computed in slices of
+    prefill_chunk tokens that take turns with decode chunks (the running rows make tokens
+    between its slices), then joins the batch reading its prompt from the store; every reply
+    equals stock generate(), and /metrics counts the slices, pauses and resumes."""
+    monkeypatch.setattr(engine.scheduler, "decode_chunk", 3)
+    monkeypatch.setattr(engine.scheduler, "prefill_chunk", 32)
+    slices0, pauses0 = engine.scheduler.prefill_slices, engine.scheduler.pauses
+    events, prefill = [], engine.runner.prefill
+
+    def spy(gen):  # records when each slice ran, against the running rows' progress
+        events.append(("slice", gen.slice_to, runner_gen.generated))
+        return prefill(gen)
+
+    monkeypatch.setattr(engine.runner, "prefill", spy)
+    short = engine.text_ids("running row: " + TEXT[:40])
+    long_ = engine.text_ids("a long prompt " + TEXT * 3)
+    assert len(long_) > 4 * 32
+    runner_gen = engine.submit(short, Params(60, temperature=0.0))
+    deadline = time.monotonic() + 30
+    while runner_gen.generated == 0 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    long_gen = engine.submit(long_, Params(5, temperature=0.7, seed=4))
+    results = collect_all([runner_gen, long_gen])
+    slices = [e for e in events if e[0] == "slice"]
+    assert len(slices) == (len(long_) - 1) // 32  # until the rest fits in one slice
+    assert [s[1] for s in slices] == list(range(32, 32 * len(slices) + 1, 32))
+    progress = [s[2] for s in slices]
+    assert progress == sorted(progress) and progress[-1] > progress[0]  # decoding went on between slices
+    assert engine.scheduler.prefill_slices - slices0 == len(slices)
+    assert results[0].text == stock(engine, short, Params(60, temperature=0.0))[0]
+    assert results[1].text == stock(engine, long_, Params(5, temperature=0.7, seed=4))[0]
+    assert results[1].cached_tokens == 0  # a cold prompt: its own slices are no prompt reuse
+    assert engine.scheduler.pauses > pauses0
+    text = (
+        create_app(Config(model="builtin-tiny"), engine).test_client().get("/metrics").get_data(as_text=True)
+    )
+    for name in ("radixkv_pauses_total", "radixkv_resumes_total", "radixkv_prefill_slices_total"):
+        assert f"# TYPE {name} counter" in text
+    assert (
+        "# TYPE radixkv_rows_per_step histogram" in text
+        and "# TYPE radixkv_resume_wait_seconds histogram" in text
+    )
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0

@@ -74,6 +74,7 @@ def build_engine(config: Config) -> Engine:
         max_batch_size=config.max_batch_size,
         max_batch_tokens=config.max_batch_tokens,
         decode_chunk=config.decode_chunk,
+        prefill_chunk=config.prefill_chunk,
         adapters=adapters,
         processor=processor,
     )
@@ -309,6 +310,11 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                     "radixkv_resumes_total",
                     "Paused requests taken into a batch again.",
                     engine.scheduler.resumes,
+                ),
+                (
+                    "radixkv_prefill_slices_total",
+                    "Slices of long prompts computed between decode chunks.",
+                    engine.scheduler.prefill_slices,
                 ),
             ),
         )

@@ -144,6 +144,10 @@ class Generation:
         if len(self.hooks) != params.rows:
             raise ValueError(f"hooks: one per row ({params.rows}), got {len(self.hooks)}")
         self.cached: int | None = None  # the prompt's cached tokens, fixed by its first chunk
+        # Prefill slices (demo.engine.scheduler): prompt tokens committed to the store so far,
+        # and the end of the slice the worker is to compute next (0: none; the scheduler sets it).
+        self.prefilled = 0
+        self.slice_to = 0
         self.submitted = time.perf_counter()
         self.started: float | None = None  # first admitted to a batch
         self.paused_at = 0.0  # when it last paused (perf_counter)

@@ -19,6 +19,8 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
+import torch
+
 from demo.engine import batching
 from demo.engine.generation import GREEDY_BELOW, Generation, Params
 
@@ -71,6 +73,35 @@ class Runner:
                         for g in batching.run_batch(self, [batch[i] for i in rows], pause, on_step)
                     ]
             return batching.run_batch(self, batch, pause, on_step)
+
+    def prefill(self, gen: Generation) -> list[Generation]:
+        """Compute and commit ``gen.prompt_ids[:gen.slice_to]`` (one slice of a long prompt: the
+        store holds the earlier slices), so that its batch later reads the prompt instead of
+        computing it while other rows wait (a one-token greedy pass: no random numbers used).
+        Returns [gen] to queue again, or [] if it failed (gen got its error) or lost its adapter."""
+        with self.lock:
+            if not self._adapter_present(gen):
+                return []
+            end, gen.slice_to = gen.slice_to, 0
+            ids = torch.tensor([gen.prompt_ids[:end]], device=self.model.device)
+            cache = self.cache([gen], [gen])
+            try:
+                self.generate(
+                    [gen],
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    past_key_values=cache,
+                    generation_config=self.config(Params(1, temperature=0.0)),
+                )
+            except Exception as e:  # report to the request; the worker keeps serving
+                log.exception("prefill slice failed")
+                gen._events.put(("error", e))
+                gen.finished.set()
+                return []
+            if gen.cached is None:  # what the store held before: the prompt's cached tokens
+                gen.cached = cache.cached_tokens[0] if cache.cached_tokens else 0
+            gen.prefilled = end
+            return [gen]
 
     def _adapter_present(self, gen: Generation) -> bool:
         """Whether ``gen``'s adapter is still loaded, and for a reply paused between decode chunks

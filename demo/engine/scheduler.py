@@ -10,6 +10,12 @@ they generated (and their random generator, per-row hooks), and resume from thei
 (continuous batching in chunks). The scheduler never touches the model: demo.engine.runner
 executes what it hands out.
 
+A long prompt does not stall the rows decoding beside it: a request whose prompt has more than
+`prefill_chunk` tokens left to compute, taken while others wait, is handed out alone for one
+slice (`Generation.slice_to`: the runner computes and commits that much of its prompt) and
+queues again behind them, so slices and decode chunks take turns; it joins a batch once the
+rest fits in one slice, reading its prompt from the store. (Alone, it is prefilled at once.)
+
 A queue place is taken with `reserve()` before the prompt is tokenised, so a full queue
 refuses at no cost; `submit(gen, slot)` then fills it. Thread-safe: HTTP threads reserve and
 submit, the engine's one worker takes batches.
@@ -51,7 +57,7 @@ class Scheduler:
     """The request queue, batch selection and the pause decision of continuous batching."""
 
     def __init__(self, max_queue: int = 32, max_batch_size: int = 8, max_batch_tokens: int = 16384,
-                 decode_chunk: int = 16):  # fmt: skip
+                 decode_chunk: int = 16, prefill_chunk: int = 0):  # fmt: skip
         if max_queue < 1 or max_batch_size < 1 or max_batch_tokens < 1:
             raise ValueError("max_queue, max_batch_size and max_batch_tokens must be >= 1")
         if decode_chunk < 0:
@@ -61,7 +67,11 @@ class Scheduler:
             max_batch_size,
             max_batch_tokens,
         )
-        self.decode_chunk = decode_chunk
+        if prefill_chunk < 0:
+            raise ValueError(
+                f"prefill_chunk must be >= 0 (0: a prompt is prefilled at once), got {prefill_chunk}"
+            )
+        self.decode_chunk, self.prefill_chunk = decode_chunk, prefill_chunk
         self._cond = threading.Condition()
         self._waiting: deque[Generation] = deque()
         self._reserved = 0  # slots handed out, not yet submitted
@@ -73,6 +83,7 @@ class Scheduler:
         self.rows_per_step = Histogram(BATCH_SIZE_BUCKETS)  # rows making a token, per step
         self.pauses = 0  # requests paused between decode chunks
         self.resumes = 0  # paused requests taken into a batch again
+        self.prefill_slices = 0  # slices of long prompts computed between decode chunks
 
     # -- admission (HTTP threads) ------------------------------------------------------------
     def reserve(self) -> Slot:
@@ -111,7 +122,9 @@ class Scheduler:
         now = time.perf_counter()
         batch = []
         for gen in taken:
-            if gen.started is None:  # a resumed request waited once, at its start
+            if gen.slice_to:  # a prefill slice: not admitted yet
+                pass
+            elif gen.started is None:  # a resumed request waited once, at its start
                 gen.started = now
                 self.queue_waits.observe(now - gen.submitted)
             else:
@@ -123,7 +136,10 @@ class Scheduler:
             else:
                 batch.append(gen)
         if batch:
-            self.batch_sizes.observe(len(batch))
+            if batch[0].slice_to:
+                self.prefill_slices += 1
+            else:
+                self.batch_sizes.observe(len(batch))
             self._running = batch
         return batch
 
@@ -136,7 +152,7 @@ class Scheduler:
             for gen in paused:
                 gen.paused_at = now
             with self._cond:
-                self.pauses += len(paused)
+                self.pauses += sum(gen.started is not None for gen in paused)  # not a prefill slice
                 self._waiting.extend(paused)
 
     def _take(self) -> list[Generation]:
@@ -144,6 +160,9 @@ class Scheduler:
         generate() call (oldest first, within max_batch_size rows and max_batch_tokens). Call
         holding _cond. O(queue)."""
         first = self._waiting.popleft()
+        if self._long(first) and self._waiting:  # others wait for the worker: take turns
+            first.slice_to = min(first.prefilled + self.prefill_chunk, len(first.prompt_ids) - 1)
+            return [first]
         key = batching.batch_key(first)
         batch, width, rows = [first], first.width, len(first.open_rows)
         if key is None or self.max_batch_size == 1:
@@ -156,6 +175,7 @@ class Scheduler:
                 new_rows <= self.max_batch_size
                 and new_width * new_rows <= self.max_batch_tokens
                 and batching.batch_key(gen) == key
+                and not self._long(gen)  # it takes its slices first
             ):
                 batch.append(gen)
                 width, rows = new_width, new_rows
@@ -163,6 +183,17 @@ class Scheduler:
                 rest.append(gen)
         self._waiting = rest
         return batch
+
+    def _long(self, gen: Generation) -> bool:
+        """Whether ``gen`` has more than a slice of its prompt left to compute (a text request
+        on the prefix cache, not started yet)."""
+        return (
+            self.prefill_chunk > 0
+            and gen.started is None
+            and gen.params.cache_prompt
+            and batching.batch_key(gen) is not None
+            and len(gen.prompt_ids) - gen.prefilled > self.prefill_chunk
+        )
 
     def pause_for(self, batch: Sequence[Generation]) -> Callable[[int], bool] | None:
         """pause(generated): True once the batch has made `decode_chunk` steps while any request
