@@ -349,3 +349,42 @@ def test_a_long_prompt_is_prefilled_in_slices_between_decode_chunks(engine, monk
     )
     engine.check_invariants()
     assert engine.stats()["pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_k", -2),
+        ("top_k", 1.5),
+        ("top_k", True),
+        ("min_p", 1.5),
+        ("min_p", "x"),
+        ("repetition_penalty", 0),
+    ]
+    + [("repetition_penalty", 2.5), ("repetition_penalty", -1)],
+)
+def test_bad_vllm_sampling_fields_are_a_400_naming_the_field(engine, field, value):
+    client = create_app(Config(model="builtin-tiny"), engine).test_client()
+    r = client.post(
+        "/v1/completions", json={"model": "builtin-tiny", "prompt": "hi", "max_tokens": 2, field: value}
+    )
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == field, r.get_json()
+
+
+def test_top_k_one_is_greedy_and_off_values_change_nothing(engine):
+    """top_k 1 keeps only the most likely token: a sampled request equals greedy; -1 and 0 are off."""
+    client = create_app(Config(model="builtin-tiny"), engine).test_client()
+
+    def text(**body):
+        r = client.post(
+            "/v1/completions", json={"model": "builtin-tiny", "prompt": TEXT, "max_tokens": 8, **body}
+        )
+        assert r.status_code == 200, r.get_json()
+        return r.get_json()["choices"][0]["text"]
+
+    assert text(temperature=1.5, top_k=1, seed=3) == text(temperature=0)
+    assert (
+        text(temperature=1.0, seed=3, top_k=-1)
+        == text(temperature=1.0, seed=3, top_k=0)
+        == text(temperature=1.0, seed=3)
+    )
