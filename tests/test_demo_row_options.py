@@ -388,3 +388,25 @@ def test_top_k_one_is_greedy_and_off_values_change_nothing(engine):
         == text(temperature=1.0, seed=3, top_k=0)
         == text(temperature=1.0, seed=3)
     )
+
+
+def test_newcomers_start_at_the_next_boundary_and_paused_replies_keep_half_the_rows():
+    """Scheduler order at a chunk boundary (no model): the oldest first, then requests not
+    started yet up to half the rows, then the rest oldest first; the others stay queued in order."""
+    from demo.engine.generation import Generation
+    from demo.engine.scheduler import Scheduler
+
+    sched = Scheduler(max_queue=32, max_batch_size=4)
+
+    def gen(name, started):
+        g = Generation([1, 2, 3], Params(4, temperature=0.0), None, lambda ids: "", set())
+        g.name, g.started = name, (1.0 if started else None)
+        return g
+
+    queue = [gen(f"P{i}", True) for i in range(5)] + [gen(f"N{i}", False) for i in range(3)]
+    for g in queue:
+        sched.submit(g, sched.reserve())
+    assert [g.name for g in sched.next_batch()] == ["P0", "N0", "N1", "P1"]
+    assert [g.name for g in sched._waiting] == ["P2", "P3", "P4", "N2"]
+    sched.finished()
+    assert [g.name for g in sched.next_batch()] == ["P2", "N2", "P3", "P4"]

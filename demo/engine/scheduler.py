@@ -157,8 +157,10 @@ class Scheduler:
 
     def _take(self) -> list[Generation]:
         """The oldest request (whatever its size), plus the queued ones that can share its
-        generate() call (oldest first, within max_batch_size rows and max_batch_tokens). Call
-        holding _cond. O(queue)."""
+        generate() call, within max_batch_size rows and max_batch_tokens: first requests not
+        started yet (oldest first, up to half the rows: a newcomer starts at the next chunk
+        boundary instead of behind every paused reply), then the rest oldest first (paused
+        replies keep at least half the rows: none starves). Call holding _cond. O(queue)."""
         first = self._waiting.popleft()
         if self._long(first) and self._waiting:  # others wait for the worker: take turns
             first.slice_to = min(first.prefilled + self.prefill_chunk, len(first.prompt_ids) - 1)
@@ -167,21 +169,29 @@ class Scheduler:
         batch, width, rows = [first], first.width, len(first.open_rows)
         if key is None or self.max_batch_size == 1:
             return batch
-        rest: deque[Generation] = deque()  # one pass: no deque.remove
-        while self._waiting:
-            gen = self._waiting.popleft()
-            new_width, new_rows = max(width, gen.width), rows + len(gen.open_rows)
-            if (
-                new_rows <= self.max_batch_size
-                and new_width * new_rows <= self.max_batch_tokens
-                and batching.batch_key(gen) == key
-                and not self._long(gen)  # it takes its slices first
-            ):
-                batch.append(gen)
-                width, rows = new_width, new_rows
-            else:
-                rest.append(gen)
-        self._waiting = rest
+        newcomer_rows = max(1, self.max_batch_size // 2)
+        new = len(first.open_rows) if first.started is None else 0  # newcomers' rows taken
+        for newcomers_only in (True, False):
+            rest: deque[Generation] = deque()  # one pass: no deque.remove
+            while self._waiting:
+                gen = self._waiting.popleft()
+                new_width, new_rows = max(width, gen.width), rows + len(gen.open_rows)
+                if (
+                    (
+                        not newcomers_only
+                        or (gen.started is None and new + len(gen.open_rows) <= newcomer_rows)
+                    )
+                    and new_rows <= self.max_batch_size
+                    and new_width * new_rows <= self.max_batch_tokens
+                    and batching.batch_key(gen) == key
+                    and not self._long(gen)  # it takes its slices first
+                ):
+                    batch.append(gen)
+                    width, rows = new_width, new_rows
+                    new += len(gen.open_rows) if newcomers_only else 0
+                else:
+                    rest.append(gen)
+            self._waiting = rest
         return batch
 
     def _long(self, gen: Generation) -> bool:
