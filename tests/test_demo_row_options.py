@@ -410,3 +410,28 @@ def test_newcomers_start_at_the_next_boundary_and_paused_replies_keep_half_the_r
     assert [g.name for g in sched._waiting] == ["P2", "P3", "P4", "N2"]
     sched.finished()
     assert [g.name for g in sched.next_batch()] == ["P2", "N2", "P3", "P4"]
+
+
+def test_a_client_gone_while_its_request_is_paused_is_answered_and_never_resumed(engine, monkeypatch):
+    monkeypatch.setattr(engine.scheduler, "pause_for", lambda batch: lambda generated: generated >= 2)
+    run, seen = engine.runner.run, []
+
+    def spy(batch, *args):
+        seen.append([g.params.seed for g in batch])
+        paused = run(batch, *args)
+        for g in paused:
+            if g.params.seed == 99:
+                g.cancel()  # its client hangs up while it waits in the queue, paused
+        return paused
+
+    monkeypatch.setattr(engine.runner, "run", spy)
+    gone = engine.submit(engine.text_ids("gone soon"), Params(30, temperature=0.9, seed=99))
+    stays = engine.submit(engine.text_ids("stays"), Params(8, temperature=0.9, seed=98))
+    assert gone.finished.wait(60) and stays.finished.wait(60)
+    assert gone.generated == 2  # its first chunk only
+    assert sum(99 in s for s in seen) == 1  # never taken into a batch again
+    monkeypatch.undo()
+    assert (
+        stays.collect().text
+        == stock(engine, engine.text_ids("stays"), Params(8, temperature=0.9, seed=98))[0]
+    )
