@@ -20,12 +20,18 @@ cache namespaces), so 8 keys should serve about what 1 does.
 
     python benchmarks/bench_http.py --load --tenants 8
 
-Mixed mode: `--mixed` runs the batched server with `--decode-chunk 0` (a batch runs to its
-end: head-of-line blocking) and with the default chunk, 32 streaming clients for `--seconds`:
-half ask for 16 tokens, a quarter for 256, a quarter for 1,024 (short unrelated prompts).
-It prints the short requests' TTFT p50/p99 against an idle server's, and req/s.
+Mixed mode: `--mixed` runs the batched server with each `--chunks` value as --decode-chunk
+(default 0 and 16: a batch that runs to its end, head-of-line blocking, and today's chunk), 32
+streaming clients for `--seconds`: half ask for 16 tokens, a quarter for 256, a quarter for
+1,024 (short unrelated prompts). `--options mixed`: half the clients greedy, the rest spread
+over temperature, top_p, seed, logit_bias and logprobs. `--long-prompt-every S`: one more
+client sends a ~4,000-token prompt every S seconds. `--server-root DIR` starts the server from
+another checkout (before/after in one sitting); `--server-args` adds flags to each server.
+It prints the short requests' TTFT p50/p99 against an idle server's, req/s, and the
+inter-token latency (mean gap between streamed chunks) of the long replies.
 
     python benchmarks/bench_http.py --mixed --model builtin --seconds 60
+    python benchmarks/bench_http.py --mixed --options mixed --chunks 16 --server-root /work/main
 """
 
 from __future__ import annotations
@@ -78,17 +84,17 @@ def free_port() -> int:
 
 
 def start_server(
-    reuse: bool, model: str | None, threads: int | None, extra: list[str] = ()
+    reuse: bool, model: str | None, threads: int | None, extra: list[str] = (), root: str = ROOT
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "RADIXKV_REUSE": "1" if reuse else "0", "PYTHONPATH": ROOT}
+    env = {**os.environ, "RADIXKV_REUSE": "1" if reuse else "0", "PYTHONPATH": root}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     cmd = [sys.executable, "-m", "demo", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--model", model] if model else []
     cmd += list(extra)
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
     url = f"http://127.0.0.1:{port}"
     for line in proc.stdout:  # wait for the line demo/__main__.py prints once it listens
@@ -143,14 +149,19 @@ def run_mode(reuse: bool, args) -> tuple[list[dict], list[dict], float]:
         proc.wait(timeout=30)
 
 
-def load_request(url: str, content: str, max_tokens: int, stream: bool, key: str | None = None) -> dict:
-    """One chat request under load: status, latency, TTFT (streaming only)."""
+def load_request(
+    url: str, content: str, max_tokens: int, stream: bool, key: str | None = None, options: dict | None = None
+) -> dict:
+    """One chat request under load: status, latency, TTFT and the gaps between streamed
+    chunks after the first (streaming only). ``options``: more body fields (sampling)."""
     body = {
         "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": stream,
+        **(options or {}),
     }
+    gaps: list[float] = []
     t0 = time.perf_counter()
     ttft = None
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -166,17 +177,17 @@ def load_request(url: str, content: str, max_tokens: int, stream: bool, key: str
                 "retry_after": float(r.headers.get("Retry-After", 0)),
             }
         if stream:
+            last = None
             for line in r.iter_lines(decode_unicode=True):
-                if (
-                    ttft is None
-                    and line.startswith("data: {")
-                    and '"content":"' in line
-                    and '"content":""' not in line
-                ):
-                    ttft = time.perf_counter() - t0
+                if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+                    now = time.perf_counter()
+                    ttft = now - t0 if ttft is None else ttft
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
         else:
             r.json()
-    return {"status": 200, "total": time.perf_counter() - t0, "ttft": ttft}
+    return {"status": 200, "total": time.perf_counter() - t0, "ttft": ttft, "gaps": gaps}
 
 
 def run_load(batch_size: int, args, keys: int = 0) -> tuple[list[dict], float, float]:
@@ -226,11 +237,29 @@ def run_load(batch_size: int, args, keys: int = 0) -> tuple[list[dict], float, f
         proc.wait(timeout=30)
 
 
-def run_mixed(decode_chunk: int, args) -> tuple[list[dict], float, list[float]]:
-    """Mixed lengths under load; returns (results tagged with max_tokens, wall, idle TTFTs)."""
+# The sampled half of `--options mixed` (the other half is greedy), one per client in turn.
+MIXED_OPTIONS = [
+    {"temperature": 0.8},
+    {"temperature": 1.0, "top_p": 0.9},
+    {"temperature": 0.7, "seed": 1234},
+    {"temperature": 0, "logit_bias": {"5": 3}},
+    {"temperature": 0, "logprobs": True, "top_logprobs": 2},
+    {"temperature": 0.9, "top_p": 0.95, "seed": 7, "logprobs": True},
+]
+
+
+def client_options(c: int, mode: str) -> dict:
+    if mode != "mixed" or c % 2 == 0:
+        return {}
+    return MIXED_OPTIONS[(c // 2) % len(MIXED_OPTIONS)]
+
+
+def run_mixed(decode_chunk: int, args) -> tuple[list[dict], float, list[float], str]:
+    """Mixed lengths under load; returns (results tagged with max_tokens, wall, idle TTFTs,
+    /metrics text)."""
     extra = ["--max-queue", str(args.max_queue), "--decode-chunk", str(decode_chunk)]
-    extra += ["--max-batch-size", str(args.max_batch_size)]
-    proc, url = start_server(True, args.model, args.threads, extra)
+    extra += ["--max-batch-size", str(args.max_batch_size)] + args.server_args.split()
+    proc, url = start_server(True, args.model, args.threads, extra, args.server_root or ROOT)
     try:
         idle = []
         for i in range(5):  # a short request on the idle server: the reference TTFT
@@ -244,36 +273,57 @@ def run_mixed(decode_chunk: int, args) -> tuple[list[dict], float, list[float]]:
             while time.perf_counter() < deadline:
                 max_tokens = lengths[c % 4]
                 content = f"Client {c} asks question {k}: tell me about {CITIES[(c + k) % len(CITIES)]}."
-                r = load_request(url, content, max_tokens, True)
+                r = load_request(url, content, max_tokens, True, options=client_options(c, args.options))
                 results.append({**r, "max_tokens": max_tokens})
                 time.sleep(r.get("retry_after", 0))
                 k += 1
 
+        def long_prompts(_) -> None:  # a ~4,000-token document every `long_prompt_every` s
+            k = 0
+            while time.perf_counter() < deadline:
+                t = time.perf_counter()
+                doc = f"Document {k}.\n" + table(228)
+                r = load_request(url, doc + "Who lives in Lima?", 16, True)
+                results.append({**r, "max_tokens": "long prompt"})
+                time.sleep(max(0.0, args.long_prompt_every - (time.perf_counter() - t)))
+                k += 1
+
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(args.clients) as pool:
-            list(pool.map(client, range(args.clients)))
-        return results, time.perf_counter() - t0, idle
+        jobs = [(client, c) for c in range(args.clients)]
+        jobs += [(long_prompts, None)] if args.long_prompt_every else []
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            list(pool.map(lambda job: job[0](job[1]), jobs))
+        wall = time.perf_counter() - t0
+        return results, wall, idle, requests.get(url + "/metrics", timeout=30).text
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
 def mixed_main(args) -> None:
-    rows = {chunk: run_mixed(chunk, args) for chunk in (0, args.decode_chunk)}
+    chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else [0, args.decode_chunk]
+    rows = {chunk: run_mixed(chunk, args) for chunk in chunks}
     print(
         f"\nmixed: {args.clients} streaming clients for {args.seconds:.0f} s each, --max-batch-size "
-        f"{args.max_batch_size}; half ask for 16 tokens, a quarter 256, a quarter 1,024\n"
+        f"{args.max_batch_size}; half ask for 16 tokens, a quarter 256, a quarter 1,024; options "
+        f"{args.options}; a 4,000-token prompt every {args.long_prompt_every or '-'} s; server "
+        f"{args.server_root or ROOT} {args.server_args}; load {os.getloadavg()[0]:.1f}\n"
     )
     print(
-        f"{'decode chunk':>12} {'done':>5} {'req/s':>6} {'short TTFT p50':>15} {'p99':>7} {'idle TTFT':>10} {'503':>4}"
+        f"{'decode chunk':>12} {'done':>5} {'req/s':>6} {'short TTFT p50':>15} {'p99':>7} {'idle TTFT':>10} "
+        f"{'503':>4} {'long ITL p50':>12} {'p99':>7} {'long-prompt TTFT':>16}"
     )
-    for chunk, (results, wall, idle) in rows.items():
+    for chunk, (results, wall, idle, _) in rows.items():
         ok = [r for r in results if r["status"] == 200]
         short = [r["ttft"] for r in ok if r["max_tokens"] == 16 and r["ttft"] is not None]
+        gaps = [g for r in ok if r["max_tokens"] in (256, 1024) for g in r["gaps"]]
+        docs = [r["ttft"] for r in ok if r["max_tokens"] == "long prompt" and r["ttft"] is not None]
         print(
             f"{chunk if chunk else 'off (0)':>12} {len(ok):>5} {len(ok) / wall:>6.2f} "
             f"{pct(short, 0.5) * 1e3:>12.0f} ms {pct(short, 0.99) * 1e3:>4.0f} ms "
-            f"{statistics.median(idle) * 1e3:>7.0f} ms {sum(r['status'] == 503 for r in results):>4}"
+            f"{statistics.median(idle) * 1e3:>7.0f} ms {sum(r['status'] == 503 for r in results):>4} "
+            f"{pct(gaps, 0.5) * 1e3:>9.0f} ms {pct(gaps, 0.99) * 1e3:>4.0f} ms "
+            f"{(statistics.median(docs) * 1e3 if docs else float('nan')):>13.0f} ms"
         )
 
 
@@ -340,6 +390,20 @@ def main() -> None:
     p.add_argument(
         "--decode-chunk", type=int, default=16, help="mixed mode: the chunked server's --decode-chunk"
     )
+    p.add_argument(
+        "--chunks", help="mixed mode: --decode-chunk values to run, comma-separated (default 0,16)"
+    )
+    p.add_argument(
+        "--options", choices=("greedy", "mixed"), default="greedy", help="mixed mode: sampling options"
+    )
+    p.add_argument(
+        "--long-prompt-every",
+        type=float,
+        default=0.0,
+        help="mixed mode: a 4,000-token prompt every S seconds",
+    )
+    p.add_argument("--server-root", help="mixed mode: start the server from this checkout (e.g. /work/main)")
+    p.add_argument("--server-args", default="", help="mixed mode: more flags for each server")
     args = p.parse_args()
     if args.mixed:
         mixed_main(args)

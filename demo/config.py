@@ -44,6 +44,9 @@ class Config:
     # decode steps after which a running batch pauses for a waiting request that can join it
     # (continuous batching in chunks); 0: a batch runs to its end
     decode_chunk: int = 16
+    # prompt tokens a long prompt computes per turn while other requests decode (prefilled in
+    # slices between decode chunks, docs/batching.md); 0: a long prompt is prefilled at once
+    prefill_chunk: int = 512
     # open connections one client address may hold; None: half of the server's connection
     # limit, 0: no cap (behind a trusted proxy or gateway, which is one address for everyone)
     connections_per_address: int | None = None
@@ -93,6 +96,10 @@ class Config:
             )
         if self.decode_chunk < 0:
             raise ValueError(f"decode_chunk must be >= 0, got {self.decode_chunk}")
+        if self.prefill_chunk < 0 or self.prefill_chunk % self.block_size:
+            raise ValueError(
+                f"prefill_chunk must be 0 (off) or a multiple of block_size {self.block_size}, got {self.prefill_chunk}"
+            )
         if self.connections_per_address is not None and self.connections_per_address < 0:
             raise ValueError(f"connections_per_address must be >= 0, got {self.connections_per_address}")
         if any(not k for k in self.api_keys):
@@ -207,6 +214,7 @@ _ENV = {
     "connections_per_address": ("RADIXKV_CONNECTIONS_PER_ADDRESS", int),
     "trusted_proxies": ("RADIXKV_TRUSTED_PROXIES", _keys),
     "decode_chunk": ("RADIXKV_DECODE_CHUNK", int),
+    "prefill_chunk": ("RADIXKV_PREFILL_CHUNK", int),
     "lora_modules": ("RADIXKV_LORA_MODULES", _lora_env),
     "lora_download_timeout": ("RADIXKV_LORA_DOWNLOAD_TIMEOUT", float),
     "limit_images": ("RADIXKV_LIMIT_MM_PER_PROMPT", parse_limit_mm),
@@ -278,6 +286,12 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         help="decode steps after which a running batch lets waiting requests join (default 16; "
         "0 = never; env RADIXKV_DECODE_CHUNK)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        help="prompt tokens a long prompt computes per turn while others decode (default 512, a "
+        "multiple of the block size; 0 = all at once; env RADIXKV_PREFILL_CHUNK)",
     )
     p.add_argument(
         "--connections-per-address",

@@ -169,8 +169,11 @@ class Metrics:
             self._tokens["completion"] += result.completion_tokens
             self._tokens["cached"] += result.cached_tokens
 
-    def render(self, stats: dict, *, reuse: bool, queued: int, engine_histograms=()) -> str:
-        """`engine_histograms`: (name, help, Histogram) of the engine (batch size, queue wait)."""
+    def render(
+        self, stats: dict, *, reuse: bool, queued: int, engine_histograms=(), engine_counters=()
+    ) -> str:
+        """`engine_histograms`: (name, help, Histogram) of the engine (batch size, queue wait);
+        `engine_counters`: (name, help, value) of the engine (pauses, resumes)."""
         out = [
             "# HELP radixkv_prefix_reuse_enabled 1 if prefix reuse is on.",
             "# TYPE radixkv_prefix_reuse_enabled gauge",
@@ -207,4 +210,6 @@ class Metrics:
                     out += h.lines(name, f'endpoint="{endpoint}"')
         for name, help_, h in engine_histograms:
             out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *h.lines(name)]
+        for name, help_, value in engine_counters:
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {number(value)}"]
         return "\n".join(out) + "\n"

@@ -213,21 +213,8 @@ def test_rows_stop_at_their_own_stop_string_eos_and_hang_up(engine, monkeypatch)
     engine.check_invariants()
 
 
-def test_seeded_and_n_requests_run_alone_and_batch_size_one_never_batches(engine, monkeypatch):
+def test_batch_size_one_never_batches(engine, monkeypatch):
     sizes = spy_batches(monkeypatch)
-    held = Held(engine, monkeypatch)
-    gens = [
-        engine.submit(engine.text_ids(f"seeded {i}"), Params(4, temperature=1.0, seed=i)) for i in range(3)
-    ]
-    gens.append(engine.submit(engine.text_ids("n=2"), Params(4, temperature=1.0, n=2)))
-    held.go()
-    seeded = collect_all(gens)
-    assert sizes == [] and engine.scheduler.batch_sizes.counts[0] >= 4  # all ran alone (bucket le=1)
-    again = [
-        engine.submit(engine.text_ids(f"seeded {i}"), Params(4, temperature=1.0, seed=i)).collect()
-        for i in range(3)
-    ]
-    assert [r.text for r in seeded[:3]] == [r.text for r in again]
     one = Engine(engine.model, engine.tokenizer, engine.context, reuse=False, max_batch_size=1)
     held2 = Held(one, monkeypatch)
     gens = [one.submit(one.text_ids(f"q {i}"), Params(3, temperature=0.0)) for i in range(3)]
@@ -349,8 +336,13 @@ def test_without_a_waiting_request_or_with_decode_chunk_0_a_batch_never_pauses(e
     assert alone.text == stock(engine, prompt, 30)
     monkeypatch.setattr(engine.scheduler, "decode_chunk", 0)
     calls.clear()
-    engine.submit(prompt, Params(3, temperature=0.0)).collect()
-    assert calls == []  # decode_chunk 0: the single path, as before
+    pauses = engine.scheduler.pauses
+    held = Held(engine, monkeypatch)
+    gens = [engine.submit(prompt, Params(12, temperature=0.0))]
+    held.go()
+    gens.append(engine.submit(engine.text_ids("waiting behind it"), Params(2, temperature=0.0)))
+    collect_all(gens)
+    assert engine.scheduler.pauses == pauses  # decode_chunk 0: a batch runs to its end
 
 
 def test_over_http_a_short_request_is_answered_while_a_long_stream_runs(engine, monkeypatch):

@@ -80,6 +80,7 @@ def build_engine(config: Config) -> Engine:
         max_batch_size=config.max_batch_size,
         max_batch_tokens=config.max_batch_tokens,
         decode_chunk=config.decode_chunk,
+        prefill_chunk=config.prefill_chunk,
         adapters=adapters,
         processor=processor,
     )
@@ -313,8 +314,31 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                 ("radixkv_batch_size", "Requests per generate() call.", engine.scheduler.batch_sizes),
                 (
                     "radixkv_queue_wait_seconds",
-                    "Submit to the start of generation.",
+                    "Admission wait: submit to the request's first batch.",
                     engine.scheduler.queue_waits,
+                ),
+                (
+                    "radixkv_resume_wait_seconds",
+                    "A paused request's wait: pause to its next batch.",
+                    engine.scheduler.resume_waits,
+                ),
+                (
+                    "radixkv_rows_per_step",
+                    "Rows making a token, per decoding step.",
+                    engine.scheduler.rows_per_step,
+                ),
+            ),
+            engine_counters=(
+                ("radixkv_pauses_total", "Requests paused between decode chunks.", engine.scheduler.pauses),
+                (
+                    "radixkv_resumes_total",
+                    "Paused requests taken into a batch again.",
+                    engine.scheduler.resumes,
+                ),
+                (
+                    "radixkv_prefill_slices_total",
+                    "Slices of long prompts computed between decode chunks.",
+                    engine.scheduler.prefill_slices,
                 ),
             ),
         )

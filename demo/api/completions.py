@@ -77,6 +77,9 @@ def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -
             top_logprobs=opts.top_logprobs,
             cache_prompt=opts.cache_prompt,
             adapter=adapter,
+            top_k=opts.top_k,
+            min_p=opts.min_p,
+            repetition_penalty=opts.repetition_penalty,
         )
         gen = engine.submit(
             prompt_ids, params, options.salted(namespace, opts.cache_salt), slot=slot, inputs=inputs

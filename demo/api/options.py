@@ -4,8 +4,10 @@
 
 OpenAI's semantics and ranges: frequency_penalty / presence_penalty in [-2, 2] (additive,
 over generated tokens); logit_bias {"token id": -100..100}; n >= 1; on chat `logprobs: bool`
-with `top_logprobs` 0..20, on completions `logprobs` 0..5 (an int). The cache controls come
-from the servers that have them: llama.cpp's `cache_prompt` and vLLM's `cache_salt`.
+with `top_logprobs` 0..20, on completions `logprobs` 0..5 (an int). vLLM's extra sampling
+options: `top_k` (-1 or 0: off), `min_p` in [0, 1], `repetition_penalty` in (0, 2] (1: off).
+The cache controls come from the servers that have them: llama.cpp's `cache_prompt` and
+vLLM's `cache_salt`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from demo.api.schema import _bad, _int, _number
 MAX_N = 16  # choices per request: each is a row of the batch, on a server with one worker
 MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's limits
 MAX_SALT_CHARS = 256
+MAX_TOP_K = 1 << 20  # above any vocabulary: the same as off
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,9 @@ class Options:
     top_logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's and the top k
     cache_prompt: bool = True  # False: the request neither reads nor writes the prefix cache
     cache_salt: str | None = None  # narrows sharing to the caller's requests with the same salt
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
 
 
 def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
@@ -81,8 +87,14 @@ def parse(body: dict, endpoint: str, vocab_size: int) -> Options:
         raise _bad(
             f"'cache_salt' must be a non-empty string of at most {MAX_SALT_CHARS} characters", "cache_salt"
         )
+    top_k = _int(body, "top_k")
+    if top_k is not None and not (top_k == -1 or 0 <= top_k <= MAX_TOP_K):
+        raise _bad(f"'top_k' must be -1 or 0 (off) or between 1 and {MAX_TOP_K}, got {top_k}", "top_k")
     return Options(
         n=n or 1,
+        top_k=max(top_k or 0, 0),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         logit_bias=_logit_bias(body, vocab_size),

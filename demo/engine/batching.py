@@ -1,31 +1,31 @@
-"""Batched generation: queued requests that can share a generate() call run as its rows.
+"""Batched generation: the requests the scheduler hands out run as rows of one generate() call.
 
-    key = batch_key(gen)                  # None: the request runs alone
-    run_batch(runner, gens)               # gens: >= 2 requests with one key
+    key = batch_key(gen)                  # None: the request runs alone (images)
+    paused = run_batch(runner, gens, pause)
 
-Which requests share a batch (`batch_key`): n == 1, no seed (a seed must own the global RNG
-for its whole generation), no model inputs beside the ids (images), the same adapter batch
-group (demo.model.adapters: the base and plain LoRA adapters mix through PEFT's adapter_names), equal
-cache_prompt, equal sampling (greedy, or the same temperature and top_p), penalties,
-logit_bias and logprobs setting: generate() applies its warpers and our processors to every
-row alike. Everything else about a row is its own: prompt (left-padded to the longest),
-max_tokens, stop strings, EOS, its client, and its cache namespace (tenant, cache_salt): the
-RadixCache takes one namespace per row, so tenants share a batch but never a prefix (only the
-operator's pinned task prompts, through a SharedPrefix).
+Which requests share a batch (`batch_key`): the same adapter batch group (demo.model.adapters:
+the base and plain LoRA adapters mix through PEFT's adapter_names) and equal cache_prompt (a
+RadixCache reads and writes every row, or none). Everything else about a request is its rows'
+own: sampling (greedy or temperature/top_p/top_k/min_p, seed), penalties, logit_bias, logprobs
+(demo.engine.sampling.RowSampler), prompt (left-padded to the longest), max_tokens, stop
+strings, EOS, n (n sampled choices are n rows), its client, and its cache namespace (tenant,
+cache_salt): the RadixCache takes one namespace per row, so tenants share a batch but never a
+prefix (only the operator's pinned task prompts, through a SharedPrefix). A request with model
+inputs beside the ids (a VLM's pixel_values) runs alone and is not paused.
 
 Rows finish on their own: `RowStop` (a StoppingCriteria returning one bool per row) stops a
 row at its max_tokens, its EOS, its stop string or its client's hang-up; generate() then
-feeds that row pad tokens, which `RowStreamer` does not forward, and the row's request is
-told it is done at once, while the others go on. generate()'s max_new_tokens is the batch's
-largest. Reuse per row: the cache preloads the common column count min_i(pad_i + match_i)
-(hf_patch.request), and rows that match less get their own prefix computed alone first
-(hf_patch.batch_share), so a row's `cached_tokens` is what its own namespace held, whatever
-the other rows' tenants had cached.
+feeds that row pad tokens, which `RowStreamer` does not forward, and the request is told it is
+done once all its rows are, while the others go on. generate()'s max_new_tokens is the batch's
+largest. A row paused by ``pause(generated)`` keeps its reply in its context and resumes in a
+later batch from its committed KV (demo.engine.scheduler). Reuse per row: the cache preloads
+the common column count min_i(pad_i + match_i) (hf_patch.request), and rows that match less get
+their own prefix computed alone first (hf_patch.batch_share, which also computes the prompt of
+n sampled choices once), so a row's `cached_tokens` is what its own namespace held.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 
@@ -33,114 +33,131 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from demo.engine import processors
-from demo.engine.generation import Generation
+from demo.engine.generation import Generation, Params
+from demo.engine.sampling import Row, RowSampler
+from demo.model import vision
 
 log = logging.getLogger(__name__)
 
 
-def batch_key(gen: Generation, greedy_below: float) -> tuple | None:
+def batch_key(gen: Generation) -> tuple | None:
     """Requests with equal keys can be rows of one generate() call; None: run alone."""
-    p = gen.params
-    if p.n != 1 or p.seed is not None or gen.inputs:
+    if gen.inputs:
         return None
-    sampling = ("sample", p.temperature, p.top_p) if p.temperature >= greedy_below else ("greedy",)
-    return (
-        gen.batch_group,
-        p.cache_prompt,
-        sampling,
-        p.frequency_penalty,
-        p.presence_penalty,
-        p.logit_bias,
-        p.top_logprobs,
-    )
+    return (gen.batch_group, gen.params.cache_prompt)
 
 
-def chunkable(gen: Generation, greedy_below: float) -> bool:
-    """Whether the request may pause between decode chunks and resume in a re-formed batch:
-    batchable, on the prefix cache (it resumes from its own committed KV), no penalties (they
-    count the reply from the prompt's end, which a resumed context moves)."""
-    p = gen.params
-    return (
-        batch_key(gen, greedy_below) is not None
-        and p.cache_prompt
-        and not (p.frequency_penalty or p.presence_penalty)
-    )
+def chunkable(gen: Generation) -> bool:
+    """Whether the request may pause between decode chunks and resume in a re-formed batch
+    (with cache_prompt=false it recomputes its context on resume)."""
+    return batch_key(gen) is not None
 
 
 class Rows:
-    """The batch's requests and which of them are still generating. Row i = gens[i]."""
+    """The batch's rows (``rows[i]``: a `Row`, input row i) and which are still generating."""
 
-    def __init__(self, gens: list[Generation], width: int, eos: set[int], cache, pause=None):
-        self.gens, self.width, self.eos, self.cache = gens, width, eos, cache
+    def __init__(self, rows: list[Row], width: int, eos: set[int], cache, pause=None):
+        self.rows, self.width, self.eos, self.cache = rows, width, eos, cache
+        self.gens: list[Generation] = list(dict.fromkeys(r.gen for r in rows))  # in row order
+        self.of_gen = {id(g): [i for i, r in enumerate(rows) if r.gen is g] for g in self.gens}
         self.pause = pause  # pause(generated) -> True: every open row pauses at this step
-        self.open = [True] * len(gens)
-        self.paused = [False] * len(gens)  # stopped for now, to resume in a later batch
-        self.before = [g.replied for g in gens]  # reply tokens of earlier chunks
-        self.new_ids: list[list[int]] = [[] for _ in gens]  # this call's forwarded tokens
+        self.open_gen = {id(g): True for g in self.gens}  # the request not yet told it is done
+        self.paused = [False] * len(rows)  # stopped for now, to resume in a later batch
+        self.settled = [False] * len(rows)  # ended and every token up to its end forwarded
+        self.new_ids: list[list[int]] = [[] for _ in rows]  # this call's forwarded tokens
         # Per row: tokens forwarded, and the sequence length at which RowStop ended it. Which
         # of put() and the stopping criteria comes first in a step differs between
         # transformers releases (5.23: criteria first), so a row is closed once both agree.
-        self.sent = [0] * len(gens)
-        self.ended: list[int | None] = [None] * len(gens)
+        self.sent = [0] * len(rows)
+        self.ended: list[int | None] = [None] * len(rows)
         self._lock = threading.Lock()  # close() from the worker, close_all() after an error
 
-    def cached(self, i: int) -> int:
-        """What row i's prompt read from the store: in its first chunk (later chunks read the
+    def cached(self, gen: Generation) -> int:
+        """What ``gen``'s prompt read from the store: in its first chunk (later chunks read the
         request's own reply back, which is no prompt reuse)."""
-        if self.gens[i].cached is not None:
-            return self.gens[i].cached
+        if gen.cached is not None:
+            return gen.cached
+        i = self.of_gen[id(gen)][0]
         return self.cache.cached_tokens[i] if self.cache is not None and self.cache.cached_tokens else 0
 
-    def close(self, i: int, event: tuple | None = None) -> None:
-        """Row i's request is done: tell it (once), with its cached-token count."""
+    def close(self, gen: Generation, event: tuple | None = None) -> None:
+        """``gen`` is done: tell it (once), with its cached-token count."""
         with self._lock:
-            if not self.open[i]:
+            if not self.open_gen[id(gen)]:
                 return
-            self.open[i] = False
-        gen = self.gens[i]
-        gen._events.put(event or ("done", self.cached(i)))
+            self.open_gen[id(gen)] = False
+        gen._events.put(event or ("done", self.cached(gen)))
         gen.finished.set()
 
     def wants(self, i: int) -> bool:
         """Row i's next token is part of its reply."""
-        return self.open[i] and (self.ended[i] is None or self.width + self.sent[i] < self.ended[i])
+        return (
+            self.open_gen[id(self.rows[i].gen)]
+            and not self.settled[i]
+            and (self.ended[i] is None or self.width + self.sent[i] < self.ended[i])
+        )
+
+    def closed(self, i: int) -> bool:
+        """Row i makes no more tokens of its reply in this call (RowSampler skips it)."""
+        return self.ended[i] is not None or not self.open_gen[id(self.rows[i].gen)]
 
     def settle(self, i: int) -> None:
-        """Close row i once it has ended and every token up to its end was forwarded (a paused
-        row stops forwarding; its request stays open)."""
-        if self.ended[i] is not None and self.width + self.sent[i] >= self.ended[i]:
-            if self.paused[i]:
-                with self._lock:
-                    self.open[i] = False
-            elif len(self.gens) > 1:  # a lone request is answered after its commit, as before
-                self.close(i)
+        """Row i has ended and every token up to its end was forwarded: a row that ended for
+        good is done; its request is told once all its rows here are settled and none paused
+        (a lone request is answered after its commit, at the end of the call, as before)."""
+        if self.ended[i] is None or self.width + self.sent[i] < self.ended[i] or self.settled[i]:
+            return
+        self.settled[i] = True
+        row = self.rows[i]
+        if not self.paused[i]:
+            row.gen.row_done[row.row] = True
+        mine = self.of_gen[id(row.gen)]
+        if len(self.gens) > 1 and all(self.settled[j] and not self.paused[j] for j in mine):
+            self.close(row.gen)
 
     def close_all(self, event: tuple | None = None) -> None:
-        for i in range(len(self.gens)):
-            self.close(i, event)
+        for g in self.gens:
+            self.close(g, event)
 
 
 class RowStreamer(BaseStreamer):
-    """Sends each open row its token of every step (and its logprobs); the first put() is the
-    padded prompt [rows, width]; later ones are [rows] or [rows, 1]."""
+    """Sends each request its rows' tokens of every step (and their logprobs), one event per
+    request and step; the first put() is the padded prompt; later ones are [rows] or [rows, 1]."""
 
-    def __init__(self, rows: Rows, recorder: processors.LogprobRecorder | None):
-        self.rows, self.recorder, self.seen_prompt = rows, recorder, False
+    def __init__(self, rows: Rows, sampler: RowSampler, on_step=None):
+        self.rows, self.sampler, self.seen_prompt = rows, sampler, False
+        self.on_step = on_step  # on_step(rows that made a token): the rows-per-step metric
 
     def put(self, value: torch.Tensor) -> None:
         if not self.seen_prompt:
             self.seen_prompt = True
             return
-        tokens = value.reshape(len(self.rows.gens), -1)[:, -1]
-        logprobs = self.recorder.take(tokens) if self.recorder is not None else None
-        for i, (gen, token) in enumerate(zip(self.rows.gens, tokens.tolist())):
-            if self.rows.wants(i):
-                self.rows.sent[i] += 1
-                self.rows.new_ids[i].append(token)
+        rows = self.rows
+        tokens = value.reshape(len(rows.rows), -1)[:, -1]
+        recorder = self.sampler.recorder
+        logprobs = recorder.take(tokens, self.sampler.tops) if recorder is not None else None
+        out: dict[int, tuple[list, list]] = {}
+        for i, (row, token) in enumerate(zip(rows.rows, tokens.tolist())):
+            if not rows.wants(i):
+                continue
+            rows.sent[i] += 1
+            rows.new_ids[i].append(token)
+            gen = row.gen
+            ids, lps = out.setdefault(id(gen), ([[] for _ in range(gen.params.n)], [None] * gen.params.n))
+            lp = logprobs[i] if logprobs is not None else None
+            # a greedy row stands for all n (equal) choices
+            for choice in [row.row] if gen.params.rows == gen.params.n else range(gen.params.n):
+                ids[choice].append(token)
+                lps[choice] = lp
+        for gen in rows.gens:
+            if id(gen) in out:
+                ids, lps = out[id(gen)]
                 gen.generated += 1
-                gen._events.put(("ids", [[token]], [logprobs[i]] if logprobs is not None else None))
-            self.rows.settle(i)
+                gen._events.put(("ids", ids, lps if gen.params.top_logprobs is not None else None))
+        for i in range(len(rows.rows)):  # after the tokens: a request told it is done has them all
+            rows.settle(i)
+        if self.on_step is not None and out:
+            self.on_step(sum(len(rows.of_gen[k]) for k in out))
 
     def end(self) -> None:
         pass
@@ -148,7 +165,7 @@ class RowStreamer(BaseStreamer):
 
 class RowStop(StoppingCriteria):
     """Per row: True once the row reached its max_tokens, emitted EOS, hit its stop string
-    or lost its client. Closing a row here tells its request it is done right away."""
+    or lost its client, or pauses. Closing a row here tells its request it is done right away."""
 
     def __init__(self, rows: Rows):
         self.rows = rows
@@ -158,13 +175,14 @@ class RowStop(StoppingCriteria):
         generated = length - rows.width
         last = input_ids[:, -1].tolist()
         pause = rows.pause is not None and generated > 0 and rows.pause(generated)
-        for i, gen in enumerate(rows.gens):
+        for i, row in enumerate(rows.rows):
             if rows.ended[i] is not None:
                 continue
+            gen = row.gen
             if (
                 gen.cancelled.is_set()
-                or gen.stopped[0]
-                or rows.before[i] + generated >= gen.params.max_new_tokens
+                or gen.row_stopped(row.row)
+                or gen.replied(row.row) + generated >= gen.params.max_new_tokens
                 or (generated > 0 and last[i] in rows.eos)
             ):
                 rows.ended[i] = length
@@ -175,49 +193,67 @@ class RowStop(StoppingCriteria):
         return torch.tensor([e is not None for e in rows.ended], dtype=torch.bool, device=input_ids.device)
 
 
-def run_batch(runner, gens: list[Generation], pause=None) -> list[Generation]:
-    """One left-padded generate() for `gens` (all with one batch_key) over each request's
-    context (its prompt, then what earlier chunks generated). Every request gets its ("done",
-    cached) or ("error", exc) event, except those paused by ``pause(generated)`` (see Rows),
-    which are returned to be queued again: they resume from their committed KV. Never raises
-    for a generation failure."""
-    width = max(len(g.context_ids) for g in gens)
-    first = gens[0].params
-    remaining = max(g.params.max_new_tokens - g.replied for g in gens)
-    config = runner.config(dataclasses.replace(first, max_new_tokens=remaining))
-    ids = torch.full((len(gens), width), config.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(gens), width), dtype=torch.long)
-    for i, g in enumerate(gens):
-        ids[i, width - len(g.context_ids) :] = torch.tensor(g.context_ids)
-        mask[i, width - len(g.context_ids) :] = 1
-    cache = runner.cache(gens)
-    rows = Rows(gens, width, runner.eos, cache, pause)
-    logits_processor, recorder = processors.build(
-        width, first.frequency_penalty, first.presence_penalty, dict(first.logit_bias), first.top_logprobs
-    )
+def layout(gens: list[Generation]) -> tuple[list[Row], int]:
+    """The batch's rows (each request's open rows, in order) and the padded width."""
+    width = max(g.width for g in gens)
+    rows = [Row(g, r, width - len(g.contexts[r])) for g in gens for r in g.open_rows]
+    return rows, width
+
+
+def run_batch(runner, gens: list[Generation], pause=None, on_step=None) -> list[Generation]:
+    """One left-padded generate() for ``gens`` (one batch_key) over each open row's context (its
+    prompt, then what earlier chunks generated). Every request gets its ("done", cached) or
+    ("error", exc) event, except those paused by ``pause(generated)`` (see Rows), which are
+    returned to be queued again: they resume from their committed KV. ``on_step(rows)`` is
+    called once per decoding step. Never raises for a generation failure."""
+    inputs = gens[0].inputs if len(gens) == 1 else {}
+    if inputs:  # a VLM's request: one input row, expanded by generate() to its n rows
+        gen = gens[0]
+        rows, width = [Row(gen, r, 0) for r in range(gen.params.rows)], len(gen.prompt_ids)
+        contexts, expand = [gen.prompt_ids], gen.params.rows
+    else:
+        rows, width = layout(gens)
+        contexts, expand = [r.gen.contexts[r.row] for r in rows], 1
+    remaining = max(g.params.max_new_tokens - min(g.replied(r) for r in g.open_rows) for g in gens)
+    config = runner.config(Params(remaining, temperature=0.0))
+    if expand > 1:
+        # generate() expands the VLM inputs to n rows only when sampling; the sampler forces
+        # one token per row, so generate()'s own draw from that one-hot distribution is it.
+        config.do_sample, config.num_return_sequences, config.top_k = True, expand, 0
+    ids = torch.full((len(contexts), width), config.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(contexts), width), dtype=torch.long)
+    for i, context in enumerate(contexts):
+        ids[i, width - len(context) :] = torch.tensor(context)
+        mask[i, width - len(context) :] = 1
+    cache = runner.cache(gens, [r.gen for r in rows] if not inputs else None)
+    state = Rows(rows, width, runner.eos, cache, pause)
+    sampler = RowSampler(rows, state.closed)
     try:
         runner.generate(
-            gens,
+            [r.gen for r in rows] if not inputs else gens,
             ids.to(runner.model.device),
             attention_mask=mask.to(runner.model.device),
             past_key_values=cache,
             generation_config=config,
-            logits_processor=logits_processor,
-            streamer=RowStreamer(rows, recorder),
-            stopping_criteria=StoppingCriteriaList([RowStop(rows)]),
+            logits_processor=[sampler],
+            streamer=RowStreamer(state, sampler, on_step),
+            stopping_criteria=StoppingCriteriaList([RowStop(state)]),
+            **vision.on_model(inputs, runner.model),
         )
-    except Exception as e:  # report to every row still waiting; the worker keeps serving
+    except Exception as e:  # report to every request still waiting; the worker keeps serving
         log.exception("batched generate failed")
-        for i in range(len(gens)):
-            if rows.paused[i]:  # reopened so that they hear of the error too
-                rows.paused[i], rows.open[i] = False, True
-        rows.close_all(("error", e))
+        state.close_all(("error", e))
         return []
     paused = []
-    for i, g in enumerate(gens):
-        if rows.paused[i]:
-            g.cached = rows.cached(i)
-            g.context_ids = g.context_ids + rows.new_ids[i]
+    for g in state.gens:
+        mine = state.of_gen[id(g)]
+        if any(state.paused[i] for i in mine) and not g.cancelled.is_set():
+            g.cached = state.cached(g)
+            for i in mine:
+                if state.paused[i]:
+                    r = rows[i].row
+                    g.contexts[r] = g.contexts[r] + state.new_ids[i]
+            state.open_gen[id(g)] = False  # not done: it resumes in a later batch
             paused.append(g)
-    rows.close_all()
+    state.close_all()
     return paused

@@ -50,6 +50,7 @@ class Engine:
         max_batch_size: int = 8,
         max_batch_tokens: int = 16384,
         decode_chunk: int = 16,
+        prefill_chunk: int = 512,
         adapters=None,
         processor=None,
     ):
@@ -57,7 +58,10 @@ class Engine:
         # demo.model.adapters.Adapters over ``model`` (None: this engine serves the base model only), and
         # a vision-language model's processor (demo.model.vision; None: text only).
         self.adapters, self.processor = adapters, processor
-        self.scheduler = Scheduler(max_queue, max_batch_size, max_batch_tokens, decode_chunk)
+        # Prefill slices need the store (a slice commits its KV for the next to read).
+        self.scheduler = Scheduler(
+            max_queue, max_batch_size, max_batch_tokens, decode_chunk, prefill_chunk if reuse else 0
+        )
         self.store = None
         if reuse:
             import hf_patch  # importing installs the generate() integration
@@ -99,13 +103,15 @@ class Engine:
         namespace: Hashable = None,
         slot: Slot | None = None,
         inputs: dict | None = None,
+        hooks=None,
     ) -> Generation:
         """Queue a request in `slot` (default: reserve one now; raises Busy if the queue is
-        full). ``inputs``: model inputs beside the ids (a VLM's pixel_values). Iterate the
-        result for text."""
+        full). ``inputs``: model inputs beside the ids (a VLM's pixel_values). ``hooks``: one
+        demo.engine.sampling.RowHook (or None) per row of the request (``params.rows``),
+        applied to that row's logits only. Iterate the result for text."""
         slot = slot or self.reserve()
         group = self.adapters.batch_group(params.adapter) if self.adapters is not None else None
-        gen = Generation(prompt_ids, params, namespace, self.decode, self.runner.eos, inputs, group)
+        gen = Generation(prompt_ids, params, namespace, self.decode, self.runner.eos, inputs, group, hooks)
         self.scheduler.submit(gen, slot)
         return gen
 
@@ -135,8 +141,11 @@ class Engine:
                 continue
             paused: list[Generation] = []
             try:
+                if batch[0].slice_to:  # one slice of a long prompt, between decode chunks
+                    paused = self.runner.prefill(batch[0])
+                    continue
                 pause = self.scheduler.pause_for(batch) if self.store is not None else None
-                paused = self.runner.run(batch, pause)
+                paused = self.runner.run(batch, pause, self.scheduler.rows_per_step.observe)
             finally:
                 self.scheduler.finished(paused)
 

@@ -3,6 +3,11 @@
 The worker feeds token ids (one per choice per step, plus logprobs when asked) into the
 request's queue; the request's own thread turns them into text deltas per choice, cuts at
 stop strings and tells the worker which choices to stop.
+
+A request is `rows` rows of the worker's batches: n sampled choices are n rows, greedy
+choices (all equal) one row copied to each. What a row needs to pause and resume in a later
+batch lives here, never in the batch: its context (prompt + reply so far), whether it is done,
+the request's random generator (demo.engine.sampling) and its per-row processors (`hooks`).
 """
 
 from __future__ import annotations
@@ -13,11 +18,7 @@ import time
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
-import torch
-from transformers.generation.stopping_criteria import StoppingCriteria
-from transformers.generation.streamers import BaseStreamer
-
-from demo.engine.processors import LogprobRecorder, TokenLogprobs
+from demo.engine.processors import TokenLogprobs
 from demo.engine.textstream import TextStream
 
 # How often (seconds) a waiting request asks its `alive` callback whether the client is there.
@@ -45,6 +46,19 @@ class Params:
     top_logprobs: int | None = None  # None: no logprobs
     cache_prompt: bool = True  # False: generate without the prefix cache (no read, no write)
     adapter: str | None = None  # the LoRA adapter computing the reply (demo.model.adapters); None: the base
+    top_k: int = 0  # 0: off; else sample among the k most likely tokens (vLLM's extra option)
+    min_p: float = 0.0  # 0: off; else drop tokens below min_p x the top token's probability
+    repetition_penalty: float = 1.0  # 1: off; transformers' (CTRL's) over the row's prompt and reply
+
+    @property
+    def sampled(self) -> bool:
+        """Whether choices are sampled (else greedy: argmax, the sampling options unused)."""
+        return self.temperature >= GREEDY_BELOW
+
+    @property
+    def rows(self) -> int:
+        """Rows of a batch this request takes: n sampled choices, or one greedy row for all n."""
+        return self.n if self.sampled else 1
 
 
 @dataclass(frozen=True)
@@ -108,6 +122,7 @@ class Generation:
         eos: set[int],
         inputs: dict | None = None,
         batch_group: Hashable = None,
+        hooks=None,
     ):
         self.prompt_ids, self.params, self.namespace = prompt_ids, params, namespace
         # Model inputs beside the ids (an image's pixel_values): such a request runs alone.
@@ -116,16 +131,31 @@ class Generation:
         # The adapter (demo.model.adapters.Adapter) its first generate() ran under: a resumed
         # chunk runs only under that same load of it.
         self.adapter = None
-        # What the next generate() of this request feeds: the prompt, then what earlier decode
-        # chunks generated (demo.engine.batching: a paused request resumes in a re-formed batch).
-        self.context_ids = prompt_ids
+        # Per row: what its next generate() feeds (the prompt, then what earlier decode chunks
+        # generated: a paused request resumes in a re-formed batch), and whether it has ended.
+        self.contexts: list[list[int]] = [prompt_ids] * params.rows
+        self.row_done = [False] * params.rows
+        # The request's random generator (demo.engine.sampling; from its seed, else random),
+        # created on its first sampled step and carried across pauses.
+        self.rng = None
+        # Per row: an extra logits processor applied to that row only (demo.engine.sampling.
+        # RowHook), or None; it lives here, so its state survives pauses.
+        self.hooks = list(hooks) if hooks is not None else [None] * params.rows
+        if len(self.hooks) != params.rows:
+            raise ValueError(f"hooks: one per row ({params.rows}), got {len(self.hooks)}")
         self.cached: int | None = None  # the prompt's cached tokens, fixed by its first chunk
+        # Prefill slices (demo.engine.scheduler): prompt tokens committed to the store so far,
+        # and the end of the slice the worker is to compute next (0: none; the scheduler sets it).
+        self.prefilled = 0
+        self.slice_to = 0
         self.submitted = time.perf_counter()
-        self.started: float | None = None
+        self.started: float | None = None  # first admitted to a batch
+        self.paused_at = 0.0  # when it last paused (perf_counter)
         self.cancelled = threading.Event()
         self.stopped = [False] * params.n  # per choice, read by the worker's stopping criterion
         self.result: Result | None = None
-        # ("ids", [[id, ...] per choice], [TokenLogprobs per choice] | None) | ("done", cached) | ("error", exc)
+        # ("ids", [[id, ...] per choice], [TokenLogprobs | None per choice] | None) | ("done", cached)
+        # | ("error", exc); a choice whose row made no step this time gets [] (and None)
         self._events: queue.Queue = queue.Queue()
         self._choices = [_ChoiceState(decode, params.stop) for _ in range(params.n)]
         self._eos = eos
@@ -137,10 +167,24 @@ class Generation:
         self.finished = threading.Event()  # the worker is done with this request
         self._checked = time.monotonic()  # last `alive` poll
 
+    def replied(self, row: int) -> int:
+        """Tokens of row ``row``'s reply already in its context (earlier decode chunks)."""
+        return len(self.contexts[row]) - len(self.prompt_ids)
+
     @property
-    def replied(self) -> int:
-        """Tokens of the reply already in ``context_ids`` (earlier decode chunks)."""
-        return len(self.context_ids) - len(self.prompt_ids)
+    def open_rows(self) -> list[int]:
+        """The rows still generating (a resumed request brings only these)."""
+        return [r for r, done in enumerate(self.row_done) if not done]
+
+    @property
+    def width(self) -> int:
+        """The longest context among the open rows (its padded width in a batch)."""
+        return max((len(self.contexts[r]) for r in self.open_rows), default=len(self.prompt_ids))
+
+    def row_stopped(self, row: int) -> bool:
+        """Whether the client side ended row ``row``'s choice (stop string); a greedy row
+        standing for n equal choices ends when they all have."""
+        return self.stopped[row] if self.params.rows == self.params.n else all(self.stopped)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -195,6 +239,8 @@ class Generation:
             ttft = time.perf_counter() - self.submitted if ttft is None else ttft
             logprobs = event[2]
             for i, ids in enumerate(value):
+                if not ids:  # this choice's row was not in this step
+                    continue
                 delta = self._push(i, ids, logprobs[i] if logprobs is not None else None)
                 if delta is not None and (delta.text or delta.logprobs):
                     yield delta
@@ -228,43 +274,3 @@ class Generation:
         for _ in self:
             pass
         return self.result
-
-
-class Streamer(BaseStreamer):
-    """Forwards generated ids (and their logprobs) to the request's queue; the first put()
-    is the prompt. `value`: [rows] ids per decoding step, one per generate() row; with one
-    row for n choices (greedy: the n choices are equal) each row is copied to every choice."""
-
-    def __init__(self, gen: Generation, recorder: LogprobRecorder | None, rows: int):
-        self.gen, self.recorder, self.rows, self.seen_prompt = gen, recorder, rows, False
-
-    def put(self, value: torch.Tensor) -> None:
-        if self.seen_prompt:
-            rows = value.reshape(self.rows, -1)
-            # One token per row and step in sampling and greedy search (the only modes used).
-            logprobs = self.recorder.take(rows[:, -1]) if self.recorder is not None else None
-            copies = self.gen.params.n // self.rows
-            ids = [r for r in rows.tolist() for _ in range(copies)]
-            logprobs = [lp for lp in logprobs for _ in range(copies)] if logprobs is not None else None
-            self.gen.generated += rows.shape[1]
-            self.gen._events.put(("ids", ids, logprobs))
-        self.seen_prompt = True
-
-    def end(self) -> None:
-        pass
-
-
-class Stopped(StoppingCriteria):
-    """Per row: True once the request is cancelled or that row's choice hit its stop string
-    (a single row standing for n equal choices stops when they all have)."""
-
-    def __init__(self, gen: Generation, rows: int):
-        self.gen, self.rows = gen, rows
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.BoolTensor:
-        stopped = self.gen.stopped
-        if self.gen.cancelled.is_set():
-            flags = [True] * self.rows
-        else:
-            flags = stopped if self.rows == len(stopped) else [all(stopped)] * self.rows
-        return torch.tensor(flags, dtype=torch.bool, device=input_ids.device)

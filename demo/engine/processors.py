@@ -1,10 +1,9 @@
 """OpenAI's sampling options as transformers logits processors, and a recorder of logprobs.
 
-generate() runs its own processors first (suppress_tokens, repetition_penalty, ...), then the
-ones passed in `logits_processor` (these, in list order), then the sampling warpers
-(temperature, top_p). So `LogprobRecorder`, placed last in our list, sees the distribution
-after penalties and logit_bias but before temperature and top_p: the model's distribution as
-the request reshaped it, the same for a greedy and a sampled request.
+demo.engine.sampling.RowSampler applies these to each row of a batch on its own (a row's own
+tokens, its own options); `LogprobRecorder` records after the penalties and logit_bias but
+before temperature and top_p: the model's distribution as the request reshaped it, the same
+for a greedy and a sampled request.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
-from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import LogitsProcessor
 
 # OpenAI reports -9999.0 for a token the distribution excludes; -inf is not valid JSON.
 MIN_LOGPROB = -9999.0
@@ -84,38 +83,24 @@ class LogprobRecorder(LogitsProcessor):
         self._steps.append(torch.log_softmax(scores.float(), dim=-1))
         return scores
 
-    def take(self, tokens: torch.Tensor) -> list[TokenLogprobs]:
-        """tokens: [rows] chosen ids -> one TokenLogprobs per row (CPU floats)."""
+    def take(self, tokens: torch.Tensor, tops=None) -> list[TokenLogprobs | None]:
+        """tokens: [rows] chosen ids -> one TokenLogprobs per row (CPU floats). ``tops``: per
+        row, how many alternatives it asked for (at most `top`), None for a row that asked for
+        no logprobs (its entry is None); default: `top` for every row."""
         logprobs = self._steps.popleft()
         tokens = tokens.to(logprobs.device).reshape(-1, 1)
         chosen = logprobs.gather(1, tokens).squeeze(1).tolist()
+        tops = [self.top] * len(chosen) if tops is None else tops
         if self.top:
             values, ids = logprobs.topk(min(self.top, logprobs.shape[1]), dim=-1)
             values, ids = values.tolist(), ids.tolist()
         else:
             values = ids = [[] for _ in chosen]
         return [
-            TokenLogprobs(t, _finite(c), tuple((i, _finite(v)) for i, v in zip(row_ids, row_values)))
-            for t, c, row_ids, row_values in zip(tokens.reshape(-1).tolist(), chosen, ids, values)
+            None
+            if k is None
+            else TokenLogprobs(
+                t, _finite(c), tuple((i, _finite(v)) for i, v in zip(row_ids[:k], row_values[:k]))
+            )
+            for t, c, row_ids, row_values, k in zip(tokens.reshape(-1).tolist(), chosen, ids, values, tops)
         ]
-
-
-def build(
-    prompt_length: int,
-    frequency_penalty: float = 0.0,
-    presence_penalty: float = 0.0,
-    logit_bias: dict[int, float] | None = None,
-    top_logprobs: int | None = None,
-) -> tuple[LogitsProcessorList, LogprobRecorder | None]:
-    """The processors a request needs (none for the defaults) and its recorder (None unless
-    logprobs were asked for; top_logprobs=0 records the chosen token's logprob only)."""
-    out = LogitsProcessorList()
-    if frequency_penalty or presence_penalty:
-        out.append(OpenAIPenalties(prompt_length, frequency_penalty, presence_penalty))
-    if logit_bias:
-        out.append(LogitBias(logit_bias))
-    recorder = None
-    if top_logprobs is not None:
-        recorder = LogprobRecorder(top_logprobs)
-        out.append(recorder)
-    return out, recorder

@@ -1,17 +1,15 @@
 """The demo's model runner: executes the batches the scheduler hands out as generate() calls.
 
-`run(batch, pause)` runs one request alone (`_generate`: n sampled choices as rows of one
-call, a seed owning the global RNG, a VLM's pixel inputs) or several as rows of one left-padded
-call (demo.engine.batching.run_batch), each row under its own cache namespace and PEFT adapter. It
-owns what every call needs: the generation config of a request's options (`config`), the
-RadixCache over the store (`cache`, None with reuse off or cache_prompt=false), the model lock
-(adapters load and unload between calls: demo.model.adapters) and the operator's public task-prompt
-prefixes.
+`run(batch, pause)` runs the requests as rows of one left-padded call
+(demo.engine.batching.run_batch), each row under its own cache namespace, PEFT adapter and
+sampling options (demo.engine.sampling). It owns what every call needs: the generation config
+(`config`), the RadixCache over the store (`cache`, None with reuse off or cache_prompt=false),
+the model lock (adapters load and unload between calls: demo.model.adapters) and the operator's
+public task-prompt prefixes.
 
-A request's n sampled choices are n rows of one generate() call (num_return_sequences).
-With the prefix cache on, the prompt is first committed by a one-token greedy pass, so the
-n rows read its KV from the store instead of computing the prompt n times. n greedy choices
-are equal: one row is generated and copied.
+A request's n sampled choices are n rows of the batch; with the prefix cache on their common
+prompt is computed once (hf_patch.batch_share). n greedy choices are equal: one row is
+generated and copied.
 """
 
 from __future__ import annotations
@@ -22,11 +20,9 @@ import threading
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from demo.engine import batching, processors
-from demo.engine.generation import GREEDY_BELOW, Generation, Params, Stopped, Streamer
-from demo.model import vision
+from demo.engine import batching
+from demo.engine.generation import GREEDY_BELOW, Generation, Params
 
 __all__ = ["PUBLIC_NAMESPACE", "Runner"]
 
@@ -52,7 +48,12 @@ class Runner:
         self._public: list[list[int]] = []
 
     # -- one batch ---------------------------------------------------------------------------
-    def run(self, batch: list[Generation], pause: Callable[[int], bool] | None = None) -> list[Generation]:
+    def run(
+        self,
+        batch: list[Generation],
+        pause: Callable[[int], bool] | None = None,
+        on_step: Callable[[int], None] | None = None,
+    ) -> list[Generation]:
         """Run ``batch`` (holding the model lock) and give every request its ("done", cached) or
         ("error", exc) event; returns the requests ``pause`` paused (to be queued again). A
         request whose adapter was unloaded while it waited gets the API's 404. Never raises for
@@ -66,22 +67,41 @@ class Runner:
                 # layers refuse adapter_names) may need the rows in calls of their own.
                 calls = self.adapters.split([gen.params.adapter for gen in batch])
                 if len(calls) > 1:
-                    return [g for rows in calls for g in self._run([batch[i] for i in rows], pause)]
-            return self._run(batch, pause)
+                    return [
+                        g
+                        for rows in calls
+                        for g in batching.run_batch(self, [batch[i] for i in rows], pause, on_step)
+                    ]
+            return batching.run_batch(self, batch, pause, on_step)
 
-    def _run(self, batch: list[Generation], pause: Callable[[int], bool] | None) -> list[Generation]:
-        """``run`` for a batch whose rows may share one generate() call."""
-        if len(batch) > 1 or pause is not None:
-            return batching.run_batch(self, batch, pause)
-        gen = batch[0]
-        try:
-            gen._events.put(("done", self._generate(gen)))
-        except Exception as e:  # report to the request; the worker keeps serving
-            log.exception("generate failed")
-            gen._events.put(("error", e))
-        finally:
-            gen.finished.set()
-        return []
+    def prefill(self, gen: Generation) -> list[Generation]:
+        """Compute and commit ``gen.prompt_ids[:gen.slice_to]`` (one slice of a long prompt: the
+        store holds the earlier slices), so that its batch later reads the prompt instead of
+        computing it while other rows wait (a one-token greedy pass: no random numbers used).
+        Returns [gen] to queue again, or [] if it failed (gen got its error) or lost its adapter."""
+        with self.lock:
+            if not self._adapter_present(gen):
+                return []
+            end, gen.slice_to = gen.slice_to, 0
+            ids = torch.tensor([gen.prompt_ids[:end]], device=self.model.device)
+            cache = self.cache([gen], [gen])
+            try:
+                self.generate(
+                    [gen],
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    past_key_values=cache,
+                    generation_config=self.config(Params(1, temperature=0.0)),
+                )
+            except Exception as e:  # report to the request; the worker keeps serving
+                log.exception("prefill slice failed")
+                gen._events.put(("error", e))
+                gen.finished.set()
+                return []
+            if gen.cached is None:  # what the store held before: the prompt's cached tokens
+                gen.cached = cache.cached_tokens[0] if cache.cached_tokens else 0
+            gen.prefilled = end
+            return [gen]
 
     def _adapter_present(self, gen: Generation) -> bool:
         """Whether ``gen``'s adapter is still loaded, and for a reply paused between decode chunks
@@ -111,52 +131,6 @@ class Runner:
             return self.model.generate(*args, **kwargs)
         return self.adapters.generate([g.params.adapter for g in gens], *args, **kwargs)
 
-    def _generate(self, gen: Generation) -> int:
-        """Run generate() for one request; returns the prompt tokens read from the store."""
-        p = gen.params
-        ids = torch.tensor([gen.prompt_ids], device=self.model.device)
-        inputs = vision.on_model(gen.inputs, self.model)
-        cache = self.cache([gen])
-        cached = None
-        rows = p.n if p.temperature >= GREEDY_BELOW else 1
-        if cache is not None and rows > 1:
-            # Commit the prompt once (a greedy one-token pass: no RNG used), so the n rows
-            # below read it from the store instead of each computing it.
-            self.generate(
-                [gen],
-                ids,
-                attention_mask=torch.ones_like(ids),
-                past_key_values=cache,
-                generation_config=self.config(Params(1, temperature=0.0)),
-                **inputs,
-            )
-            cached = cache.cached_tokens[0] if cache.cached_tokens else 0
-        logits_processor, recorder = processors.build(
-            len(gen.prompt_ids),
-            p.frequency_penalty,
-            p.presence_penalty,
-            dict(p.logit_bias),
-            p.top_logprobs,
-        )
-        if p.seed is not None:
-            # int64 seeds (schema.SEED_MIN..SEED_MAX) onto torch's uint64 range one to one;
-            # torch's own mapping of negatives (2**64 - 1 + seed) sends -2**63 onto 2**63 - 1.
-            torch.manual_seed(p.seed % 2**64)
-        self.generate(
-            [gen],
-            ids,
-            attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
-            generation_config=self.config(p),
-            logits_processor=logits_processor,
-            streamer=Streamer(gen, recorder, rows),
-            stopping_criteria=StoppingCriteriaList([Stopped(gen, rows)]),
-            **inputs,
-        )
-        if cached is None:
-            cached = cache.cached_tokens[0] if cache is not None and cache.cached_tokens else 0
-        return cached
-
     # -- what every call needs ----------------------------------------------------------------
     def config(self, p: Params):
         """The model's generation config with a request's options applied (a copy)."""
@@ -183,16 +157,20 @@ class Runner:
             )
         return cfg
 
-    def cache(self, gens: Sequence[Generation]):
-        """A RadixCache on the store for ``gens`` (one request, or the rows of a batch, each
-        with its own namespace), or None: reuse off, or the request said cache_prompt=false
-        (then plain generate(): the store is neither read nor written)."""
+    def cache(self, gens: Sequence[Generation], rows: Sequence[Generation] | None = None):
+        """A RadixCache on the store for ``gens``, or None: reuse off, or the requests said
+        cache_prompt=false (then plain generate(): the store is neither read nor written).
+        ``rows``: the request of each input row (one namespace per row); None: one request
+        whose input rows generate() expands."""
         if self.store is None or not gens[0].params.cache_prompt:
             return None
         from hf_patch import RadixCache  # the store exists: hf_patch is imported
 
-        namespace = gens[0].namespace if len(gens) == 1 else [g.namespace for g in gens]
-        shared = [self.shared_prefix(g.prompt_ids) for g in gens] if self._public else None
+        if rows is None:  # generate() expands one input row: one namespace
+            namespace, rows = gens[0].namespace, gens[:1]
+        else:
+            namespace = [g.namespace for g in rows]
+        shared = [self.shared_prefix(g.prompt_ids) for g in rows] if self._public else None
         return RadixCache(store=self.store, namespace=namespace, shared_prefix=shared)
 
     def set_public_prefixes(self, prefixes: Sequence[Sequence[int]]) -> None:

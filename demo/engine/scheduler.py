@@ -1,12 +1,20 @@
 """The demo's scheduler: which queued requests run next, and when a running batch makes way.
 
 Every request becomes a `Generation` (demo.engine.generation) in a FIFO queue of at most `max_queue`.
-`next_batch()` takes the oldest and, if its options allow (demo.engine.batching.batch_key), up to
-`max_batch_size` - 1 more queued requests with the same options (of any tenant), within
-`max_batch_tokens` (rows x padded prompt length). After `decode_chunk` steps a batch pauses if
-a request that could join it waits (`pause_for`): its requests are `requeue`d behind that one,
-carrying what they generated, and resume from their committed KV (continuous batching in
-chunks). The scheduler never touches the model: demo.engine.runner executes what it hands out.
+`next_batch()` takes the oldest and the queued requests that can share its generate() call
+(demo.engine.batching.batch_key: the same adapter group and cache_prompt; sampling options never
+keep a request out), oldest first, within `max_batch_size` rows (n sampled choices are n rows)
+and `max_batch_tokens` (rows x padded width). After `decode_chunk` steps a batch pauses if any
+request waits (`pause_for`): its requests queue again behind the waiting ones, carrying what
+they generated (and their random generator, per-row hooks), and resume from their committed KV
+(continuous batching in chunks). The scheduler never touches the model: demo.engine.runner
+executes what it hands out.
+
+A long prompt does not stall the rows decoding beside it: a request whose prompt has more than
+`prefill_chunk` tokens left to compute, taken while others wait, is handed out alone for one
+slice (`Generation.slice_to`: the runner computes and commits that much of its prompt) and
+queues again behind them, so slices and decode chunks take turns; it joins a batch once the
+rest fits in one slice, reading its prompt from the store. (Alone, it is prefilled at once.)
 
 A queue place is taken with `reserve()` before the prompt is tokenised, so a full queue
 refuses at no cost; `submit(gen, slot)` then fills it. Thread-safe: HTTP threads reserve and
@@ -21,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from demo.engine import batching
-from demo.engine.generation import GREEDY_BELOW, Generation
+from demo.engine.generation import Generation
 from demo.metrics import BATCH_SIZE_BUCKETS, Histogram
 
 __all__ = ["Busy", "Scheduler", "Slot"]
@@ -49,7 +57,7 @@ class Scheduler:
     """The request queue, batch selection and the pause decision of continuous batching."""
 
     def __init__(self, max_queue: int = 32, max_batch_size: int = 8, max_batch_tokens: int = 16384,
-                 decode_chunk: int = 16):  # fmt: skip
+                 decode_chunk: int = 16, prefill_chunk: int = 0):  # fmt: skip
         if max_queue < 1 or max_batch_size < 1 or max_batch_tokens < 1:
             raise ValueError("max_queue, max_batch_size and max_batch_tokens must be >= 1")
         if decode_chunk < 0:
@@ -59,15 +67,24 @@ class Scheduler:
             max_batch_size,
             max_batch_tokens,
         )
-        self.decode_chunk = decode_chunk
+        if prefill_chunk < 0:
+            raise ValueError(
+                f"prefill_chunk must be >= 0 (0: a prompt is prefilled at once), got {prefill_chunk}"
+            )
+        self.decode_chunk, self.prefill_chunk = decode_chunk, prefill_chunk
         self._cond = threading.Condition()
         self._waiting: deque[Generation] = deque()
         self._reserved = 0  # slots handed out, not yet submitted
         self._running: list[Generation] = []  # the batch now running (read by /get_load)
         self._closed: Exception | None = None  # set by close(): what every request is told
         # Observed here, rendered by /metrics.
-        self.batch_sizes = Histogram(BATCH_SIZE_BUCKETS)
-        self.queue_waits = Histogram()
+        self.batch_sizes = Histogram(BATCH_SIZE_BUCKETS)  # requests per generate() call
+        self.queue_waits = Histogram()  # submit -> first admitted to a batch (seconds)
+        self.resume_waits = Histogram()  # a paused request: pause -> its next batch (seconds)
+        self.rows_per_step = Histogram(BATCH_SIZE_BUCKETS)  # rows making a token, per step
+        self.pauses = 0  # requests paused between decode chunks
+        self.resumes = 0  # paused requests taken into a batch again
+        self.prefill_slices = 0  # slices of long prompts computed between decode chunks
 
     # -- admission (HTTP threads) ------------------------------------------------------------
     def reserve(self) -> Slot:
@@ -125,16 +142,24 @@ class Scheduler:
         now = time.perf_counter()
         batch = []
         for gen in taken:
-            if gen.started is None:  # a resumed request waited once, at its start
+            if gen.slice_to:  # a prefill slice: not admitted yet
+                pass
+            elif gen.started is None:  # a resumed request waited once, at its start
                 gen.started = now
                 self.queue_waits.observe(now - gen.submitted)
+            else:
+                self.resumes += 1
+                self.resume_waits.observe(now - gen.paused_at)
             if gen.cancelled.is_set():
                 gen._events.put(("done", gen.cached or 0))
                 gen.finished.set()
             else:
                 batch.append(gen)
         if batch:
-            self.batch_sizes.observe(len(batch))
+            if batch[0].slice_to:
+                self.prefill_slices += 1
+            else:
+                self.batch_sizes.observe(len(batch))
             self._running = batch
             if self._closed is not None:  # taken while close() ran: stops at its first step
                 self._cut(batch)
@@ -145,49 +170,76 @@ class Scheduler:
         for them (time slices of a chunk)."""
         self._running = []
         if paused:
+            now = time.perf_counter()
+            for gen in paused:
+                gen.paused_at = now
             with self._cond:
+                self.pauses += sum(gen.started is not None for gen in paused)  # not a prefill slice
                 self._waiting.extend(paused)
             if self._closed is not None:
                 self._cut(paused)
 
     def _take(self) -> list[Generation]:
-        """The oldest request, plus the queued ones that can share its generate() call (oldest
-        first, within max_batch_size and max_batch_tokens). Call holding _cond. O(queue)."""
+        """The oldest request (whatever its size), plus the queued ones that can share its
+        generate() call, within max_batch_size rows and max_batch_tokens: first requests not
+        started yet (oldest first, up to half the rows: a newcomer starts at the next chunk
+        boundary instead of behind every paused reply), then the rest oldest first (paused
+        replies keep at least half the rows: none starves). Call holding _cond. O(queue)."""
         first = self._waiting.popleft()
-        key = batching.batch_key(first, GREEDY_BELOW)
-        batch, width = [first], len(first.context_ids)
+        if self._long(first) and self._waiting:  # others wait for the worker: take turns
+            first.slice_to = min(first.prefilled + self.prefill_chunk, len(first.prompt_ids) - 1)
+            return [first]
+        key = batching.batch_key(first)
+        batch, width, rows = [first], first.width, len(first.open_rows)
         if key is None or self.max_batch_size == 1:
             return batch
-        rest: deque[Generation] = deque()  # one pass: no deque.remove
-        while self._waiting:
-            gen = self._waiting.popleft()
-            new_width = max(width, len(gen.context_ids))
-            if (
-                len(batch) < self.max_batch_size
-                and new_width * (len(batch) + 1) <= self.max_batch_tokens
-                and batching.batch_key(gen, GREEDY_BELOW) == key
-            ):
-                batch.append(gen)
-                width = new_width
-            else:
-                rest.append(gen)
-        self._waiting = rest
+        newcomer_rows = max(1, self.max_batch_size // 2)
+        new = len(first.open_rows) if first.started is None else 0  # newcomers' rows taken
+        for newcomers_only in (True, False):
+            rest: deque[Generation] = deque()  # one pass: no deque.remove
+            while self._waiting:
+                gen = self._waiting.popleft()
+                new_width, new_rows = max(width, gen.width), rows + len(gen.open_rows)
+                if (
+                    (
+                        not newcomers_only
+                        or (gen.started is None and new + len(gen.open_rows) <= newcomer_rows)
+                    )
+                    and new_rows <= self.max_batch_size
+                    and new_width * new_rows <= self.max_batch_tokens
+                    and batching.batch_key(gen) == key
+                    and not self._long(gen)  # it takes its slices first
+                ):
+                    batch.append(gen)
+                    width, rows = new_width, new_rows
+                    new += len(gen.open_rows) if newcomers_only else 0
+                else:
+                    rest.append(gen)
+            self._waiting = rest
         return batch
 
+    def _long(self, gen: Generation) -> bool:
+        """Whether ``gen`` has more than a slice of its prompt left to compute (a text request
+        on the prefix cache, not started yet)."""
+        return (
+            self.prefill_chunk > 0
+            and gen.started is None
+            and gen.params.cache_prompt
+            and batching.batch_key(gen) is not None
+            and len(gen.prompt_ids) - gen.prefilled > self.prefill_chunk
+        )
+
     def pause_for(self, batch: Sequence[Generation]) -> Callable[[int], bool] | None:
-        """pause(generated): True once the batch has made `decode_chunk` steps while a request
-        that could share its generate() call waits, so that the request starts within a chunk
-        instead of after the batch. None when this batch never pauses (decode_chunk 0, or its
+        """pause(generated): True once the batch has made `decode_chunk` steps while any request
+        waits, so that it starts within a chunk instead of after the batch (one that cannot
+        share this batch's call, another adapter group or cache_prompt, gets the next call to
+        itself: time slices). None when this batch never pauses (decode_chunk 0, or its
         requests cannot resume: demo.engine.batching.chunkable)."""
-        if not self.decode_chunk or not batch or not batching.chunkable(batch[0], GREEDY_BELOW):
+        if not self.decode_chunk or not batch or not batching.chunkable(batch[0]):
             return None
-        key = batching.batch_key(batch[0], GREEDY_BELOW)
 
         def pause(generated: int) -> bool:
-            if generated < self.decode_chunk:
-                return False
-            with self._cond:
-                return any(batching.batch_key(g, GREEDY_BELOW) == key for g in self._waiting)
+            return generated >= self.decode_chunk and bool(self._waiting)
 
         return pause
 
