@@ -263,3 +263,33 @@ def test_glm4v_videos_are_not_keyed():
         "pixel_values_videos",
         "video_grid_thw",
     ]
+
+
+# Llama 4 and Qwen3-VL's deepstack: stock generate() itself fails to expand their encoder outputs.
+@pytest.mark.parametrize("name", ["gemma3", "llava_next", "mistral3", "qwen2_vl", "qwen2_5_vl"])
+def test_several_sequences_per_prompt(name):
+    """Rows expanded before the match: every item is encoded and the served placeholders'
+    features are cut out after encoding; still a full hit, equal to stock's samples."""
+    model = model_of(name)
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096)
+    ids, kw = prompt(name, model, [[text(6, 2071), Item(2071, 1), text(4, 2072)]])
+    sampled = dict(num_return_sequences=2, do_sample=True, seed=3)
+    check(model, ids, store, kw)
+    hit = expected_full_hit(ids.shape[1], BS)
+    assert check(model, ids, store, kw, **sampled) == ([hit, hit], 1)
+
+
+def test_unreadable_image_inputs_run_as_stock(caplog):
+    """Mistral 3 without image_sizes: not keyed (the key cannot tell the images' sizes), the
+    call runs as stock generate() and fails with stock's own error; nothing pinned."""
+    name = "mistral3"
+    model = model_of(name)
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096)
+    ids, kw = prompt(name, model, [[text(6, 2081), Item(2081), text(4, 2082)]])
+    bad = {k: v for k, v in kw.items() if k != "image_sizes"}
+    with caplog.at_level("WARNING", logger="hf_patch.keys.inputs"):
+        with pytest.raises(Exception) as stock_error:
+            stock(model, ids, **bad)
+        with pytest.raises(type(stock_error.value)):
+            model.generate(ids, **bad, past_key_values=hf_patch.RadixCache(store=store), max_new_tokens=2)
+    assert store.stats()["uncacheable_requests"] == 1 and store.stats()["pinned_blocks"] == 0

@@ -145,7 +145,7 @@ def _items(modality: Modality, pixels: torch.Tensor, model_kwargs: dict, batch: 
         return [(b, j) for b in range(pixels.shape[0]) for j in range(pixels.shape[1]) if real[b, j]]
     if modality.layout == "patches":
         grid = model_kwargs.get(modality.encoder_inputs[0])
-        if grid is None or grid.dim() != 2 or grid.shape[1] != 3:
+        if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.shape[1] != 3:
             raise UnkeyableImages(f"{modality.pixels} needs {modality.encoder_inputs[0]} [items, 3]")
         if int(grid.prod(-1).sum()) != pixels.shape[0]:
             raise UnkeyableImages(f"{modality.encoder_inputs[0]} does not cover {modality.pixels}'s patches")
@@ -241,7 +241,18 @@ def _check_token_types(model, family: Family, input_ids: torch.Tensor, model_kwa
 def image_keys(model, input_ids: torch.Tensor, model_kwargs: dict) -> Images | None:
     """The extra ids and spans of the items in this call, None when it has none.
 
-    Raises UnkeyableImages naming why the items cannot be keyed."""
+    Raises UnkeyableImages naming why the items cannot be keyed (inputs this module cannot
+    read, e.g. missing or misshapen sizes and grids, included: the call then runs as stock
+    generate(), which accepts or refuses them itself)."""
+    try:
+        return _image_keys(model, input_ids, model_kwargs)
+    except (IndexError, KeyError, TypeError, ValueError, RuntimeError) as e:
+        if isinstance(e, UnkeyableImages):
+            raise
+        raise UnkeyableImages(f"image inputs not readable for the key ({type(e).__name__}: {e})") from None
+
+
+def _image_keys(model, input_ids: torch.Tensor, model_kwargs: dict) -> Images | None:
     family = family_of(model)
     if family is None:
         if has_images(model_kwargs):
