@@ -293,3 +293,36 @@ def test_unreadable_image_inputs_run_as_stock(caplog):
         with pytest.raises(type(stock_error.value)):
             model.generate(ids, **bad, past_key_values=hf_patch.RadixCache(store=store), max_new_tokens=2)
     assert store.stats()["uncacheable_requests"] == 1 and store.stats()["pinned_blocks"] == 0
+
+
+def test_onevision_images_of_a_multi_image_row():
+    """LLaVA-OneVision with batch_num_images (the processor's multi-image prompts): an image's
+    features depend on how many images its row has, so that count is in its key, and a call
+    encodes its images all or none."""
+    name = "llava_onevision"
+    model = model_of(name)
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096)
+    pre, mid, post = text(5, 2091), text(3, 2092), text(4, 2093)
+
+    def two(a, b):
+        _, kw = family_inputs(name, model, [[Item(a), Item(b)]])
+        kw["batch_num_images"] = torch.tensor([2])
+        with torch.no_grad():  # base tile only in a multi-image row: ask the encoder for its rows
+            rows = model.model.get_image_features(**{k: kw[k] for k in ("pixel_values", "image_sizes")},
+                                                  batch_num_images=kw["batch_num_images"]).pooler_output  # fmt: skip
+        ids = torch.tensor([pre + [IMAGE] * len(rows[0]) + mid + [IMAGE] * len(rows[1]) + post])
+        return ids, kw, len(pre) + len(rows[0]) + len(mid)
+
+    ids, kw, _ = two(2091, 2092)
+    assert check(model, ids, store, kw) == ([0], 2)
+    assert check(model, ids, store, kw) == ([expected_full_hit(ids.shape[1], BS)], 0)
+    other, kw2, second = two(2091, 2093)
+    # The first image is served or known, the second is new: both are encoded (all or none).
+    cached, encoded = check(model, other, store, kw2)
+    assert cached == [block_floor(second, BS)] and encoded == 2
+    # The first image alone in its row (any-resolution tiles, other placeholders): keyed apart.
+    alone, kw3 = prompt(name, model, [[pre, Item(2091), post]])
+    assert check(model, alone, store, dict(kw3, batch_num_images=torch.tensor([1]))) == (
+        [block_floor(5, BS)],
+        1,
+    )
