@@ -326,3 +326,11 @@ def test_onevision_images_of_a_multi_image_row():
         [block_floor(5, BS)],
         1,
     )
+
+
+@pytest.mark.parametrize("name", ["glm46v", "qwen3_vl_moe"])
+def test_variants_of_the_tested_families(name):
+    """GLM-4.6V (GLM-4V's code) and Qwen3-VL-MoE (Qwen3-VL with MoE layers): the same layouts."""
+    model = model_of(name)
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096)
+    test_same_image_other_image_other_question((name, model, store))

@@ -155,6 +155,23 @@ def _qwen3_vl():
     return AutoConfig.for_model("qwen3_vl", text_config=text, vision_config=vision, **_QWEN_IDS)
 
 
+def _qwen3_vl_moe():
+    base = _qwen3_vl()
+    text = {**base.text_config.to_dict(), "num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32,
+            "decoder_sparse_step": 1}  # fmt: skip
+    return AutoConfig.for_model(
+        "qwen3_vl_moe", text_config=text, vision_config=base.vision_config.to_dict(), **_QWEN_IDS
+    )
+
+
+def _glm46v():
+    base = _glm4v()
+    return AutoConfig.for_model("glm46v", text_config=base.text_config.to_dict(),
+                                vision_config=base.vision_config.to_dict(), image_token_id=IMAGE, video_token_id=VIDEO,
+                                image_start_token_id=START, image_end_token_id=END, video_start_token_id=5,
+                                video_end_token_id=6)  # fmt: skip
+
+
 def _glm4v():
     text = {**_QWEN_TEXT, "rope_parameters": {**_QWEN_TEXT["rope_parameters"], "partial_rotary_factor": 1.0}}
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, image_size=16,
@@ -179,6 +196,8 @@ VLMS.update(
     {
         "llama4": (_llama4, "flat", 4),
         "glm4v": (_glm4v, "grid", 0),
+        "glm46v": (_glm46v, "grid", 0),
+        "qwen3_vl_moe": (_qwen3_vl_moe, "grid", 0),
         "llava_next": (_llava_next, "tiles", 0),
         "llava_onevision": (_llava_onevision, "tiles", 0),
         "mistral3": (_mistral3, "sizes", 0),

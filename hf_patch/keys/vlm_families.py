@@ -142,9 +142,11 @@ FAMILIES: dict[str, Family] = {
     # GLM-4V: Qwen's layout, but its videos reuse the image placeholder id (told apart only by
     # mm_token_type_ids): videos are not keyed (pixel_values_videos is off the allowlist).
     "glm4v": Family((_QWEN_IMAGE,), token_types=("mm_token_type_ids",)),
+    "glm46v": Family((_QWEN_IMAGE,), token_types=("mm_token_type_ids",)),
     "qwen2_vl": _QWEN,
     "qwen2_5_vl": _QWEN,
     "qwen3_vl": _QWEN,
+    "qwen3_vl_moe": _QWEN,
 }
 
 
