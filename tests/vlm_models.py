@@ -58,8 +58,9 @@ def _paligemma():  # not keyed (prefix attention over image and prompt): the tes
     )
 
 
-def _gemma3():
-    text = {**BASE, "model_type": "gemma3_text", "head_dim": 16}
+def _gemma3():  # a sliding layer with a window shorter than the prompts, as Gemma 3 has
+    text = {**BASE, "model_type": "gemma3_text", "head_dim": 16, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
     vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
     return AutoConfig.for_model(
