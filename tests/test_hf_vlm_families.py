@@ -334,3 +334,25 @@ def test_variants_of_the_tested_families(name):
     model = model_of(name)
     store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096)
     test_same_image_other_image_other_question((name, model, store))
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl", "glm4v"])
+def test_m_rope_never_reads_rope_deltas_a_previous_call_left(name):
+    """A resumed prefix gets the positions of a full prefill even when the model holds another
+    call's rope_deltas: cached text, then the same text with an image after it, then the image
+    prompt again, each with poisoned rope_deltas."""
+    model = model_of(name)
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096)
+    pre = text(9, 2101)
+    plain, kw_plain = prompt(name, model, [[pre, text(3, 2102)]])
+    with_image, kw_image = prompt(name, model, [[pre, Item(2101, 2), text(4, 2103)]])
+    for ids, kw, expected in (
+        (plain, kw_plain, 0),
+        (with_image, kw_image, block_floor(9, BS)),
+        (with_image, kw_image, expected_full_hit(with_image.shape[1], BS)),
+    ):
+        model.model.rope_deltas = torch.tensor([[37]])
+        ref = stock(model, ids, **kw)
+        model.model.rope_deltas = torch.tensor([[-11]])
+        cache, _ = assert_same_as_stock(model, ids, store, reference=ref, **kw)
+        assert cache.cached_tokens == [expected]
