@@ -36,7 +36,7 @@ FAMILIES = [
     "qwen2_5_vl",
     "qwen3_vl",
 ]
-VIDEO_FAMILIES = ["llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+VIDEO_FAMILIES = ["llava_next_video", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 
 def text(n: int, seed: int) -> list[int]:
@@ -328,9 +328,10 @@ def test_onevision_images_of_a_multi_image_row():
     )
 
 
-@pytest.mark.parametrize("name", ["glm46v", "qwen3_vl_moe"])
+@pytest.mark.parametrize("name", ["aya_vision", "glm46v", "llava_next_video", "qwen3_vl_moe"])
 def test_variants_of_the_tested_families(name):
-    """GLM-4.6V (GLM-4V's code) and Qwen3-VL-MoE (Qwen3-VL with MoE layers): the same layouts."""
+    """Aya Vision (LLaVA's layout), GLM-4.6V (GLM-4V's code), LLaVA-NeXT-Video (LLaVA-NeXT's
+    images), Qwen3-VL-MoE (Qwen3-VL with MoE layers): the layouts tested above."""
     model = model_of(name)
     store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096)
     test_same_image_other_image_other_question((name, model, store))

@@ -156,6 +156,20 @@ def _qwen3_vl():
     return AutoConfig.for_model("qwen3_vl", text_config=text, vision_config=vision, **_QWEN_IDS)
 
 
+def _aya_vision():
+    text = {**BASE, "model_type": "cohere2", "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 8}  # fmt: skip
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    return AutoConfig.for_model("aya_vision", text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                downsample_factor=2, vision_feature_layer=-1)  # fmt: skip
+
+
+def _llava_next_video():
+    return AutoConfig.for_model("llava_next_video", text_config=TEXT, vision_config=_CLIP, image_token_id=IMAGE,
+                                video_token_id=VIDEO, image_grid_pinpoints=PINPOINTS, spatial_pool_stride=2)  # fmt: skip
+
+
 def _qwen3_vl_moe():
     base = _qwen3_vl()
     text = {**base.text_config.to_dict(), "num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32,
@@ -198,6 +212,8 @@ VLMS.update(
         "llama4": (_llama4, "flat", 4),
         "glm4v": (_glm4v, "grid", 0),
         "glm46v": (_glm46v, "grid", 0),
+        "aya_vision": (_aya_vision, "items", 4),
+        "llava_next_video": (_llava_next_video, "tiles", 0),
         "qwen3_vl_moe": (_qwen3_vl_moe, "grid", 0),
         "llava_next": (_llava_next, "tiles", 0),
         "llava_onevision": (_llava_onevision, "tiles", 0),

@@ -115,6 +115,10 @@ FAMILIES: dict[str, Family] = {
     "idefics3": Family((Modality(**_IMAGE, layout="rows"),), extra_inputs=("pixel_attention_mask",)),
     "smolvlm": Family((Modality(**_IMAGE, layout="rows"),), extra_inputs=("pixel_attention_mask",)),
     "llava_next": Family((_ANYRES,)),
+    "llava_next_video": Family(
+        (_ANYRES, Modality("video", "pixel_values_videos", "video_token_id", "items"))
+    ),
+    "aya_vision": Family((Modality(**_IMAGE, layout="items"),)),
     # OneVision's image features depend on how many images their row has (one: any-resolution
     # tiles; more: the base tile only) when the call gives batch_num_images: hashed per row.
     "llava_onevision": Family(
