@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+LAYOUTS = ("items", "rows", "patches", "tiles")
+
 
 @dataclass(frozen=True)
 class Modality:
@@ -54,6 +56,14 @@ class Modality:
     runs: bool = False
     delimiters: tuple[str, str] | None = None
     trim: Callable | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in ("image", "video"):
+            raise ValueError(f"Modality.name must be 'image' or 'video', got {self.name!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Modality.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "patches" and not self.encoder_inputs:
+            raise ValueError("a 'patches' modality needs its grid as its first encoder input")
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,8 @@ _QWEN_VIDEO = Modality(
 _ANYRES = Modality(**_IMAGE, layout="items", encoder_inputs=("image_sizes",), runs=True,
                    trim=_trailing_zero_tiles)  # fmt: skip
 _QWEN = Family((_QWEN_IMAGE, _QWEN_VIDEO), token_types=("mm_token_type_ids",))
+_PIXTRAL = Modality(**_IMAGE, layout="items", encoder_inputs=("image_sizes",), counts=_mistral3_counts,
+                    trim=_crop_to_size)  # fmt: skip
 
 FAMILIES: dict[str, Family] = {
     "llava": Family((Modality(**_IMAGE, layout="items"),)),
@@ -125,17 +137,7 @@ FAMILIES: dict[str, Family] = {
         (_ANYRES, Modality("video", "pixel_values_videos", "video_token_id", "items")),
         row_inputs=("batch_num_images",),
     ),
-    "mistral3": Family(
-        (
-            Modality(
-                **_IMAGE,
-                layout="items",
-                encoder_inputs=("image_sizes",),
-                counts=_mistral3_counts,
-                trim=_crop_to_size,
-            ),
-        )  # fmt: skip
-    ),
+    "mistral3": Family((_PIXTRAL,)),
     "gemma3": Family((Modality(**_IMAGE, layout="items"),), token_types=("token_type_ids",)),
     # Llama 4: every image's tiles (and its global tile) in one flat batch; the model projects
     # the encoder's last_hidden_state (one row per placeholder) itself.
