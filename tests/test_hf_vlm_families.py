@@ -357,3 +357,18 @@ def test_m_rope_never_reads_rope_deltas_a_previous_call_left(name):
         model.model.rope_deltas = torch.tensor([[-11]])
         cache, _ = assert_same_as_stock(model, ids, store, reference=ref, **kw)
         assert cache.cached_tokens == [expected]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen2_vl"])
+def test_text_only_rows_with_zero_token_types_share_their_prefix(name):
+    """A cold text-only batch on a VLM, with the all-zero token types its processor returns:
+    the rows' common prefix is computed once (in-batch sharing), equal to stock."""
+    model = model_of(name)
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096)
+    doc = text(12, 2111)
+    ids, kw = prompt(name, model, [[doc, text(3, 2112)], [doc, text(5, 2113)], [doc, text(2, 2114)]])
+    assert not any(v.any() for k, v in kw.items() if k.endswith("token_type_ids"))
+    cached, _ = check(model, ids, store, kw)
+    pads = (kw["attention_mask"] == 0).sum(dim=1).tolist()
+    common = min(pad + block_floor(12, BS) for pad in pads)  # the batch preloads one column count
+    assert cached[1:] == [common - pad for pad in pads[1:]]  # computed once by row 0, read by the others

@@ -282,7 +282,8 @@ def family_inputs(name: str, model, rows: list[list[Item]]) -> tuple[list[list[l
             n = tiles[k]
             return [START] + [t for i in range(n) for t in [IMAGE] * 4 + ([3] if i < n - 1 else [])] + [END]
     elif layout == "items":  # fixed-size images (Gemma 3), wrapped in begin / end of image
-        kwargs["pixel_values"] = torch.stack([image(it.seed) for it in images])
+        if images:
+            kwargs["pixel_values"] = torch.stack([image(it.seed) for it in images])
 
         def tokens(it, k):
             return [START] + [IMAGE] * VLMS[name][2] + [END]

@@ -191,3 +191,15 @@ def implied_token_types(model, family: Family, input_ids: torch.Tensor) -> torch
         if token is not None:
             types[input_ids == token] = 1 if m.name == "image" else 2
     return types
+
+
+def text_only_token_types(model, model_kwargs: dict) -> set[str]:
+    """The family's token-type inputs in ``model_kwargs`` that are all zero (text only)."""
+    family = family_of(model)
+    if family is None:
+        return set()
+    return {
+        name
+        for name in family.token_types
+        if isinstance(model_kwargs.get(name), torch.Tensor) and not model_kwargs[name].any()
+    }
