@@ -113,7 +113,7 @@ def _hash_update(h, value) -> None:
     elif isinstance(value, torch.Tensor):
         data = value.detach().to("cpu").contiguous()
         h.update(f"{data.dtype}|{tuple(data.shape)}|".encode())
-        h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(data.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
     else:
         h.update(f"{type(value).__name__}:{value!r}|".encode())
 
