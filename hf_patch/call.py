@@ -25,6 +25,7 @@ from hf_patch.batch_share import can_share, compute_shared
 from hf_patch.cache import RadixCache
 from hf_patch.keys.adapters import mixed_batch, row_adapters, unkeyable_reason
 from hf_patch.keys.multimodal import Images
+from hf_patch.keys.vlm_families import text_only_token_types
 from hf_patch.keys.weights import flush_if_weights_changed, model_scope
 from hf_patch.model_spec import check_store_fits, layer_specs
 from hf_patch.request import KeyParts, Request
@@ -106,8 +107,15 @@ def key_parts(
 def sharing(model, request: Request, model_kwargs: dict, chunk_size: int | None = None):
     """``share(rows, keep)`` for ``Request.match``: in-batch prefix sharing bound to this call, or
     None where a one-row prefix forward could compute other KV than the batch (model inputs
-    besides ids and mask; a PEFT batch with one adapter per row)."""
-    if not can_share(model_kwargs) or mixed_batch(model):
+    besides ids and mask; a PEFT batch with one adapter per row). A VLM family's token types
+    that are all zero (text-only rows) are plain: the prefix forward, given none, computes the
+    same KV (hf_patch.keys.vlm_families: causal attention, 1-D positions)."""
+    plain = text_only_token_types(model, model_kwargs)
+    outputs = model_kwargs.get("mm_encoder_outputs")
+    if isinstance(outputs, dict) and not any(v is not None for v in outputs.values()):
+        plain.add("mm_encoder_outputs")  # generate() leaves {} on a VLM call without images
+    kwargs = {k: v for k, v in model_kwargs.items() if k not in plain}
+    if not can_share(kwargs) or mixed_batch(model):
         return None
     return functools.partial(
         compute_shared, model, request.store, request.specs, request.epoch, chunk_size=chunk_size

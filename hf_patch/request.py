@@ -97,8 +97,8 @@ class Request:
         # The KV depends on inputs the key cannot see: no read, no commit (hf_patch.keys.inputs)
         self.uncacheable = False
         self.images = None  # hf_patch.keys.multimodal.Images of the unexpanded prompt rows
-        # Images not encoded (their index in pixel_values): served whole by the store, or with
-        # features known from an earlier call (``known``: index -> feature rows).
+        # Items not encoded (ImageSpan.item: modality and index in its pixel input): served whole
+        # by the store, or with features known from an earlier call (``known``: item -> Features).
         self.skipped: set = set()
         self.known: dict = {}
         self.features = None  # the model's hf_patch.keys.image_features.FeatureCache

@@ -36,7 +36,7 @@ FAMILIES = [
     "qwen2_5_vl",
     "qwen3_vl",
 ]
-VIDEO_FAMILIES = ["llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+VIDEO_FAMILIES = ["llava_next_video", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 
 def text(n: int, seed: int) -> list[int]:
@@ -263,3 +263,112 @@ def test_glm4v_videos_are_not_keyed():
         "pixel_values_videos",
         "video_grid_thw",
     ]
+
+
+# Llama 4 and Qwen3-VL's deepstack: stock generate() itself fails to expand their encoder outputs.
+@pytest.mark.parametrize("name", ["gemma3", "llava_next", "mistral3", "qwen2_vl", "qwen2_5_vl"])
+def test_several_sequences_per_prompt(name):
+    """Rows expanded before the match: every item is encoded and the served placeholders'
+    features are cut out after encoding; still a full hit, equal to stock's samples."""
+    model = model_of(name)
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096)
+    ids, kw = prompt(name, model, [[text(6, 2071), Item(2071, 1), text(4, 2072)]])
+    sampled = dict(num_return_sequences=2, do_sample=True, seed=3)
+    check(model, ids, store, kw)
+    hit = expected_full_hit(ids.shape[1], BS)
+    assert check(model, ids, store, kw, **sampled) == ([hit, hit], 1)
+
+
+def test_unreadable_image_inputs_run_as_stock(caplog):
+    """Mistral 3 without image_sizes: not keyed (the key cannot tell the images' sizes), the
+    call runs as stock generate() and fails with stock's own error; nothing pinned."""
+    name = "mistral3"
+    model = model_of(name)
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096)
+    ids, kw = prompt(name, model, [[text(6, 2081), Item(2081), text(4, 2082)]])
+    bad = {k: v for k, v in kw.items() if k != "image_sizes"}
+    with caplog.at_level("WARNING", logger="hf_patch.keys.inputs"):
+        with pytest.raises(Exception) as stock_error:
+            stock(model, ids, **bad)
+        with pytest.raises(type(stock_error.value)):
+            model.generate(ids, **bad, past_key_values=hf_patch.RadixCache(store=store), max_new_tokens=2)
+    assert store.stats()["uncacheable_requests"] == 1 and store.stats()["pinned_blocks"] == 0
+
+
+def test_onevision_images_of_a_multi_image_row():
+    """LLaVA-OneVision with batch_num_images (the processor's multi-image prompts): an image's
+    features depend on how many images its row has, so that count is in its key, and a call
+    encodes its images all or none."""
+    name = "llava_onevision"
+    model = model_of(name)
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096)
+    pre, mid, post = text(5, 2091), text(3, 2092), text(4, 2093)
+
+    def two(a, b):
+        _, kw = family_inputs(name, model, [[Item(a), Item(b)]])
+        kw["batch_num_images"] = torch.tensor([2])
+        with torch.no_grad():  # base tile only in a multi-image row: ask the encoder for its rows
+            rows = model.model.get_image_features(**{k: kw[k] for k in ("pixel_values", "image_sizes")},
+                                                  batch_num_images=kw["batch_num_images"]).pooler_output  # fmt: skip
+        ids = torch.tensor([pre + [IMAGE] * len(rows[0]) + mid + [IMAGE] * len(rows[1]) + post])
+        return ids, kw, len(pre) + len(rows[0]) + len(mid)
+
+    ids, kw, _ = two(2091, 2092)
+    assert check(model, ids, store, kw) == ([0], 2)
+    assert check(model, ids, store, kw) == ([expected_full_hit(ids.shape[1], BS)], 0)
+    other, kw2, second = two(2091, 2093)
+    # The first image is served or known, the second is new: both are encoded (all or none).
+    cached, encoded = check(model, other, store, kw2)
+    assert cached == [block_floor(second, BS)] and encoded == 2
+    # The first image alone in its row (any-resolution tiles, other placeholders): keyed apart.
+    alone, kw3 = prompt(name, model, [[pre, Item(2091), post]])
+    assert check(model, alone, store, dict(kw3, batch_num_images=torch.tensor([1]))) == (
+        [block_floor(5, BS)],
+        1,
+    )
+
+
+@pytest.mark.parametrize("name", ["aya_vision", "glm46v", "llava_next_video", "qwen3_vl_moe"])
+def test_variants_of_the_tested_families(name):
+    """Aya Vision (LLaVA's layout), GLM-4.6V (GLM-4V's code), LLaVA-NeXT-Video (LLaVA-NeXT's
+    images), Qwen3-VL-MoE (Qwen3-VL with MoE layers): the layouts tested above."""
+    model = model_of(name)
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096)
+    test_same_image_other_image_other_question((name, model, store))
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl", "glm4v"])
+def test_m_rope_never_reads_rope_deltas_a_previous_call_left(name):
+    """A resumed prefix gets the positions of a full prefill even when the model holds another
+    call's rope_deltas: cached text, then the same text with an image after it, then the image
+    prompt again, each with poisoned rope_deltas."""
+    model = model_of(name)
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096)
+    pre = text(9, 2101)
+    plain, kw_plain = prompt(name, model, [[pre, text(3, 2102)]])
+    with_image, kw_image = prompt(name, model, [[pre, Item(2101, 2), text(4, 2103)]])
+    for ids, kw, expected in (
+        (plain, kw_plain, 0),
+        (with_image, kw_image, block_floor(9, BS)),
+        (with_image, kw_image, expected_full_hit(with_image.shape[1], BS)),
+    ):
+        model.model.rope_deltas = torch.tensor([[37]])
+        ref = stock(model, ids, **kw)
+        model.model.rope_deltas = torch.tensor([[-11]])
+        cache, _ = assert_same_as_stock(model, ids, store, reference=ref, **kw)
+        assert cache.cached_tokens == [expected]
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen2_vl"])
+def test_text_only_rows_with_zero_token_types_share_their_prefix(name):
+    """A cold text-only batch on a VLM, with the all-zero token types its processor returns:
+    the rows' common prefix is computed once (in-batch sharing), equal to stock."""
+    model = model_of(name)
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096)
+    doc = text(12, 2111)
+    ids, kw = prompt(name, model, [[doc, text(3, 2112)], [doc, text(5, 2113)], [doc, text(2, 2114)]])
+    assert not any(v.any() for k, v in kw.items() if k.endswith("token_type_ids"))
+    cached, _ = check(model, ids, store, kw)
+    pads = (kw["attention_mask"] == 0).sum(dim=1).tolist()
+    common = min(pad + block_floor(12, BS) for pad in pads)  # the batch preloads one column count
+    assert cached[1:] == [common - pad for pad in pads[1:]]  # computed once by row 0, read by the others

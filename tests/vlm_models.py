@@ -58,8 +58,9 @@ def _paligemma():  # not keyed (prefix attention over image and prompt): the tes
     )
 
 
-def _gemma3():
-    text = {**BASE, "model_type": "gemma3_text", "head_dim": 16}
+def _gemma3():  # a sliding layer with a window shorter than the prompts, as Gemma 3 has
+    text = {**BASE, "model_type": "gemma3_text", "head_dim": 16, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
     vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
     return AutoConfig.for_model(
@@ -155,6 +156,37 @@ def _qwen3_vl():
     return AutoConfig.for_model("qwen3_vl", text_config=text, vision_config=vision, **_QWEN_IDS)
 
 
+def _aya_vision():
+    text = {**BASE, "model_type": "cohere2", "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 8}  # fmt: skip
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    return AutoConfig.for_model("aya_vision", text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                downsample_factor=2, vision_feature_layer=-1)  # fmt: skip
+
+
+def _llava_next_video():
+    return AutoConfig.for_model("llava_next_video", text_config=TEXT, vision_config=_CLIP, image_token_id=IMAGE,
+                                video_token_id=VIDEO, image_grid_pinpoints=PINPOINTS, spatial_pool_stride=2)  # fmt: skip
+
+
+def _qwen3_vl_moe():
+    base = _qwen3_vl()
+    text = {**base.text_config.to_dict(), "num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32,
+            "decoder_sparse_step": 1}  # fmt: skip
+    return AutoConfig.for_model(
+        "qwen3_vl_moe", text_config=text, vision_config=base.vision_config.to_dict(), **_QWEN_IDS
+    )
+
+
+def _glm46v():
+    base = _glm4v()
+    return AutoConfig.for_model("glm46v", text_config=base.text_config.to_dict(),
+                                vision_config=base.vision_config.to_dict(), image_token_id=IMAGE, video_token_id=VIDEO,
+                                image_start_token_id=START, image_end_token_id=END, video_start_token_id=5,
+                                video_end_token_id=6)  # fmt: skip
+
+
 def _glm4v():
     text = {**_QWEN_TEXT, "rope_parameters": {**_QWEN_TEXT["rope_parameters"], "partial_rotary_factor": 1.0}}
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, image_size=16,
@@ -179,6 +211,10 @@ VLMS.update(
     {
         "llama4": (_llama4, "flat", 4),
         "glm4v": (_glm4v, "grid", 0),
+        "glm46v": (_glm46v, "grid", 0),
+        "aya_vision": (_aya_vision, "items", 4),
+        "llava_next_video": (_llava_next_video, "tiles", 0),
+        "qwen3_vl_moe": (_qwen3_vl_moe, "grid", 0),
         "llava_next": (_llava_next, "tiles", 0),
         "llava_onevision": (_llava_onevision, "tiles", 0),
         "mistral3": (_mistral3, "sizes", 0),
@@ -246,7 +282,8 @@ def family_inputs(name: str, model, rows: list[list[Item]]) -> tuple[list[list[l
             n = tiles[k]
             return [START] + [t for i in range(n) for t in [IMAGE] * 4 + ([3] if i < n - 1 else [])] + [END]
     elif layout == "items":  # fixed-size images (Gemma 3), wrapped in begin / end of image
-        kwargs["pixel_values"] = torch.stack([image(it.seed) for it in images])
+        if images:
+            kwargs["pixel_values"] = torch.stack([image(it.seed) for it in images])
 
         def tokens(it, k):
             return [START] + [IMAGE] * VLMS[name][2] + [END]

@@ -9,9 +9,9 @@ text are encoded as plain text (transformers' ``sanitize_control_tokens``, 5.23 
 processor cannot do that (5.17), a message containing one is refused.
 
 Text-only chats on such a server go the same way (one rendering for every prompt, so a pinned
-task prompt and later turns share their prefixes). hf_patch keys images for LLaVA, VipLLaVA,
-InternVL, Idefics3 and SmolVLM; other families answer requests with images without reuse (and
-say so in the log).
+task prompt and later turns share their prefixes). hf_patch keys images for the families in
+hf_patch.keys.vlm_families (docs/vlm.md); other families answer requests with images without
+reuse (and say so in the log).
 """
 
 from __future__ import annotations

@@ -34,19 +34,19 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hf_patch.keys.vlm_families import (
-    Family,
-    Modality,
-    config_token,
-    family_inputs,
-    family_of,
-    implied_token_types,
-    placeholder_id,
-)
+from hf_patch.keys import item_layout
+from hf_patch.keys.item_layout import UnkeyableImages
+from hf_patch.keys.vlm_families import Family, family_inputs, family_of, implied_token_types, placeholder_id
 
-
-class UnkeyableImages(ValueError):
-    """The call's image inputs cannot be keyed (its reason is the message)."""
+__all__ = [
+    "ImageSpan",
+    "Images",
+    "UnkeyableImages",
+    "drop_pixels",
+    "has_images",
+    "image_keys",
+    "keyed_inputs",
+]
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def _hash_update(h, value) -> None:
     elif isinstance(value, torch.Tensor):
         data = value.detach().to("cpu").contiguous()
         h.update(f"{data.dtype}|{tuple(data.shape)}|".encode())
-        h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(data.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
     else:
         h.update(f"{type(value).__name__}:{value!r}|".encode())
 
@@ -125,93 +125,6 @@ def _content_id(*parts) -> int:
         _hash_update(h, part)
     value = int.from_bytes(h.digest()[:8], "little") or 1
     return value - (1 << 64) if value >= 1 << 63 else value  # int64 holding the uint64 bits
-
-
-def _runs(row: torch.Tensor) -> list[tuple[int, int]]:
-    """Contiguous runs ``(start, end)`` of True in a 1-D bool tensor."""
-    padded = torch.cat(
-        [torch.zeros(1, dtype=torch.int8), row.to(torch.int8), torch.zeros(1, dtype=torch.int8)]
-    )
-    edges = torch.diff(padded).nonzero().flatten().tolist()
-    return list(zip(edges[0::2], edges[1::2]))
-
-
-def _items(modality: Modality, pixels: torch.Tensor, model_kwargs: dict, batch: int) -> list[tuple[int, ...]]:
-    """Indices of the real items in the pixel input, in placeholder order."""
-    if modality.layout == "rows":
-        if pixels.dim() != 5 or pixels.shape[0] != batch:
-            raise UnkeyableImages(f"{modality.pixels} {tuple(pixels.shape)} is not [batch, images, C, H, W]")
-        real = (pixels != 0).flatten(2).any(dim=2).to("cpu")  # all-zero images are padding
-        return [(b, j) for b in range(pixels.shape[0]) for j in range(pixels.shape[1]) if real[b, j]]
-    if modality.layout == "patches":
-        grid = model_kwargs.get(modality.encoder_inputs[0])
-        if grid is None or grid.dim() != 2 or grid.shape[1] != 3:
-            raise UnkeyableImages(f"{modality.pixels} needs {modality.encoder_inputs[0]} [items, 3]")
-        if int(grid.prod(-1).sum()) != pixels.shape[0]:
-            raise UnkeyableImages(f"{modality.encoder_inputs[0]} does not cover {modality.pixels}'s patches")
-        return [(i,) for i in range(grid.shape[0])]
-    return [(i,) for i in range(pixels.shape[0])]
-
-
-def _delimited(model, modality: Modality, input_ids: torch.Tensor, placeholders: torch.Tensor) -> list[int]:
-    """Placeholders between each begin- and end-of-item token, in order (rows, then columns)."""
-    begin, end = (config_token(model, name) for name in modality.delimiters)
-    counts = []
-    for ids, marks in zip(input_ids, placeholders):
-        inside = torch.cumsum((ids == begin).long() - (ids == end).long(), 0)
-        if inside.min() < 0 or inside.max() > 1 or (marks & (inside != 1)).any():
-            raise UnkeyableImages(f"{modality.name} placeholders outside begin / end tokens, or nested")
-        starts = (ids == begin).nonzero().flatten().tolist()
-        stops = (ids == end).nonzero().flatten().tolist()
-        counts += [int(marks[a:b].sum()) for a, b in zip(starts, stops)]
-    return [c for c in counts if c]
-
-
-def _counts(model, modality: Modality, model_kwargs: dict, input_ids, placeholders, n: int) -> list[int]:
-    total = int(placeholders.sum())
-    if modality.counts is not None:
-        counts = [int(c) for c in modality.counts(model, model_kwargs)]
-    elif modality.delimiters is not None:
-        counts = _delimited(model, modality, input_ids, placeholders)
-    elif modality.runs:
-        counts = [end - start for row in placeholders for start, end in _runs(row)]
-    else:
-        if not n or total % n:
-            raise UnkeyableImages(
-                f"{total} {modality.name} placeholder tokens do not split evenly over {n} items"
-            )
-        counts = [total // n] * n
-    if (n >= 0 and len(counts) != n) or sum(counts) != total:
-        raise UnkeyableImages(
-            f"{total} {modality.name} placeholder tokens do not match {n} items (expected {counts})"
-        )
-    return counts
-
-
-def _tiles(modality: Modality, pixels: torch.Tensor, counts: list[int]) -> list[int]:
-    """Tiles per item of a flat tile batch, each tile the same number of placeholders."""
-    total = sum(counts)
-    if not total or total % pixels.shape[0] or any(c % (total // pixels.shape[0]) for c in counts):
-        raise UnkeyableImages(
-            f"{total} {modality.name} placeholders do not split over {pixels.shape[0]} tiles"
-        )
-    per_tile = total // pixels.shape[0]
-    return [c // per_tile for c in counts]
-
-
-def _item_pixels(model, modality: Modality, pixels: torch.Tensor, model_kwargs: dict, index, counts, k):
-    if modality.layout == "tiles":
-        tiles = model_kwargs["_tiles"]
-        start = sum(tiles[: index[0]])
-        return pixels[start : start + tiles[index[0]]]
-    if modality.layout == "patches":
-        grid = model_kwargs[modality.encoder_inputs[0]]
-        sizes = grid.prod(-1).tolist()
-        start = sum(sizes[: index[0]])
-        return pixels[start : start + sizes[index[0]]]
-    if modality.trim is not None:
-        return modality.trim(model, pixels, model_kwargs, index[0])
-    return pixels[index]
 
 
 def _per_item(model_kwargs: dict, name: str, index: tuple[int, ...]):
@@ -241,7 +154,18 @@ def _check_token_types(model, family: Family, input_ids: torch.Tensor, model_kwa
 def image_keys(model, input_ids: torch.Tensor, model_kwargs: dict) -> Images | None:
     """The extra ids and spans of the items in this call, None when it has none.
 
-    Raises UnkeyableImages naming why the items cannot be keyed."""
+    Raises UnkeyableImages naming why the items cannot be keyed (inputs this module cannot
+    read, e.g. missing or misshapen sizes and grids, included: the call then runs as stock
+    generate(), which accepts or refuses them itself)."""
+    try:
+        return _image_keys(model, input_ids, model_kwargs)
+    except (IndexError, KeyError, TypeError, ValueError, RuntimeError) as e:
+        if isinstance(e, UnkeyableImages):
+            raise
+        raise UnkeyableImages(f"image inputs not readable for the key ({type(e).__name__}: {e})") from None
+
+
+def _image_keys(model, input_ids: torch.Tensor, model_kwargs: dict) -> Images | None:
     family = family_of(model)
     if family is None:
         if has_images(model_kwargs):
@@ -257,12 +181,12 @@ def image_keys(model, input_ids: torch.Tensor, model_kwargs: dict) -> Images | N
         token = placeholder_id(model, modality)
         placeholders = input_ids == token
         if modality.layout == "tiles":  # items known only from the ids: tiles split by count
-            counts = _counts(model, modality, model_kwargs, input_ids, placeholders, -1)
+            counts = item_layout.counts(model, modality, model_kwargs, input_ids, placeholders, -1)
             items = [(i,) for i in range(len(counts))]
-            model_kwargs = {**model_kwargs, "_tiles": _tiles(modality, pixels, counts)}
+            model_kwargs = {**model_kwargs, "_tiles": item_layout.tiles(modality, pixels, counts)}
         else:
-            items = _items(modality, pixels, model_kwargs, input_ids.shape[0])
-            counts = _counts(model, modality, model_kwargs, input_ids, placeholders, len(items))
+            items = item_layout.items(modality, pixels, model_kwargs, input_ids.shape[0])
+            counts = item_layout.counts(model, modality, model_kwargs, input_ids, placeholders, len(items))
         spans += _assign(model, family, modality, pixels, model_kwargs, placeholders, items, counts)
     if not spans:
         return None
@@ -289,7 +213,7 @@ def _assign(model, family, modality, pixels, model_kwargs, placeholders, items, 
         if modality.layout == "rows" and index[0] != row:
             raise UnkeyableImages("the rows' image placeholders do not match their images")
         cols = tuple(c for _, c in mine)
-        parts = [modality.name, count, _item_pixels(model, modality, pixels, model_kwargs, index, counts, k)]
+        parts = [modality.name, count, item_layout.item_pixels(model, modality, pixels, model_kwargs, index)]
         parts += [_per_item(model_kwargs, name, index) for name in (*modality.encoder_inputs, *modality.hashed_inputs, *family.extra_inputs)]  # fmt: skip
         parts += [_per_item(model_kwargs, name, (row,)) for name in family.row_inputs]
         # Gemma 3 without token_type_ids attends causally inside an image, Qwen without
@@ -340,7 +264,9 @@ def drop_pixels(images: Images, drop: set, model_kwargs: dict) -> set:
         keep = [s.index[0] for s in sorted(spans, key=lambda s: s.index) if s.index not in gone]
         if modality.layout in ("patches", "tiles"):
             if modality.layout == "tiles":
-                sizes = _tiles(modality, pixels, [len(s.cols) for s in sorted(spans, key=lambda s: s.index)])
+                sizes = item_layout.tiles(
+                    modality, pixels, [len(s.cols) for s in sorted(spans, key=lambda s: s.index)]
+                )
             else:
                 sizes = model_kwargs[modality.encoder_inputs[0]].prod(-1).tolist()
             starts = [sum(sizes[:i]) for i in range(len(sizes))]

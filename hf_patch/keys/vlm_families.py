@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+LAYOUTS = ("items", "rows", "patches", "tiles")
+
 
 @dataclass(frozen=True)
 class Modality:
@@ -54,6 +56,14 @@ class Modality:
     runs: bool = False
     delimiters: tuple[str, str] | None = None
     trim: Callable | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in ("image", "video"):
+            raise ValueError(f"Modality.name must be 'image' or 'video', got {self.name!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Modality.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == "patches" and not self.encoder_inputs:
+            raise ValueError("a 'patches' modality needs its grid as its first encoder input")
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,8 @@ _QWEN_VIDEO = Modality(
 _ANYRES = Modality(**_IMAGE, layout="items", encoder_inputs=("image_sizes",), runs=True,
                    trim=_trailing_zero_tiles)  # fmt: skip
 _QWEN = Family((_QWEN_IMAGE, _QWEN_VIDEO), token_types=("mm_token_type_ids",))
+_PIXTRAL = Modality(**_IMAGE, layout="items", encoder_inputs=("image_sizes",), counts=_mistral3_counts,
+                    trim=_crop_to_size)  # fmt: skip
 
 FAMILIES: dict[str, Family] = {
     "llava": Family((Modality(**_IMAGE, layout="items"),)),
@@ -115,23 +127,17 @@ FAMILIES: dict[str, Family] = {
     "idefics3": Family((Modality(**_IMAGE, layout="rows"),), extra_inputs=("pixel_attention_mask",)),
     "smolvlm": Family((Modality(**_IMAGE, layout="rows"),), extra_inputs=("pixel_attention_mask",)),
     "llava_next": Family((_ANYRES,)),
+    "llava_next_video": Family(
+        (_ANYRES, Modality("video", "pixel_values_videos", "video_token_id", "items"))
+    ),
+    "aya_vision": Family((Modality(**_IMAGE, layout="items"),)),
     # OneVision's image features depend on how many images their row has (one: any-resolution
     # tiles; more: the base tile only) when the call gives batch_num_images: hashed per row.
     "llava_onevision": Family(
         (_ANYRES, Modality("video", "pixel_values_videos", "video_token_id", "items")),
         row_inputs=("batch_num_images",),
     ),
-    "mistral3": Family(
-        (
-            Modality(
-                **_IMAGE,
-                layout="items",
-                encoder_inputs=("image_sizes",),
-                counts=_mistral3_counts,
-                trim=_crop_to_size,
-            ),
-        )  # fmt: skip
-    ),
+    "mistral3": Family((_PIXTRAL,)),
     "gemma3": Family((Modality(**_IMAGE, layout="items"),), token_types=("token_type_ids",)),
     # Llama 4: every image's tiles (and its global tile) in one flat batch; the model projects
     # the encoder's last_hidden_state (one row per placeholder) itself.
@@ -142,9 +148,11 @@ FAMILIES: dict[str, Family] = {
     # GLM-4V: Qwen's layout, but its videos reuse the image placeholder id (told apart only by
     # mm_token_type_ids): videos are not keyed (pixel_values_videos is off the allowlist).
     "glm4v": Family((_QWEN_IMAGE,), token_types=("mm_token_type_ids",)),
+    "glm46v": Family((_QWEN_IMAGE,), token_types=("mm_token_type_ids",)),
     "qwen2_vl": _QWEN,
     "qwen2_5_vl": _QWEN,
     "qwen3_vl": _QWEN,
+    "qwen3_vl_moe": _QWEN,
 }
 
 
@@ -183,3 +191,15 @@ def implied_token_types(model, family: Family, input_ids: torch.Tensor) -> torch
         if token is not None:
             types[input_ids == token] = 1 if m.name == "image" else 2
     return types
+
+
+def text_only_token_types(model, model_kwargs: dict) -> set[str]:
+    """The family's token-type inputs in ``model_kwargs`` that are all zero (text only)."""
+    family = family_of(model)
+    if family is None:
+        return set()
+    return {
+        name
+        for name in family.token_types
+        if isinstance(model_kwargs.get(name), torch.Tensor) and not model_kwargs[name].any()
+    }
