@@ -148,7 +148,9 @@ class RowStreamer(BaseStreamer):
 
 class RowStop(StoppingCriteria):
     """Per row: True once the row reached its max_tokens, emitted EOS, hit its stop string
-    or lost its client. Closing a row here tells its request it is done right away."""
+    or lost its client (asked here, between steps: a gone client's row costs a step or two,
+    not the request thread's next poll). Closing a row here tells its request it is done
+    right away."""
 
     def __init__(self, rows: Rows):
         self.rows = rows
@@ -162,7 +164,7 @@ class RowStop(StoppingCriteria):
             if rows.ended[i] is not None:
                 continue
             if (
-                gen.cancelled.is_set()
+                gen.client_gone()  # cancelled, or its client left: the worker looks itself
                 or gen.stopped[0]
                 or rows.before[i] + generated >= gen.params.max_new_tokens
                 or (generated > 0 and last[i] in rows.eos)

@@ -128,7 +128,7 @@ class Scheduler:
             if gen.started is None:  # a resumed request waited once, at its start
                 gen.started = now
                 self.queue_waits.observe(now - gen.submitted)
-            if gen.cancelled.is_set():
+            if gen.client_gone():  # cancelled, or its client left while it waited: never run
                 gen._events.put(("done", gen.cached or 0))
                 gen.finished.set()
             else:
