@@ -55,7 +55,9 @@ def processed_pixels(processor, width: int, height: int) -> int:
     side scaled to ``shortest_edge`` (within ``longest_edge``), a long side to ``longest_edge``,
     a fixed ``height`` x ``width``, a ``max_pixels`` cap; for Qwen2-VL's family (``merge_size``)
     ``shortest_edge`` and ``longest_edge`` are pixel counts. The image's own pixels where the
-    processor does not resize or names no rule this knows. An upper bound, within a few percent."""
+    processor does not resize or names no rule this knows. The resize's pixels, an upper bound
+    within a few percent; processors that then tile (Idefics3, SmolVLM, InternVL) add a bounded
+    number of fixed-size tiles or a global view (at most ~13 x 384 x 384), not a multiple of it."""
     ip = getattr(processor, "image_processor", None)
     size = getattr(ip, "size", None)
     if ip is None or size is None or getattr(ip, "do_resize", True) is False:
