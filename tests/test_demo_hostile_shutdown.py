@@ -93,3 +93,28 @@ def test_sigterm_under_load_cuts_the_streams_and_saves_within_the_timeout(tmp_pa
         r = client.post("/v1/completions", json={"prompt": prompt(i), "max_tokens": 1, "temperature": 0})
         usage = r.get_json()["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - BLOCK, usage
+
+
+def test_engine_shutdown_cuts_queued_and_running_requests_and_refuses_new_ones():
+    import pytest
+
+    from demo.api.app import build_engine
+    from demo.engine.engine import Busy, Params
+    from demo.errors import ApiError
+
+    engine = build_engine(Config(model="builtin-tiny", cache_tokens=4096, max_batch_size=1, decode_chunk=0))
+    no_eos = ((engine.tokenizer.eos_token_id, -100.0),)
+    running = engine.submit(engine.text_ids(prompt(1)), Params(700, temperature=0.0, logit_bias=no_eos))
+    queued = engine.submit(engine.text_ids(prompt(2)), Params(700, temperature=0.0, logit_bias=no_eos))
+    deadline = time.monotonic() + 60
+    while running.generated < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.shutdown(wait=30)
+    assert running.finished.is_set() and running.generated < 700  # stopped at a step, not its end
+    for gen in (running, queued):
+        with pytest.raises(ApiError, match="shutting down") as e:
+            gen.collect()
+        assert e.value.status == 503
+    assert queued.generated == 0
+    with pytest.raises(Busy, match="shutting down"):
+        engine.reserve()
