@@ -106,3 +106,46 @@ def test_which_paths_look_local(tmp_path, monkeypatch):
         assert looks_local(path), path
     for path in ("someorg/some-adapter", "adapter-only-name"):
         assert not looks_local(path), path
+
+
+class _Payload:
+    """Unpickling it would create ``path``: what a malicious adapter_model.bin does."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_pickled_adapter_that_runs_code_is_refused_and_runs_nothing(tmp_path):
+    """The weights are read off the lock now (peft's load_peft_weights): still weights-only."""
+    import os
+    import shutil
+
+    import torch
+
+    from demo.api.app import create_app
+    from demo.config import Config
+    from tests.demo_checkpoints import save_adapter
+
+    good = save_adapter(tmp_path / "good", seed=1)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copy(os.path.join(good, "adapter_config.json"), bad)
+    marker = tmp_path / "pwned"
+    torch.save({"x": _Payload(str(marker))}, bad / "adapter_model.bin")
+    client = create_app(Config(model="builtin-tiny", cache_tokens=4096, admin_token=TOKEN)).test_client()
+    r = client.post(
+        "/v1/load_lora_adapter",
+        json={"lora_name": "evil", "lora_path": str(bad)},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    assert r.status_code == 400 and "cannot load adapter 'evil'" in r.get_json()["error"]["message"]
+    assert not marker.exists()
+    r = client.post(
+        "/v1/load_lora_adapter",
+        json={"lora_name": "good", "lora_path": good},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    assert r.status_code == 200, r.get_json()
