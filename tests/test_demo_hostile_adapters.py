@@ -149,3 +149,34 @@ def test_a_pickled_adapter_that_runs_code_is_refused_and_runs_nothing(tmp_path):
         headers={"Authorization": f"Bearer {TOKEN}"},
     )
     assert r.status_code == 200, r.get_json()
+
+
+def test_a_name_being_loaded_cannot_be_loaded_twice(tmp_path, monkeypatch):
+    """Files are read off the lock, so two loads of one name may overlap: the second is refused."""
+    from demo.model import adapters as adapters_module
+    from demo.model.adapters import AdapterError, Adapters, LoraModule
+    from demo.model.loading import build_builtin
+    from tests.demo_checkpoints import save_adapter
+
+    good = save_adapter(tmp_path / "good", seed=2)
+    model, _ = build_builtin("builtin-tiny")
+    held, reading = threading.Event(), threading.Event()
+    real = adapters_module.local_files
+
+    def slow(path, timeout):
+        reading.set()
+        held.wait(30)
+        return real(path, timeout)
+
+    monkeypatch.setattr(adapters_module, "local_files", slow)
+    adapters = Adapters(model, "builtin-tiny")
+    first = threading.Thread(target=adapters.load, args=(LoraModule("x", good),))
+    first.start()
+    try:
+        assert reading.wait(30)
+        with pytest.raises(AdapterError, match="already been loaded"):
+            adapters.load(LoraModule("x", good))
+    finally:
+        held.set()
+        first.join(60)
+    assert adapters.names() == ["x"]
