@@ -180,3 +180,12 @@ def test_a_name_being_loaded_cannot_be_loaded_twice(tmp_path, monkeypatch):
         held.set()
         first.join(60)
     assert adapters.names() == ["x"]
+
+
+def test_lora_download_timeout_flag_and_environment():
+    from demo.config import Config, from_args
+
+    assert from_args(["--lora-download-timeout", "5"], {}).lora_download_timeout == 5.0
+    assert from_args([], {"RADIXKV_LORA_DOWNLOAD_TIMEOUT": "7.5"}).lora_download_timeout == 7.5
+    with pytest.raises(ValueError, match="lora_download_timeout must be > 0"):
+        Config(lora_download_timeout=0)
