@@ -380,7 +380,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--media-fetch-timeout",
         type=float,
-        help="seconds for fetching one image URL (default 5; env RADIXKV_MEDIA_FETCH_TIMEOUT)",
+        help="seconds for fetching one image URL, name lookup to last byte (default 5; "
+        "env RADIXKV_MEDIA_FETCH_TIMEOUT)",
     )
     return p
 

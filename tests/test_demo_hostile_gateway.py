@@ -130,6 +130,15 @@ def test_bad_keys_through_sglang_router_leave_other_tenants_served(tmp_path):
                 timeout=60,
             )
             assert r.status_code == 200, r.text
+
+        # the replica process itself (waitress keeps a trusted peer's X-Forwarded-For): a client
+        # the proxy names is throttled on its own, another one is not
+        def direct(key: str, client: str) -> int:
+            headers = {"Authorization": f"Bearer {key}", "X-Forwarded-For": client}
+            return requests.get(url + "/v1/models", headers=headers, timeout=60).status_code
+
+        assert [direct("bad", "203.0.113.7") for _ in range(11)][-1] == 429
+        assert direct("k1", "203.0.113.7") == 429 and direct("k1", "203.0.113.8") == 200
     finally:
         if router is not None:
             router.terminate()

@@ -124,6 +124,24 @@ def test_the_processed_pixel_bound_uses_the_processors_resize(engine, checkpoint
         made = shape[-1] * shape[-2]
         estimate = vision.processed_pixels(processor, width, height)
         assert made <= estimate <= 1.1 * made + 100, (width, height, made, estimate)
+    # Qwen2-VL's processor names pixel counts, not edges, in its size (min 3,136, max 1,003,520)
+    from transformers import Qwen2VLImageProcessor
+
+    class Qwen:
+        image_processor = Qwen2VLImageProcessor()
+
+    for width, height in ((2000, 1000), (30, 30), (3000, 3000), (100, 5000)):
+        grid = Qwen.image_processor(Image.new("RGB", (width, height)), return_tensors="np")["image_grid_thw"][
+            0
+        ]
+        made = int(grid[1] * grid[2] * 14 * 14)
+        estimate = vision.processed_pixels(Qwen, width, height)
+        assert made <= estimate <= 2 * made + 10_000 < images.MAX_PROCESSED_PIXELS, (
+            width,
+            height,
+            made,
+            estimate,
+        )
     policy = images.MediaPolicy(max_processed_pixels=50_000)
     part = images.ImagePart("data:", "messages[0].content[0]")
     with pytest.raises(images.ApiError, match="would make 105633 pixels"):

@@ -1,7 +1,7 @@
-"""Hostile shutdowns (issue 28, items 5 and 9), on real server processes: SIGTERM with eight streams
+"""Hostile shutdowns (issue 28, items 5 and 9), on a real server process: SIGTERM with eight streams
 in flight still saves the cache within --cache-save-timeout (the requests are cut, not waited for)
-and a restart reads the prompts that were running; no temporary directory outlives the process,
-however it ends."""
+and a server started on the file reads the prompts that were running; the server makes no
+temporary directory (the gateway's tokenizer goes to the user's cache), so none outlives it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import time
 
 import requests
 
+from demo.api.app import create_app
+from demo.config import Config
 from demo.model.loading import build_builtin
 from tests.demo_process import start_demo
 
@@ -23,7 +25,19 @@ def prompt(i: int) -> str:
     return f"Stream {i} reads a list:\n" + "\n".join(f"| Item {i}-{k} | {k * 7 % 13} |" for k in range(12))
 
 
-def test_sigterm_under_load_cuts_the_streams_and_saves_within_the_timeout(tmp_path):
+def test_sigterm_under_load_cuts_the_streams_and_saves_within_the_timeout(tmp_path, monkeypatch):
+    """Also item 9: the tokenizer /model_info hands the gateway is saved into the user's cache,
+    named for its content; the server makes no temporary file or directory at all, so none
+    can outlive it, whether it ends through os._exit (SIGTERM) or a SIGKILL."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+
+    def temporaries() -> list[str]:  # torch's own compile cache aside
+        return [f for f in os.listdir(tmp_path / "tmp") if not f.startswith("torchinductor_")]
+
     _, tokenizer = build_builtin("builtin-tiny")
     no_eos = {str(tokenizer.eos_token_id): -100}  # the streams run to max_tokens unless cut
     cache, log = str(tmp_path / "cache.radixkv"), str(tmp_path / "server.log")
@@ -49,6 +63,9 @@ def test_sigterm_under_load_cuts_the_streams_and_saves_within_the_timeout(tmp_pa
 
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(8)]
     try:
+        path = requests.get(url + "/model_info", timeout=30).json()["tokenizer_path"]
+        assert path.startswith(str(tmp_path / "cache" / "radixkv" / "tokenizers")), path
+        assert temporaries() == []  # nothing that an exit could leave behind
         for t in threads:
             t.start()
         assert all(e.wait(60) for e in first)  # eight streams generating
@@ -63,47 +80,41 @@ def test_sigterm_under_load_cuts_the_streams_and_saves_within_the_timeout(tmp_pa
     assert rc == 0, text[-3000:]
     assert took < 3 + 3, took  # within --cache-save-timeout (slack for a loaded machine)
     assert "shutdown save to" in text and os.path.exists(cache), text[-3000:]
-    for t in threads:
-        t.join(30)
-    # The restart reads the prompts of the streams that were running.
-    proc, url = start_demo([*ARGS, "--cache-file", cache], str(tmp_path / "restart.log"))
-    try:
-        for i in (0, 7):
-            body = {"prompt": prompt(i), "max_tokens": 1, "temperature": 0}
-            r = requests.post(url + "/v1/completions", json=body, timeout=120).json()
-            usage = r["usage"]
-            assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - BLOCK, usage
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-
-
-def test_no_tokenizer_directory_outlives_the_process_however_it_ends(tmp_path, monkeypatch):
-    """/model_info saves a built-in model's tokenizer for the gateway: into the user's cache, named
-    for its content, never a temporary directory that an exit through os._exit (SIGTERM) or a
-    SIGKILL leaves behind; two processes share the one directory, which loads as the tokenizer."""
-    from transformers import AutoTokenizer
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the server's temporary files, if any
-    (tmp_path / "tmp").mkdir()
-    paths = set()
-    for how in (signal.SIGTERM, signal.SIGKILL):
-        proc, url = start_demo(ARGS, str(tmp_path / "server.log"))
-        try:
-            paths.add(requests.get(url + "/model_info", timeout=30).json()["tokenizer_path"])
-            proc.send_signal(how)
-            proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        left = [
-            f for f in os.listdir(tmp_path / "tmp") if not f.startswith("torchinductor_")
-        ]  # torch's cache
-        assert left == [], (how, left)
-    (path,) = paths
-    assert path.startswith(str(tmp_path / "cache" / "radixkv" / "tokenizers")), path
+    assert temporaries() == []
     assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]  # no partial copies
-    _, tokenizer = build_builtin("builtin-tiny")
     text = "| Item 3-4 | 2 |"
     assert AutoTokenizer.from_pretrained(path)(text)["input_ids"] == tokenizer(text)["input_ids"]
+    for t in threads:
+        t.join(30)
+    # A server started on the file reads the prompts of the streams that were running.
+    config = Config(model="builtin-tiny", block_size=BLOCK, cache_tokens=16384, cache_file=cache)
+    client = create_app(config).test_client()
+    for i in (0, 7):
+        r = client.post("/v1/completions", json={"prompt": prompt(i), "max_tokens": 1, "temperature": 0})
+        usage = r.get_json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - BLOCK, usage
+
+
+def test_engine_shutdown_cuts_queued_and_running_requests_and_refuses_new_ones():
+    import pytest
+
+    from demo.api.app import build_engine
+    from demo.engine.engine import Busy, Params
+    from demo.errors import ApiError
+
+    engine = build_engine(Config(model="builtin-tiny", cache_tokens=4096, max_batch_size=1, decode_chunk=0))
+    no_eos = ((engine.tokenizer.eos_token_id, -100.0),)
+    running = engine.submit(engine.text_ids(prompt(1)), Params(700, temperature=0.0, logit_bias=no_eos))
+    queued = engine.submit(engine.text_ids(prompt(2)), Params(700, temperature=0.0, logit_bias=no_eos))
+    deadline = time.monotonic() + 60
+    while running.generated < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.shutdown(wait=30)
+    assert running.finished.is_set() and running.generated < 700  # stopped at a step, not its end
+    for gen in (running, queued):
+        with pytest.raises(ApiError, match="shutting down") as e:
+            gen.collect()
+        assert e.value.status == 503
+    assert queued.generated == 0
+    with pytest.raises(Busy, match="shutting down"):
+        engine.reserve()

@@ -68,6 +68,11 @@ class _JsonErrorTask(ErrorTask):
         self.write(body)
 
 
+def _idle(channel) -> bool:
+    """No complete request in hand, and no answer still going out (a slow reader's)."""
+    return not channel.requests and not channel.total_outbufs_len
+
+
 class _Open:
     """The open channels (accepted on the loop thread, closed from any) and their count per address."""
 
@@ -97,7 +102,7 @@ class _Open:
             if over <= 0:
                 return
             idle = sorted(
-                (c for c in self.channels if c is not keep and not c.requests and not c.will_close),
+                (c for c in self.channels if c is not keep and _idle(c) and not c.will_close),
                 key=lambda c: c.last_activity,
             )
         for channel in idle[:over]:
@@ -109,7 +114,7 @@ class _Open:
         """Close the channels without a complete request for ``header_timeout`` seconds."""
         cutoff = now - self.policy.header_timeout
         with self._lock:
-            late = [c for c in self.channels if not c.requests and c.waiting_since < cutoff]
+            late = [c for c in self.channels if _idle(c) and c.waiting_since < cutoff]
         for channel in late:
             channel.will_close = True
 

@@ -165,7 +165,9 @@ class RowStreamer(BaseStreamer):
 
 class RowStop(StoppingCriteria):
     """Per row: True once the row reached its max_tokens, emitted EOS, hit its stop string
-    or lost its client, or pauses. Closing a row here tells its request it is done right away."""
+    or lost its client (asked here, between steps: a gone client's row costs a step or two,
+    not the request thread's next poll), or pauses. Closing a row here tells its request it
+    is done right away."""
 
     def __init__(self, rows: Rows):
         self.rows = rows
@@ -180,7 +182,7 @@ class RowStop(StoppingCriteria):
                 continue
             gen = row.gen
             if (
-                gen.cancelled.is_set()
+                gen.client_gone()  # cancelled, or its client left: the worker looks itself
                 or gen.row_stopped(row.row)
                 or gen.replied(row.row) + generated >= gen.params.max_new_tokens
                 or (generated > 0 and last[i] in rows.eos)

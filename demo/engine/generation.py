@@ -23,6 +23,9 @@ from demo.engine.textstream import TextStream
 
 # How often (seconds) a waiting request asks its `alive` callback whether the client is there.
 ALIVE_EVERY = 0.25
+# How often (seconds) the worker asks it too, between decode steps (`Generation.client_gone`):
+# a request whose client left is cut within a step or two, whenever its own thread looks.
+WORKER_ALIVE_EVERY = 0.02
 # Below this temperature, sampling is greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow to
 # inf and the softmax to NaN, which made generate() raise on a valid request.
 GREEDY_BELOW = 1e-5
@@ -166,6 +169,7 @@ class Generation:
         self.generated = 0  # decoding steps the worker made, read or not (the worker writes it)
         self.finished = threading.Event()  # the worker is done with this request
         self._checked = time.monotonic()  # last `alive` poll
+        self._worker_checked = 0.0  # last `alive` poll by the worker (client_gone)
 
     def replied(self, row: int) -> int:
         """Tokens of row ``row``'s reply already in its context (earlier decode chunks)."""
@@ -189,6 +193,27 @@ class Generation:
     def cancel(self) -> None:
         self.cancelled.set()
 
+    def client_gone(self) -> bool:
+        """For the worker, before it runs this request and between its decode steps: whether its
+        client hung up (polled at most every WORKER_ALIVE_EVERY s). If so the request is
+        cancelled and its thread told at once, so the hang-up is answered (and counted, 499)
+        when it happens and costs no more than the step under way."""
+        if self.alive is None or self.cancelled.is_set():
+            return self.cancelled.is_set()
+        now = time.monotonic()
+        if now - self._worker_checked < WORKER_ALIVE_EVERY:
+            return False
+        self._worker_checked = now
+        try:
+            alive = self.alive()
+        except Exception:  # a check that fails must never cancel a live request
+            return False
+        if alive:
+            return False
+        self.cancel()
+        self._events.put(("gone",))
+        return True
+
     def _next_event(self) -> tuple:
         # Polls `alive` by the clock, not only on idle waits: tokens may arrive faster than
         # the poll interval for the whole reply.
@@ -203,6 +228,8 @@ class Generation:
                 if not self.alive():
                     self.cancel()  # the worker skips it if queued, stops it if running
                     raise Disconnected("the client closed the connection")
+            if event is not None and event[0] == "gone":  # the worker saw the hang-up first
+                raise Disconnected("the client closed the connection")
             if event is not None:
                 return event
 

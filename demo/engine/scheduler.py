@@ -150,7 +150,7 @@ class Scheduler:
             else:
                 self.resumes += 1
                 self.resume_waits.observe(now - gen.paused_at)
-            if gen.cancelled.is_set():
+            if gen.client_gone():  # cancelled, or its client left while it waited: never run
                 gen._events.put(("done", gen.cached or 0))
                 gen.finished.set()
             else:

@@ -53,8 +53,11 @@ def processed_pixels(processor, width: int, height: int) -> int:
     """Pixels per image the processor's resize makes of a ``width`` x ``height`` image, computed
     from its ``size`` rule before anything is allocated (demo.api.images bounds it): a short
     side scaled to ``shortest_edge`` (within ``longest_edge``), a long side to ``longest_edge``,
-    a fixed ``height`` x ``width``, a ``max_pixels`` cap (Qwen2-VL); the image's own pixels
-    where the processor does not resize or names no rule this knows."""
+    a fixed ``height`` x ``width``, a ``max_pixels`` cap; for Qwen2-VL's family (``merge_size``)
+    ``shortest_edge`` and ``longest_edge`` are pixel counts. The image's own pixels where the
+    processor does not resize or names no rule this knows. The resize's pixels, an upper bound
+    within a few percent; processors that then tile (Idefics3, SmolVLM, InternVL) add a bounded
+    number of fixed-size tiles or a global view (at most ~13 x 384 x 384), not a multiple of it."""
     ip = getattr(processor, "image_processor", None)
     size = getattr(ip, "size", None)
     if ip is None or size is None or getattr(ip, "do_resize", True) is False:
@@ -67,6 +70,11 @@ def processed_pixels(processor, width: int, height: int) -> int:
         return value if isinstance(value, (int, float)) and value > 0 else None
 
     short, long = min(width, height), max(width, height)
+    if getattr(ip, "merge_size", None) is not None:  # Qwen2-VL's family: size is in pixels
+        # (smart_resize keeps the pixel count within [shortest_edge, longest_edge], in 28-pixel steps)
+        step = 2 * (getattr(ip, "patch_size", None) or 14) * ip.merge_size
+        low, high = rule("shortest_edge") or 0, rule("longest_edge") or width * height
+        return int(min(max(width * height, low), high)) + step * (width + height + step)
     if rule("height") and rule("width"):
         return int(rule("height") * rule("width"))
     if rule("shortest_edge") or rule("longest_edge"):
