@@ -469,3 +469,11 @@ def test_a_hook_that_raises_fails_its_own_request_only(engine, monkeypatch):
     assert fine.collect().text == stock(engine, ids[1], Params(8, temperature=0.0))[0]
     engine.check_invariants()
     assert engine.stats()["pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(top_k=-1), dict(min_p=1.5), dict(repetition_penalty=0.0), dict(top_p=0.0), dict(n=0)]
+)
+def test_engine_params_refuse_values_that_would_fail_a_whole_batch(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Params(4, **bad)
