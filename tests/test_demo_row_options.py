@@ -329,8 +329,8 @@ def test_a_long_prompt_is_prefilled_in_slices_between_decode_chunks(engine, monk
     long_gen = engine.submit(long_, Params(5, temperature=0.7, seed=4))
     results = collect_all([runner_gen, long_gen])
     slices = [e for e in events if e[0] == "slice"]
-    assert len(slices) == (len(long_) - 1) // 32  # until the rest fits in one slice
-    assert [s[1] for s in slices] == list(range(32, 32 * len(slices) + 1, 32))
+    ends = [s[1] for s in slices]  # slices of 32 up to the prompt's last token
+    assert ends == [*range(32, len(long_) - 1, 32), len(long_) - 1]
     progress = [s[2] for s in slices]
     assert progress == sorted(progress) and progress[-1] > progress[0]  # decoding went on between slices
     assert engine.scheduler.prefill_slices - slices0 == len(slices)
@@ -435,3 +435,45 @@ def test_a_client_gone_while_its_request_is_paused_is_answered_and_never_resumed
         stays.collect().text
         == stock(engine, engine.text_ids("stays"), Params(8, temperature=0.9, seed=98))[0]
     )
+
+
+def test_the_server_asks_for_passive_omp_threads_unless_told_otherwise():
+    from demo.__main__ import quiet_threads
+
+    env = {}
+    quiet_threads(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    quiet_threads(env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_a_hook_that_raises_fails_its_own_request_only(engine, monkeypatch):
+    class Broken:
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, ids, scores):
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("grammar exploded")
+            return scores
+
+    ids = prompts(engine, 2)
+    held = Held(engine, monkeypatch)
+    broken = engine.submit(ids[0], Params(8, temperature=0.0), hooks=[Broken()])
+    fine = engine.submit(ids[1], Params(8, temperature=0.0))
+    held.go()
+    with pytest.raises(RuntimeError, match="grammar exploded"):
+        broken.collect()
+    assert fine.collect().text == stock(engine, ids[1], Params(8, temperature=0.0))[0]
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(top_k=-1), dict(min_p=1.5), dict(repetition_penalty=0.0), dict(top_p=0.0), dict(n=0)]
+)
+def test_engine_params_refuse_values_that_would_fail_a_whole_batch(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Params(4, **bad)
