@@ -4,7 +4,6 @@ mid-write cost speed, never tokens. Every output is checked against stock genera
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import subprocess
@@ -42,24 +41,9 @@ def sock(tmp_path_factory):
     proc.wait()
 
 
-def test_a_document_computed_by_one_process_is_served_to_a_fresh_one(sock):
-    # Process A exits right after its generate(): its prefixes reach the sidecar on the way out.
-    assert run_client(sock, "commit-and-exit", "--doc-seed", "1")["cached"] == [0]
-    # A fresh process: the document's whole blocks come from the sidecar. Another model of the
-    # same shape (other weights) and another namespace read nothing of it.
-    b = run_client(sock, "client", "--run", "1:12", "--run", "1:12::7", "--run", "1:12:tenant-b")
-    assert b["cached"] == [DOC_BLOCKS_TOKENS, 0, 0] and b["remote_hit_tokens"] == DOC_BLOCKS_TOKENS
-    res = subprocess.run(
-        [sys.executable, "-m", "radixkv.sidecar", "stats", "--socket", str(sock)],
-        capture_output=True, text=True, timeout=60, env=client_env(sock), cwd=ROOT,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    stats = json.loads(res.stdout)
-    assert stats["open_leases"] == stats["pinned_blocks"] == stats["open_txns"] == 0
-    assert stats["hit_tokens"] == DOC_BLOCKS_TOKENS and stats["pools"] == 1 and stats["clients"] == 1
-
-
-def test_a_client_killed_while_writing_leaves_nothing_visible_and_no_pins(sock):
+def test_fresh_processes_read_what_another_computed_never_half_writes_or_other_keys(sock):
+    # Process A commits document 4 (written through), pins it, takes blocks for document 3 and
+    # writes half of them, then is SIGKILLed before committing.
     res = subprocess.run(
         [sys.executable, "-m", "tests.sidecar_process", "half-write", "--socket", str(sock),
          "--doc-seed", "3", "--pin-seed", "4"],
@@ -71,8 +55,20 @@ def test_a_client_killed_while_writing_leaves_nothing_visible_and_no_pins(sock):
         stats["open_leases"] == stats["open_txns"] == stats["private_blocks"] == stats["pinned_blocks"] == 0
     )
     assert stats["released_pins"] == 1 and stats["aborted_blocks"] == DOC_LEN // BS
-    # The half-written document is not served; the committed one is.
-    assert run_client(sock, "client", "--run", "3", "--run", "4")["cached"] == [0, DOC_BLOCKS_TOKENS]
+    # A fresh process B: document 4's whole blocks come from the sidecar; another model of the
+    # same shape (other weights), another namespace and the half-written document read nothing.
+    # B then computes document 8 and exits at once: its prefixes reach the sidecar on the way out.
+    runs = ["4:12", "4:12::7", "4:12:tenant-b", "3"]
+    b = run_client(sock, "client", *(x for r in runs for x in ("--run", r)), "--exit-doc", "8")
+    assert b["cached"] == [DOC_BLOCKS_TOKENS, 0, 0, 0] and b["remote_hit_tokens"] == DOC_BLOCKS_TOKENS
+    stats = sidecar_stats(sock)
+    assert stats["open_leases"] == stats["pinned_blocks"] == stats["open_txns"] == 0 and stats["pools"] == 1
+    model = build("llama-sdpa")
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=sock)
+    cache, _ = assert_same_as_stock(
+        model, ids(document(8) + tokens(6, 81)), store, max_new_tokens=2, do_sample=False
+    )
+    assert cache.cached_tokens == [DOC_BLOCKS_TOKENS]
 
 
 def test_sidecar_killed_mid_generation_then_a_new_one_is_used(tmp_path_factory, caplog):
