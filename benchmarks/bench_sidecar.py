@@ -16,8 +16,9 @@
    processes. Sides interleaved, medians.
 3. ``memory``: four processes sharing one 2,000-token system prompt, one after another: four
    private host tiers (the prompt demoted into each) against no host tier and one sidecar. PSS
-   (proportional set size: shared pages counted once over all processes) of every process,
-   summed, each side's processes otherwise identical.
+   (proportional set size: shared pages counted once over all processes): each process's growth
+   from before its store to the end, plus the sidecar's since it started, summed; in copies of the
+   prompt's KV. Each process also holds the prompt in its own (device) pool: 4 copies either way.
 4. ``write``: the cost of write-through: generate() of a 2,000-token miss with a local store vs
    one with a sidecar (the copy to the sidecar is queued), and the background write's duration.
 
@@ -281,6 +282,12 @@ torch.set_num_threads(1)
 model = build_model()
 rng = random.Random(11)
 prompt = document(rng, {n})
+model.generate(ids(document(random.Random(99), {n})), max_new_tokens=1)  # the allocator warmed up
+def pss():
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+print("base", pss(), flush=True)
 kw = dict(block_size=16, budget_tokens={device})
 store = hf_patch.build_store(model, **kw, sidecar={sidecar!r}) if {sidecar!r} else hf_patch.build_store(model, **kw, host_cache_tokens={host})
 cache = hf_patch.RadixCache(store)
@@ -315,26 +322,33 @@ def part_memory(args) -> None:
         if side == "one sidecar":
             sock = str(work / "s.sock")
             sidecar_proc = start_sidecar(Path(sock))
+            time.sleep(2)
+            sidecar_base = pss(sidecar_proc.pid)
         workers = []
         try:
             for i in range(4):
                 code = WORKER.format(root=str(ROOT), n=n, device=n + 512, host=n + 512, sidecar=sock, i=i)
                 p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                      env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+                base = p.stdout.readline().split()
                 line = p.stdout.readline().split()
-                if not line or line[0] != "ready":
+                if not line or line[0] != "ready" or base[0] != "base":
                     raise SystemExit(f"worker {i} failed")
-                workers.append((p, int(line[1])))
+                workers.append((p, int(line[1]), int(base[1])))
             time.sleep(1)
-            per = [pss(p.pid) for p, _ in workers]
-            side_total = sum(per) + (pss(sidecar_proc.pid) if sidecar_proc else 0)
+            # KV memory: each process's PSS growth since it built its store, and the sidecar's
+            # since it started (shared pages split between the processes that map them).
+            per = [pss(p.pid) - base for p, _, base in workers]
+            sidecar_kv = pss(sidecar_proc.pid) - sidecar_base if sidecar_proc else 0
+            side_total = sum(per) + sidecar_kv
             totals[side] = side_total
-            cached = [c for _, c in workers]
-            extra = f", sidecar {pss(sidecar_proc.pid) / 2**20:.1f} MiB" if sidecar_proc else ""
-            print(f"   {side:<19} PSS per process {[round(x / 2**20, 1) for x in per]} MiB{extra}; "
-                  f"total {side_total / 2**20:.1f} MiB; cached tokens per process {cached}", flush=True)  # fmt: skip
+            cached = [c for _, c, _ in workers]
+            extra = f", sidecar +{sidecar_kv / 2**20:.1f} MiB" if sidecar_proc else ""
+            print(f"   {side:<19} PSS growth per process {[round(x / 2**20, 1) for x in per]} MiB{extra}; "
+                  f"total {side_total / 2**20:.1f} MiB = {side_total / (n * 16 * 1024):.2f} copies; "
+                  f"cached tokens per process {cached}", flush=True)  # fmt: skip
         finally:
-            for p, _ in workers:
+            for p, *_ in workers:
                 p.kill()
                 p.wait()
             if sidecar_proc is not None:
