@@ -129,6 +129,7 @@ class SidecarTier:
         self._retry_at = 0.0
         self._retry_s = 0.1
         self._warned = False
+        self._closed = False
         self._queue: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._busy = False
@@ -144,6 +145,8 @@ class SidecarTier:
     # -- connection -------------------------------------------------------------------------
     def _connect_locked(self) -> None:
         now = time.monotonic()
+        if self._closed:
+            raise SidecarDown("closed")
         if now < self._retry_at:
             raise SidecarDown("retry later")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -355,7 +358,9 @@ class SidecarTier:
         return out
 
     def close(self) -> None:
+        """Detach for good: later calls are misses, later commits stay local."""
         with self._lock:
+            self._closed = True
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
