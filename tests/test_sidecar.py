@@ -16,7 +16,7 @@ import torch
 
 import hf_patch
 from hf_patch.keys.weights import model_scope
-from tests.hf_models import assert_same_as_stock, build, ids, tokens
+from tests.hf_models import assert_same_as_stock, build, ids, left_pad, tokens
 from tests.sidecar_process import (
     BS,
     DOC_LEN,
@@ -189,3 +189,35 @@ def test_a_prefix_another_process_is_computing_is_waited_for(sock, monkeypatch):
     thread.join(120)
     assert torch.equal(result["out"], stock) and result["cached"] == [DOC_BLOCKS_TOKENS]
     assert b.stats()["sidecar_waited"] == 1
+
+
+def test_host_tier_blocks_are_written_through_and_a_padded_batch_reads_the_sidecar(sock):
+    model = build("llama-sdpa")
+    a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, host_cache_tokens=2048, sidecar=sock)
+    docs = [document(30), document(31)[:30]]  # 10 and 7 whole blocks
+    for d in docs:
+        assert_same_as_stock(model, ids(d + tokens(6, 300)), a, max_new_tokens=2, do_sample=False)
+    assert a.remote.flush(30)
+    before = sidecar_stats(sock)["inserted_tokens"]
+    with a._lock:  # every unpinned device block demoted: A's blocks now live on its host tier
+        a._make_room_locked(0, a.pool.num_blocks)
+    assert a.stats()["host_cached_blocks"] > 0
+    # A new prefix over a host-resident one: its write-through copies from A's host pool.
+    longer = docs[0] + tokens(8, 301)
+    assert_same_as_stock(model, ids(longer + tokens(3, 302)), a, max_new_tokens=2, do_sample=False)
+    assert a.remote.flush(30) and sidecar_stats(sock)["inserted_tokens"] > before
+    # B, empty, reads both documents from the sidecar in one left-padded batch.
+    b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=sock)
+    rows = [longer + tokens(5, 303), docs[1] + tokens(4, 304)]
+    input_ids, mask = left_pad(rows)
+    cache, _ = assert_same_as_stock(
+        model, input_ids, b, attention_mask=mask, max_new_tokens=3, do_sample=False
+    )
+    # A rectangular batch preloads one common column count: L = min(pad + match) over the rows.
+    pads = [input_ids.shape[1] - len(r) for r in rows]
+    common = min(p + m for p, m in zip(pads, [len(longer) // BS * BS, len(docs[1]) // BS * BS]))
+    assert cache.cached_tokens == [common - p for p in pads] and min(cache.cached_tokens) > 0
+    # In-batch sharing read the documents from the sidecar to extend them (not counted as hits);
+    # every byte of B's prefixes came from there.
+    bpt = b.pool.bytes_per_token
+    assert b.stats()["bytes_from_remote"] >= bpt * (len(longer) // BS * BS + len(docs[1]) // BS * BS)
