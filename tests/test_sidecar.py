@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -135,7 +137,11 @@ def test_a_sidecar_full_of_pinned_blocks_degrades(tmp_path_factory):
     model = build("llama-sdpa")
     a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048)
     block_bytes = BS * a.pool.bytes_per_token
-    proc = start_sidecar(path, str(12 * block_bytes))  # 12 blocks: one document of 10 and a bit
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # 12 blocks: one document of 10 and a bit
+    proc = start_sidecar(path, str(12 * block_bytes), "--metrics-port", str(port))
     try:
         a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
         b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
@@ -151,6 +157,9 @@ def test_a_sidecar_full_of_pinned_blocks_degrades(tmp_path_factory):
         assert c.remote.flush(30)
         stats = sidecar_stats(path)
         assert stats["uncached_tokens"] > 0 and stats["pinned_blocks"] == DOC_LEN // BS
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        assert f"radixkv_sidecar_pinned_blocks {DOC_LEN // BS}" in metrics
+        assert "radixkv_sidecar_clients 3" in metrics
         held.release()
         assert_same_as_stock(model, ids(document(8) + tokens(2, 81)), c, max_new_tokens=1, do_sample=False)
         assert c.remote.flush(30)
