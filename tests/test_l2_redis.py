@@ -53,6 +53,19 @@ def test_round_trip_and_miss(store):
     assert (s["reads"], s["hits"], s["writes"], s["errors"], s["refused"], s["down"]) == (6, 5, 5, 0, 0, 0)
 
 
+def test_round_trips_of_bounded_size(server, store):
+    """A call's keys are spread over several round trips (MGETs of keys_per_mget keys, then
+    sized by the values seen; SET pipelines of about round_trip_bytes): same answers."""
+    keys = block_keys(ID_A, b"round-trips", list(range(16 * 7)), 16)
+    payloads = blocks(7, size=4096, seed=9)
+    small = open_l2(server.url, keys_per_mget=3, round_trip_bytes=9000)
+    assert small.put_many(list(zip(keys, payloads))) == 7
+    for _ in range(2):  # the first read: 3 keys an MGET; then 2 (9000 // 4096)
+        assert [bytes(v) for v in small.get_many(keys)] == payloads
+    assert small.stats()["hits"] == 14
+    small.close()
+
+
 def test_a_real_block_size_and_buffers(store):
     np = pytest.importorskip("numpy")
     # 16 tokens x 32 layers x 2 (K, V) x 8 heads x 128 x 2 bytes = 2 MiB

@@ -52,7 +52,7 @@ def open_l2(url: str, *, timeout_s: float = 0.5, **opts) -> L2Store:
 
     Common options: ``identity`` (bytes; default: the one each block key carries), ``backoff_s`` / ``backoff_max_s`` (retry
     delay after an outage, 0.5 / 10 s). Redis: ``ttl_s``, ``key_prefix``, ``username``,
-    ``password``, ``keys_per_mget``, ``write_batch_bytes``, ``max_value_bytes``, and redis-py's
+    ``password``, ``keys_per_mget``, ``round_trip_bytes``, ``max_value_bytes``, and redis-py's
     ``ssl_*``, ``max_connections``, ``client_name``. file: ``fsync``, ``file_mode``.
     Connects lazily: an unreachable Redis is not an error here (it is an outage at first use).
     Raises ValueError naming the part of the URL or the option that is wrong; ImportError
