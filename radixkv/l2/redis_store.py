@@ -8,10 +8,11 @@ bound), and a failure starts an outage during which calls return misses at once 
 probe finds Redis back (health.py). Values are checked on the way out (value_format.py).
 
 Round trips carry about ``round_trip_bytes`` (1 MiB) each: small blocks go many to a round
-trip (an MGET of up to ``keys_per_mget`` keys, a pipeline of SETs), large ones one each. On
-this machine 8 values of 2 MiB in one MGET were read ~30% slower than one GET each (redis-py's
-reply buffer grows by copying, and Redis buffers big pipelined arguments), while small ones
-gain from batching; reads size their MGETs by the average value seen so far.
+trip (an MGET of up to ``keys_per_mget`` keys, a pipeline of SETs), large ones one each, so
+a reply never makes redis-py grow one buffer (by copying) to hundreds of MiB. Measured once
+with plain redis-py (load 10 on the 2-core machine, noisy): 8 values of 2 MiB read 88/s in one
+MGET, 121/s one GET each; 512 KiB no different. Reads size their MGETs by the average value
+seen so far.
 
 Memory: a write packs one round trip's values (header + payload, the one copy) into a buffer
 its thread keeps; a read returns views into the replies redis-py allocated (no copy).
