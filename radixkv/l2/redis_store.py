@@ -241,8 +241,8 @@ class RedisStore:
     def _scratch(self, nbytes: int) -> memoryview:
         """A buffer of at least ``nbytes`` to pack values into: this thread's reusable one (a
         fresh allocation per value cost more than the copy itself, measured on this machine),
-        at most ``round_trip_bytes`` plus one value per writing thread; a one-off for a batch
-        over 4x that (one huge value), so it is not kept."""
+        at most 4 x ``round_trip_bytes`` per writing thread; a one-off for a larger batch (one
+        huge value), so that is not kept."""
         if nbytes > 4 * self._round_trip_bytes:
             return memoryview(bytearray(nbytes))
         buf = getattr(self._local, "buf", None)
