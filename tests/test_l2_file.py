@@ -32,6 +32,8 @@ def test_round_trip_two_clients_and_misses(tmp_path):
     files = [f for _, _, fs in os.walk(tmp_path) for f in fs]
     assert len(files) == 4 and not [f for f in files if f.endswith(".tmp")]
     assert oct(os.stat(a.path_of(keys[0])).st_mode & 0o777) == "0o600"
+    pieces = [os.urandom(100) for _ in range(700)]  # more buffers than one writev takes
+    assert a.put_many([(keys[0], pieces)]) == 1 and bytes(b.get_many([keys[0]])[0]) == b"".join(pieces)
     long_key = b"k" * 500  # any key up to 1 KiB: named by its digest
     assert a.put_many([(long_key, b"long")]) == 1 and bytes(b.get_many([long_key])[0]) == b"long"
 

@@ -53,6 +53,17 @@ def test_round_trip_and_miss(store):
     assert (s["reads"], s["hits"], s["writes"], s["errors"], s["refused"], s["down"]) == (6, 5, 5, 0, 0, 0)
 
 
+def test_payload_in_pieces(store):
+    """A payload given as a list of buffers (a block's regions) is stored as their concatenation."""
+    np = pytest.importorskip("numpy")
+    key = block_keys(ID_A, b"pieces", list(range(16)), 16)[0]
+    regions = [np.full(1000, i, dtype=np.uint16) for i in range(5)] + [b"", bytearray(b"tail")]
+    assert store.put_many([(key, regions)]) == 1
+    assert bytes(store.get_many([key])[0]) == b"".join(bytes(r) for r in regions)
+    with pytest.raises(ValueError, match="list of them"):
+        store.put_many([(key, [b"ok", 5])])
+
+
 def test_round_trips_of_bounded_size(server, store):
     """A call's keys are spread over several round trips (MGETs of keys_per_mget keys, then
     sized by the values seen; SET pipelines of about round_trip_bytes): same answers."""

@@ -31,11 +31,12 @@ import blake3
 from radixkv.l2.health import Health
 from radixkv.l2.inputs import checked_items, checked_keys, identities, identity_digest
 from radixkv.l2.url import L2Url
-from radixkv.l2.value_format import HEADER_BYTES, LENGTH, NOT_A_FILE, check, pack_header
+from radixkv.l2.value_format import HEADER_BYTES, LENGTH, NOT_A_FILE, Parts, check, pack_header, parts_nbytes
 
 logger = logging.getLogger(__name__)
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+_IOV_MAX = 512  # buffers per writev (Linux allows 1024)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -44,7 +45,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEX
 def _write_all(fd: int, parts: list[memoryview]) -> None:
     """os.writev until every byte of ``parts`` is written (a write may be partial)."""
     while parts:
-        n = os.writev(fd, parts)
+        n = os.writev(fd, parts[:_IOV_MAX])
         while parts and n >= parts[0].nbytes:
             n -= parts[0].nbytes
             parts = parts[1:]
@@ -203,7 +204,7 @@ class FileStore:
         self.health.add(hits=hits, errors=errors, bytes_read=nbytes)
         return out
 
-    def _write(self, key: bytes, header: bytes, payload: memoryview) -> None:
+    def _write(self, key: bytes, header: bytes, payload: Parts) -> None:
         dirs = self._open_dirs(key, create=True)  # never creates DIR itself: see the module docstring
         folder = dirs[-1]
         name = self._parts(key)[2]
@@ -212,7 +213,7 @@ class FileStore:
             fd = os.open(tmp, _WRITE_FLAGS, self._mode, dir_fd=folder)
             try:
                 try:
-                    _write_all(fd, [memoryview(header), payload])
+                    _write_all(fd, [memoryview(header), *payload])
                     if self._fsync:
                         os.fsync(fd)
                 finally:
@@ -241,7 +242,7 @@ class FileStore:
             return 0
         stored = nbytes = 0
         for i, (key, payload) in enumerate(items):
-            if HEADER_BYTES + payload.nbytes > self._max_value_bytes:
+            if HEADER_BYTES + parts_nbytes(payload) > self._max_value_bytes:
                 self.health.write_rejected(1, f"value over max_value_bytes={self._max_value_bytes}")
                 continue
             try:
@@ -257,7 +258,7 @@ class FileStore:
                 self.health.write_rejected(1, f"{type(exc).__name__}: {exc}")
                 continue
             stored += 1
-            nbytes += HEADER_BYTES + payload.nbytes
+            nbytes += HEADER_BYTES + parts_nbytes(payload)
         if stored == len(items):
             self.health.writes_accepted()
         if stored:

@@ -31,7 +31,8 @@ class L2Store(Protocol):
         ...
 
     def put_many(self, items: Sequence[tuple[bytes, object]], *, identity: bytes | None = None) -> int:
-        """Store ``(key, payload)`` pairs (payload: any C-contiguous bytes-like buffer); the
+        """Store ``(key, payload)`` pairs (payload: any C-contiguous bytes-like buffer, or a
+        list of them meaning their concatenation, e.g. a block's regions: no join needed); the
         number stored. Never raises because the store is down, full or slow; raises ValueError
         only for malformed ``items``."""
         ...

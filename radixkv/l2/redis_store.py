@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from radixkv.l2.health import Health
 from radixkv.l2.inputs import checked_items, checked_keys, identities, identity_digest
 from radixkv.l2.url import L2Url
-from radixkv.l2.value_format import HEADER_BYTES, check, pack_into
+from radixkv.l2.value_format import HEADER_BYTES, check, pack_into, parts_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class RedisStore:
         todo = [
             (k, v, d)
             for (k, v), d in zip(checked, idents)
-            if v.nbytes + HEADER_BYTES <= self._max_value_bytes
+            if parts_nbytes(v) + HEADER_BYTES <= self._max_value_bytes
         ]
         if len(todo) < len(checked):
             self.health.write_rejected(
@@ -223,7 +223,7 @@ class RedisStore:
         while start < len(todo):
             batch_start, batch_bytes = start, 0
             while start < len(todo) and (start == batch_start or batch_bytes < self._round_trip_bytes):
-                batch_bytes += HEADER_BYTES + todo[start][1].nbytes
+                batch_bytes += HEADER_BYTES + parts_nbytes(todo[start][1])
                 start += 1
             room = self._scratch(batch_bytes)
             batch = []
