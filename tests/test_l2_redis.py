@@ -71,10 +71,15 @@ def test_round_trips_of_bounded_size(server, store):
     payloads = blocks(7, size=4096, seed=9)
     small = open_l2(server.url, keys_per_mget=3, round_trip_bytes=9000)
     assert small.put_many(list(zip(keys, payloads))) == 7
-    for _ in range(2):  # the first read: 3 keys an MGET; then 2 (9000 // 4096)
+    for _ in range(2):  # 2 keys an MGET (9000 // 4176, the size the writes showed), not 3
         assert [bytes(v) for v in small.get_many(keys)] == payloads
-    assert small.stats()["hits"] == 14
+    assert small.stats()["hits"] == 14 and small._keys_per_round_trip() == 2
+    reader = open_l2(server.url, keys_per_mget=3, round_trip_bytes=9000)  # reads only: learns from them
+    assert reader._keys_per_round_trip() == 3
+    assert [bytes(v) for v in reader.get_many(keys)] == payloads
+    assert reader._keys_per_round_trip() == 2 and [bytes(v) for v in reader.get_many(keys)] == payloads
     small.close()
+    reader.close()
 
 
 def test_a_real_block_size_and_buffers(store):

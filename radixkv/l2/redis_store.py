@@ -12,7 +12,7 @@ trip (an MGET of up to ``keys_per_mget`` keys, a pipeline of SETs), large ones o
 a reply never makes redis-py grow one buffer (by copying) to hundreds of MiB. Measured once
 with plain redis-py (load 10 on the 2-core machine, noisy): 8 values of 2 MiB read 88/s in one
 MGET, 121/s one GET each; 512 KiB no different. Reads size their MGETs by the average value
-seen so far.
+read or written so far.
 
 Memory: a write packs one round trip's values (header + payload, the one copy) into a buffer
 its thread keeps; a read returns views into the replies redis-py allocated (no copy).
@@ -118,7 +118,7 @@ class RedisStore:
         self._prefix = key_prefix
         self._keys_per_mget = keys_per_mget
         self._round_trip_bytes = round_trip_bytes
-        self._value_bytes = 0.0  # running average size of the values read (0: none yet)
+        self._value_bytes = 0.0  # running average size of the values read or written (0: none yet)
         self._max_value_bytes = max_value_bytes
         self.health = Health(self.name, backoff_s, backoff_max_s)
         self._local = threading.local()
@@ -173,13 +173,7 @@ class RedisStore:
         else:
             self.health.succeeded()
         hits = nbytes = 0
-        seen = [len(v) for v in replies if v is not None]
-        if seen:  # a racy float update between threads only blurs an average
-            self._value_bytes = (
-                0.5 * self._value_bytes + 0.5 * (sum(seen) / len(seen))
-                if self._value_bytes
-                else sum(seen) / len(seen)
-            )
+        self._note_sizes([len(v) for v in replies if v is not None])
         for i, (key, value) in enumerate(zip(keys, replies)):
             if value is None:
                 continue
@@ -192,6 +186,13 @@ class RedisStore:
             nbytes += payload.nbytes
         self.health.add(hits=hits, bytes_read=nbytes)
         return out
+
+    def _note_sizes(self, sizes: list[int]) -> None:
+        """Fold the sizes of values read or written into the running average that sizes MGETs
+        (a racy float update between threads only blurs an average)."""
+        if sizes:
+            mean = sum(sizes) / len(sizes)
+            self._value_bytes = 0.5 * self._value_bytes + 0.5 * mean if self._value_bytes else mean
 
     def _keys_per_round_trip(self) -> int:
         if not self._value_bytes:
@@ -216,6 +217,7 @@ class RedisStore:
             )
         if not todo:
             return 0
+        self._note_sizes([HEADER_BYTES + parts_nbytes(v) for _, v, _ in todo])
         if not self.health.may_try():
             self.health.add(skipped=len(todo))
             return 0
