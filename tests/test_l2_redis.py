@@ -64,6 +64,22 @@ def test_payload_in_pieces(store):
         store.put_many([(key, [b"ok", 5])])
 
 
+@pytest.mark.parametrize("ttl_s", [None, 60])
+def test_small_and_large_values_in_one_call(server, ttl_s):
+    """Small values are framed into one buffer, large ones sent from the caller's memory (and
+    in pieces): one call mixing them, with and without PX, stores each whole."""
+    s = open_l2(server.url, ttl_s=ttl_s, round_trip_bytes=4 << 20)
+    keys = block_keys(ID_A, b"mixed%d" % (ttl_s or 0), list(range(16 * 6)), 16)
+    big = os.urandom(300_000)
+    payloads = [b"s0", big, b"s2" * 1000, [big[:1000], big[1000:]], bytes(256 * 1024), b""]
+    assert s.put_many(list(zip(keys, payloads))) == 6
+    want = [bytes(p) if not isinstance(p, list) else b"".join(p) for p in payloads]
+    assert [bytes(v) for v in s.get_many(keys)] == want
+    ttls = [server.client().pttl(b"radixkv:" + k.hex().encode()) for k in keys]
+    assert all(t == -1 for t in ttls) if ttl_s is None else all(0 < t <= 60_000 for t in ttls)
+    s.close()
+
+
 def test_round_trips_of_bounded_size(server, store):
     """A call's keys are spread over several round trips (MGETs of keys_per_mget keys, then
     sized by the values seen; SET pipelines of about round_trip_bytes): same answers."""

@@ -1,4 +1,4 @@
-"""The shared tier on Redis or Valkey (redis-py): MGET reads, pipelined SET writes.
+"""The shared tier on Redis or Valkey (redis-py): MGET reads, pipelined SET writes (resp_sets.py).
 
 One ``RedisStore`` is safe to share between threads: redis-py's connection pool hands each
 call its own connection, the counters and the outage state sit behind one lock (health.py).
@@ -14,8 +14,9 @@ with plain redis-py (load 10 on the 2-core machine, noisy): 8 values of 2 MiB re
 MGET, 121/s one GET each; 512 KiB no different. Reads size their MGETs by the average value
 read or written so far.
 
-Memory: a write packs one round trip's values (header + payload, the one copy) into a buffer
-its thread keeps; a read returns views into the replies redis-py allocated (no copy).
+Memory: a write sends a large payload (256 KiB or more) straight from the caller's buffers
+and copies small ones, framing and all, into one buffer per round trip that its thread keeps
+(resp_sets.py); a read returns views into the replies redis-py allocated (no copy).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from collections.abc import Sequence
 
 from radixkv.l2.health import Health
 from radixkv.l2.inputs import checked_items, checked_keys, identities, identity_digest
+from radixkv.l2.resp_sets import SetFrames
 from radixkv.l2.url import L2Url
-from radixkv.l2.value_format import HEADER_BYTES, check, pack_into, parts_nbytes
+from radixkv.l2.value_format import HEADER_BYTES, check, pack_header, parts_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +144,7 @@ class RedisStore:
             kwargs.pop("socket_read_size")
         self._client = redis.Redis(**kwargs)
         self._errors = (redis.RedisError, OSError)
+        self._response_error = redis.ResponseError
 
     def _redis_key(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
@@ -227,13 +230,10 @@ class RedisStore:
             while start < len(todo) and (start == batch_start or batch_bytes < self._round_trip_bytes):
                 batch_bytes += HEADER_BYTES + parts_nbytes(todo[start][1])
                 start += 1
-            room = self._scratch(batch_bytes)
-            batch = []
-            for key, payload, ident in todo[batch_start:start]:
-                batch.append((key, pack_into(room, ident, key, payload)))
-                room = room[batch[-1][1].nbytes :]
-            done = self._put_batch(batch)
-            del batch, room  # the scratch buffer is reused by this thread's next batch
+            frames = SetFrames(self._ttl_ms)
+            for key, parts, ident in todo[batch_start:start]:
+                frames.add(self._redis_key(key), pack_header(ident, key, parts), parts)
+            done = self._put_batch(frames)
             if done is None:  # Redis down or slow: the rest is not tried
                 self.health.add(errors=len(todo) - batch_start)
                 return stored
@@ -245,6 +245,8 @@ class RedisStore:
         fresh allocation per value cost more than the copy itself, measured on this machine),
         at most 4 x ``round_trip_bytes`` per writing thread; a one-off for a larger batch (one
         huge value), so that is not kept."""
+        if nbytes == 0:
+            return memoryview(b"")
         if nbytes > 4 * self._round_trip_bytes:
             return memoryview(bytearray(nbytes))
         buf = getattr(self._local, "buf", None)
@@ -253,25 +255,52 @@ class RedisStore:
             buf = self._local.buf = bytearray(max(size, nbytes))  # a new one: views of the old may live
         return memoryview(buf)
 
-    def _put_batch(self, batch: list[tuple[bytes, memoryview]]) -> int | None:
+    def _connection(self):
+        pool = self._client.connection_pool
         try:
-            pipe = self._client.pipeline(transaction=False)
-            for key, value in batch:
-                pipe.set(self._redis_key(key), value, px=self._ttl_ms)
-            results = pipe.execute(raise_on_error=False)
+            return pool.get_connection()
+        except TypeError:  # redis-py before 5.3 wants a command name (later ones warn about it)
+            return pool.get_connection("SET")
+
+    def _put_batch(self, frames: SetFrames) -> int | None:
+        """Send one round trip of SETs and read every reply; the number stored, or None when
+        Redis is down or slow (an outage starts). Replies Redis refused (OOM, READONLY) count
+        as rejected writes."""
+        chunks = frames.chunks(self._scratch(frames.inline_bytes))
+        try:
+            conn = self._connection()
         except self._errors as exc:
             self.health.failed("put", exc)
             return None
+        try:
+            conn.send_packed_command(chunks)
+            results = []
+            for _ in frames.value_bytes:
+                try:
+                    results.append(conn.read_response())
+                except self._response_error as exc:  # this SET refused; the others' replies follow
+                    results.append(exc)
+        except self._errors as exc:
+            conn.disconnect()
+            self.health.failed("put", exc)
+            return None
+        except BaseException:
+            conn.disconnect()  # half-read replies: the connection cannot be reused
+            raise
+        finally:
+            del chunks
+            self._client.connection_pool.release(conn)
         self.health.succeeded()
-        stored = sum(1 for r in results if r is True)
-        rejected = [r for r in results if r is not True]
+        ok = [r in (b"OK", "OK", True) for r in results]
+        rejected = [r for r, good in zip(results, ok) if not good]
         if rejected:
             self.health.write_rejected(len(rejected), f"{type(rejected[0]).__name__}: {rejected[0]}")
         else:
             self.health.writes_accepted()
+        stored = sum(ok)
         if stored:
             self.health.add(
-                writes=stored, bytes_written=sum(v.nbytes for (_, v), r in zip(batch, results) if r is True)
+                writes=stored, bytes_written=sum(n for n, good in zip(frames.value_bytes, ok) if good)
             )
         return stored
 

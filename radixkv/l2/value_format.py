@@ -20,8 +20,10 @@ chunks from the start). Like the cache files' checksums this
 guards against damage and mix-ups, not against someone who can write to the store: they can
 write a matching checksum too (docs/l2.md "Security").
 
-Copies: ``pack_into`` makes the one copy a store needs (header and payload into one buffer,
-since a Redis value is one string); ``check`` returns a memoryview into the fetched value, no copy.
+Copies: ``pack_header`` reads the payload once (the checksum) and copies nothing; the stores
+send or write header and payload side by side (resp_sets.py, file_store.py). ``pack_into``
+(one buffer holding both) is for tests and tools. ``check`` returns a memoryview into the
+fetched value, no copy.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def pack_header(identity_digest: bytes, key: bytes, payload: memoryview | Parts)
 def pack_into(
     dest: memoryview, identity_digest: bytes, key: bytes, payload: memoryview | Parts
 ) -> memoryview:
-    """Write header and payload to the start of ``dest`` (the one copy a write makes); the view
+    """Write header and payload to the start of ``dest`` (a copy of the payload); the view
     of ``dest`` they fill. ``dest`` must hold ``HEADER_BYTES + parts_nbytes(payload)`` bytes."""
     parts = _parts(payload)
     n = HEADER_BYTES + parts_nbytes(parts)
