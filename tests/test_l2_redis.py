@@ -299,7 +299,8 @@ def test_one_store_many_threads(server):
         try:
             for i in range(20):
                 keys = block_keys(ID_A, f"thread{t}".encode(), list(range(i, i + 48)), 16)
-                payloads = [os.urandom(3000 + t) for _ in keys]
+                size = 3000 + t if i % 5 else 300_000 + t  # small values framed inline, large sent as is
+                payloads = [os.urandom(size) for _ in keys]
                 assert s.put_many(list(zip(keys, payloads))) == 3
                 assert [bytes(v) for v in s.get_many(keys)] == payloads
         except BaseException as exc:  # reported below
