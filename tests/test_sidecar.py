@@ -230,3 +230,21 @@ def test_host_tier_blocks_are_written_through_and_a_padded_batch_reads_the_sidec
     # every byte of B's prefixes came from there.
     bpt = b.pool.bytes_per_token
     assert b.stats()["bytes_from_remote"] >= bpt * (len(longer) // BS * BS + len(docs[1]) // BS * BS)
+
+
+def test_kv_of_a_call_whose_weights_changed_meanwhile_is_not_cached():
+    # Its KV belongs to no one weights; a sidecar would file it under the new identity.
+    model = build("llama-sdpa")
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=2048)
+
+    class ChangeWeights:
+        def __call__(self, input_ids, scores):
+            with torch.no_grad():
+                model.model.layers[0].mlp.up_proj.weight.mul_(1.01)
+            return scores
+
+    model.generate(ids(document(40)), past_key_values=hf_patch.RadixCache(store), max_new_tokens=2,
+                   do_sample=False, logits_processor=[ChangeWeights()])  # fmt: skip
+    assert store.stats()["inserted_tokens"] == 0
+    assert_same_as_stock(model, ids(document(40)), store, max_new_tokens=2, do_sample=False)
+    assert store.stats()["inserted_tokens"] > 0  # unchanged weights: cached as ever
