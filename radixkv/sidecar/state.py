@@ -13,6 +13,10 @@ loop thread, or under ``Sidecar.lock`` (the metrics thread reads ``stats``).
   can read a block before the client wrote it whole. When the client's socket closes
   (``drop_client``: it exited, crashed or was killed) its leases are unpinned and the blocks of
   its open transactions freed.
+- Claims (prefixes in flight): a match may claim what it misses for a few seconds; another
+  client that then misses a common prefix is told to wait for it (it polls). A client holding
+  claims is never told to wait; claims go with their client, expire, or are fulfilled by its
+  commit (``_claim``, ``_fulfil``).
 - An optional L2 tier (``radixkv.l2``): a match shorter than the prompt asks it for the next
   blocks (chained keys over identity, namespace and tokens) and inserts what it returns;
   committed blocks are handed to ``l2_writer`` (bounded, in the background).
