@@ -15,9 +15,11 @@
    in this process: B's read is the same socket round trip and shared-memory copy as across
    processes. Sides interleaved, medians.
 3. ``memory``: four processes sharing one 2,000-token system prompt, one after another: four
-   private host tiers (the prompt demoted into each) against no host tier and one sidecar. PSS
-   (proportional set size: shared pages counted once over all processes) of every process,
-   summed, each side's processes otherwise identical.
+   private host tiers (the prompt demoted into each) against no host tier and one sidecar.
+   Measured: the resident bytes of each host pool's mappings (/proc/self/smaps), against the
+   shared pool's resident pages over all five processes (Pss_Shmem: each page counted once), in
+   copies of the prompt's KV. Each process also holds the prompt in its own (device) pool,
+   either way.
 4. ``write``: the cost of write-through: generate() of a 2,000-token miss with a local store vs
    one with a sidecar (the copy to the sidecar is queued), and the background write's duration.
 
@@ -290,25 +292,40 @@ if store.remote is not None:
 if store.host_pool is not None:
     with store._lock:
         store._make_room_locked(0, store.pool.num_blocks)
-print("ready", cache.cached_tokens[0], flush=True)
+
+def resident(tensors):
+    # Bytes of the tensors' pages resident in memory (mincore over each tensor's own range).
+    import ctypes, mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    total = 0
+    for t in tensors:
+        start = t.data_ptr() // page * page
+        length = t.data_ptr() + t.numel() * t.element_size() - start
+        pages = -(-length // page)
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        total += sum(v & 1 for v in vec) * page
+    return total
+
+host = resident([*store.host_pool.k, *store.host_pool.v]) if store.host_pool is not None else 0
+print("ready", cache.cached_tokens[0], host, flush=True)
 time.sleep(3600)
 """
 
 
-def pss(pid: int) -> int:
+def shmem_pss(pid: int) -> int:
     with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no Pss line")
+        return sum(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss_Shmem:"))
 
 
 def part_memory(args) -> None:
     n = args.memory_tokens
     work = Path(tempfile.mkdtemp(prefix="bench_sidecar_"))
+    copy = n * 16 * 1024
     print(f"\n3. four processes sharing one {n}-token system prompt (Llama 512x8 fp32, 16 KiB a token: "
-          f"{n * 16 / 1024:.1f} MiB of KV), started one after another", flush=True)  # fmt: skip
-    totals = {}
+          f"{copy / 2**20:.1f} MiB of KV), started one after another", flush=True)  # fmt: skip
     for side in ("private host tiers", "one sidecar"):
         sidecar_proc = None
         sock = ""
@@ -324,25 +341,28 @@ def part_memory(args) -> None:
                 line = p.stdout.readline().split()
                 if not line or line[0] != "ready":
                     raise SystemExit(f"worker {i} failed")
-                workers.append((p, int(line[1])))
-            time.sleep(1)
-            per = [pss(p.pid) for p, _ in workers]
-            side_total = sum(per) + (pss(sidecar_proc.pid) if sidecar_proc else 0)
-            totals[side] = side_total
-            cached = [c for _, c in workers]
-            extra = f", sidecar {pss(sidecar_proc.pid) / 2**20:.1f} MiB" if sidecar_proc else ""
-            print(f"   {side:<19} PSS per process {[round(x / 2**20, 1) for x in per]} MiB{extra}; "
-                  f"total {side_total / 2**20:.1f} MiB; cached tokens per process {cached}", flush=True)  # fmt: skip
+                workers.append((p, int(line[1]), int(line[2])))
+            cached = [c for _, c, _ in workers]
+            if sidecar_proc is None:
+                host = [h for *_, h in workers]
+                print(f"   {side:<19} host-tier memory resident per process {[round(h / 2**20, 1) for h in host]} MiB, "
+                      f"total {sum(host) / 2**20:.1f} MiB = {sum(host) / copy:.2f} copies; cached {cached}", flush=True)  # fmt: skip
+            else:
+                pids = [sidecar_proc.pid] + [p.pid for p, *_ in workers]
+                shared = sum(shmem_pss(pid) for pid in pids)
+                stats = sidecar_stats(Path(sock))
+                print(f"   {side:<19} shared pool resident (Pss_Shmem over all 5 processes) {shared / 2**20:.1f} MiB "
+                      f"= {shared / copy:.2f} copies (sidecar used_bytes {stats['used_bytes'] / 2**20:.1f} MiB); "
+                      f"cached {cached}", flush=True)  # fmt: skip
         finally:
-            for p, _ in workers:
+            for p, *_ in workers:
                 p.kill()
                 p.wait()
             if sidecar_proc is not None:
                 sidecar_proc.kill()
                 sidecar_proc.wait()
-    saved = totals["private host tiers"] - totals["one sidecar"]
     print(
-        f"   saved {saved / 2**20:.1f} MiB = {saved / (n * 16 * 1024):.2f} copies of the prompt's KV",
+        "   (each process also holds the prompt in its own device pool either way: on a GPU, GPU memory)",
         flush=True,
     )
 

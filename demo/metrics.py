@@ -50,7 +50,12 @@ _TIERS = [
         "counter",
         "Prompt tokens served from the machine's sidecar (radixkv.sidecar), not from this process's pools.",
     ),
-    ("sidecar_connected", "radixkv_sidecar_connected", "gauge", "1 while a sidecar answers (0: none or gone)."),
+    (
+        "sidecar_connected",
+        "radixkv_sidecar_connected",
+        "gauge",
+        "1 while a sidecar answers (0: none or gone).",
+    ),
     ("host_num_blocks", "radixkv_host_pool_capacity_blocks", "gauge", "Blocks in the host tier (0: none)."),
     ("host_pool_bytes", "radixkv_host_pool_bytes", "gauge", "Bytes of host-tier storage."),
     (

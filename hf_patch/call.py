@@ -26,7 +26,7 @@ from hf_patch.cache import RadixCache
 from hf_patch.keys.adapters import mixed_batch, row_adapters, unkeyable_reason
 from hf_patch.keys.multimodal import Images
 from hf_patch.keys.vlm_families import text_only_token_types
-from hf_patch.keys.weights import flush_if_weights_changed, model_scope
+from hf_patch.keys.weights import fingerprint, flush_if_weights_changed, model_scope
 from hf_patch.model_spec import check_store_fits, layer_specs
 from hf_patch.request import KeyParts, Request
 from hf_patch.stores import default_store
@@ -56,6 +56,10 @@ def open_request(model, cache: RadixCache, reason: str | None = None) -> Iterato
         raise RuntimeError("this RadixCache is already in use by a running call")
     cache.start(len(specs))
     request = cache._request = Request(cache, store, specs)
+    # Weights changed while the call ran (another thread's optimizer step): its KV is of no one
+    # weights, and the identity a sidecar would file it under is already the new one.
+    before = fingerprint(model)
+    request.weights_unchanged = lambda: fingerprint(model) == before
     reason = reason or unkeyable_reason(model)
     if reason is not None:
         request.mark_uncacheable(reason)

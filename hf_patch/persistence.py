@@ -5,18 +5,9 @@
 
 radixkv writes the file (``KVStore.save`` / ``restore``, see radixkv/persist/) and knows
 no models: it stores an opaque ``identity`` and refuses a restore that presents another.
-The identity (``hf_patch.identity``, shared with the sidecar client) is built from what the KV
-depends on:
-
-- ``model_class``: the module and name of the model's class;
-- ``config_sha256``: a hash of the model config (without fields that do not change the KV:
-  paths, versions, output flags; the dtype is checked by the store's layout);
-- ``weights_sha256``: per parameter (sorted by name), its name, dtype, shape and a sample of
-  up to ``WEIGHT_SAMPLE`` elements at fixed, evenly spaced positions. A fine-tune or another
-  checkpoint changes every element of the tensors it touches, so a few thousand per tensor
-  tell them apart; an edit of single elements between the sampled ones is not seen. Cost:
-  one small gather per parameter, no pass over the weights.
-
+The identity is ``hf_patch.identity.model_identity`` (model class, config hash, sampled
+weights hash; the same one the sidecar client keys by), and ``hf_patch.cache_files`` does the
+work on a given store; this module picks the store (the model's default one unless given).
 
 PEFT adapters are not part of the identity: ``weights_sha256`` covers the base model's weights
 only (hf_patch.keys.adapters.base_named_parameters: adapter parameters left out, wrapped layers under

@@ -104,6 +104,7 @@ class Request:
         self.features = None  # the model's hf_patch.keys.image_features.FeatureCache
         # generate() expands each prompt to max(num_beams, num_return_sequences) rows
         self.rows_per_prompt = 1
+        self.weights_unchanged = None  # () -> bool, set by hf_patch.call: False skips the commit
 
     def mark_uncacheable(self, reason: str) -> None:
         """Run this call as stock generate() with a plain cache: nothing read, nothing committed."""
@@ -257,6 +258,9 @@ class Request:
     def commit(self, sequences: torch.Tensor) -> int:
         """Cache each row's prompt + generated tokens (cut after the first EOS; prompt only for beams)."""
         if self.prompt_ids is None or self.keys is None or not self.cache.layers:
+            return 0
+        if self.weights_unchanged is not None and not self.weights_unchanged():
+            logger.warning("radixkv: weights changed during the call; its KV is not cached")
             return 0
         layers = self.cache.layers
         kv_length = layers[0].get_seq_length()  # the last sampled token is never fed: no KV for it

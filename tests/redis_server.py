@@ -37,6 +37,7 @@ class RedisServer:
 
     def __init__(self, workdir: str, *args: str, port: int | None = None, unix_socket: bool = False):
         self.workdir = str(workdir)
+        os.makedirs(self.workdir, exist_ok=True)
         self.port = port or free_port()
         self.args = list(args)
         self.unix_path = os.path.join(self.workdir, "redis.sock") if unix_socket else None

@@ -99,22 +99,13 @@ def _client(args) -> None:
         assert_same_as_stock(model, ids(prompt), cache=cache, max_new_tokens=5, do_sample=False)
         out.append(cache.cached_tokens[0])
     remote = sum(hf_patch.default_store(m).stats()["remote_hit_tokens"] for m in models.values())
-    print(json.dumps({"cached": out, "remote_hit_tokens": remote}))
-
-
-def _commit_and_exit(args) -> None:
-    """generate() once and exit at once: the write-through queue is flushed at exit."""
-    import torch
-
-    import hf_patch
-    from tests.hf_models import build, ids, tokens
-
-    model = build("llama-sdpa")
-    prompt = ids(document(args.doc_seed) + tokens(QUESTION_LEN, 1000))
-    cache = hf_patch.RadixCache()
-    out = model.generate(prompt, past_key_values=cache, max_new_tokens=3, do_sample=False)
-    assert torch.equal(out, model.generate(prompt, max_new_tokens=3, do_sample=False))
-    print(json.dumps({"cached": [cache.cached_tokens[0]]}), flush=True)
+    print(json.dumps({"cached": out, "remote_hit_tokens": remote}), flush=True)
+    if args.exit_doc is not None:
+        # generate() once more and exit at once: the write-through queue is flushed at exit.
+        model = models.get(0) or build("llama-sdpa")
+        prompt = ids(document(args.exit_doc) + tokens(QUESTION_LEN, 1000))
+        out = model.generate(prompt, past_key_values=hf_patch.RadixCache(), max_new_tokens=3, do_sample=False)
+        assert torch.equal(out, model.generate(prompt, max_new_tokens=3, do_sample=False))
 
 
 def _half_write(args) -> None:
@@ -148,13 +139,14 @@ def _half_write(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["client", "commit-and-exit", "half-write"])
+    parser.add_argument("what", choices=["client", "half-write"])
+    parser.add_argument("--exit-doc", type=int, default=None)
     parser.add_argument("--socket")
     parser.add_argument("--doc-seed", type=int, default=0)
     parser.add_argument("--run", action="append", default=[])
     parser.add_argument("--pin-seed", type=int, default=0)
     args = parser.parse_args()
-    {"client": _client, "commit-and-exit": _commit_and_exit, "half-write": _half_write}[args.what](args)
+    {"client": _client, "half-write": _half_write}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -175,3 +175,13 @@ def test_builtin_model_is_deterministic_and_has_a_chat_template():
     )
     assert text == "<|user|>hi<|end|><|assistant|>"
     assert t1.decode(t1("café ünïcode ✓")["input_ids"]) == "café ünïcode ✓"  # any text encodes
+
+
+def test_sidecar_flag_env_and_metrics():
+    assert from_args([], env={}).sidecar is None
+    assert from_args([], env={"RADIXKV_SIDECAR": "/run/kv.sock"}).sidecar == "/run/kv.sock"
+    assert from_args(["--sidecar", "/tmp/a.sock"], env={"RADIXKV_SIDECAR": "/b"}).sidecar == "/tmp/a.sock"
+    from demo.metrics import Metrics
+
+    text = Metrics().render({"remote_hit_tokens": 48, "sidecar_connected": 1}, reuse=True, queued=0)
+    assert "radixkv_sidecar_hits_total 48" in text and "radixkv_sidecar_connected 1" in text

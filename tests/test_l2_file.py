@@ -32,6 +32,8 @@ def test_round_trip_two_clients_and_misses(tmp_path):
     files = [f for _, _, fs in os.walk(tmp_path) for f in fs]
     assert len(files) == 4 and not [f for f in files if f.endswith(".tmp")]
     assert oct(os.stat(a.path_of(keys[0])).st_mode & 0o777) == "0o600"
+    pieces = [os.urandom(100) for _ in range(700)]  # more buffers than one writev takes
+    assert a.put_many([(keys[0], pieces)]) == 1 and bytes(b.get_many([keys[0]])[0]) == b"".join(pieces)
     long_key = b"k" * 500  # any key up to 1 KiB: named by its digest
     assert a.put_many([(long_key, b"long")]) == 1 and bytes(b.get_many([long_key])[0]) == b"long"
 
@@ -164,3 +166,21 @@ def test_hostile_paths_are_refused_without_blocking(tmp_path):
     assert s.put_many([(keys[2], b"replaced")]) == 1  # a write replaces the planted link itself
     assert os.path.islink(paths[2]) is False and bytes(s.get_many([keys[2]])[0]) == b"replaced"
     assert open(sound, "rb").read().endswith(b"sound")  # the link's target was not written through
+
+
+def test_a_planted_directory_link_is_not_followed(tmp_path):
+    """A fan-out directory replaced by a symlink to somewhere else: reads refuse it, writes
+    never land outside DIR."""
+    root, elsewhere = tmp_path / "l2", tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.mkdir()
+    s = open_l2(f"file:{root}", identity=ID_A)
+    key = block_keys(ID_A, b"link", list(range(16)), 16)[0]
+    assert s.put_many([(key, b"v")]) == 1
+    top = os.path.dirname(os.path.dirname(s.path_of(key)))
+    shutil.move(top, elsewhere / "moved")
+    os.symlink(elsewhere / "moved", top)  # DIR/ab -> elsewhere/moved (which holds a sound value)
+    assert s.get_many([key]) == [None] and s.stats()["refused"] == 1
+    assert s.put_many([(key, b"w")]) == 0 and s.stats()["errors"] == 1
+    moved = [os.path.join(d, f) for d, _, fs in os.walk(elsewhere) for f in fs]
+    assert len(moved) == 1 and open(moved[0], "rb").read().endswith(b"v")  # untouched

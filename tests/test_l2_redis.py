@@ -53,6 +53,51 @@ def test_round_trip_and_miss(store):
     assert (s["reads"], s["hits"], s["writes"], s["errors"], s["refused"], s["down"]) == (6, 5, 5, 0, 0, 0)
 
 
+def test_payload_in_pieces(store):
+    """A payload given as a list of buffers (a block's regions) is stored as their concatenation."""
+    np = pytest.importorskip("numpy")
+    key = block_keys(ID_A, b"pieces", list(range(16)), 16)[0]
+    regions = [np.full(1000, i, dtype=np.uint16) for i in range(5)] + [b"", bytearray(b"tail")]
+    assert store.put_many([(key, regions)]) == 1
+    assert bytes(store.get_many([key])[0]) == b"".join(bytes(r) for r in regions)
+    with pytest.raises(ValueError, match="list of them"):
+        store.put_many([(key, [b"ok", 5])])
+
+
+@pytest.mark.parametrize("ttl_s", [None, 60])
+def test_small_and_large_values_in_one_call(server, ttl_s):
+    """Small values are framed into one buffer, large ones sent from the caller's memory (and
+    in pieces): one call mixing them, with and without PX, stores each whole."""
+    s = open_l2(server.url, ttl_s=ttl_s, round_trip_bytes=4 << 20)
+    keys = block_keys(ID_A, b"mixed%d" % (ttl_s or 0), list(range(16 * 6)), 16)
+    big = os.urandom(300_000)
+    payloads = [b"s0", big, b"s2" * 1000, [big[:1000], big[1000:]], bytes(256 * 1024), b""]
+    assert s.put_many(list(zip(keys, payloads))) == 6
+    want = [bytes(p) if not isinstance(p, list) else b"".join(p) for p in payloads]
+    assert [bytes(v) for v in s.get_many(keys)] == want
+    ttls = [server.client().pttl(b"radixkv:" + k.hex().encode()) for k in keys]
+    assert all(t == -1 for t in ttls) if ttl_s is None else all(0 < t <= 60_000 for t in ttls)
+    s.close()
+
+
+def test_round_trips_of_bounded_size(server, store):
+    """A call's keys are spread over several round trips (MGETs of keys_per_mget keys, then
+    sized by the values seen; SET pipelines of about round_trip_bytes): same answers."""
+    keys = block_keys(ID_A, b"round-trips", list(range(16 * 7)), 16)
+    payloads = blocks(7, size=4096, seed=9)
+    small = open_l2(server.url, keys_per_mget=3, round_trip_bytes=9000)
+    assert small.put_many(list(zip(keys, payloads))) == 7
+    for _ in range(2):  # 2 keys an MGET (9000 // 4176, the size the writes showed), not 3
+        assert [bytes(v) for v in small.get_many(keys)] == payloads
+    assert small.stats()["hits"] == 14 and small._keys_per_round_trip() == 2
+    reader = open_l2(server.url, keys_per_mget=3, round_trip_bytes=9000)  # reads only: learns from them
+    assert reader._keys_per_round_trip() == 3
+    assert [bytes(v) for v in reader.get_many(keys)] == payloads
+    assert reader._keys_per_round_trip() == 2 and [bytes(v) for v in reader.get_many(keys)] == payloads
+    small.close()
+    reader.close()
+
+
 def test_a_real_block_size_and_buffers(store):
     np = pytest.importorskip("numpy")
     # 16 tokens x 32 layers x 2 (K, V) x 8 heads x 128 x 2 bytes = 2 MiB
@@ -254,7 +299,8 @@ def test_one_store_many_threads(server):
         try:
             for i in range(20):
                 keys = block_keys(ID_A, f"thread{t}".encode(), list(range(i, i + 48)), 16)
-                payloads = [os.urandom(3000 + t) for _ in keys]
+                size = 3000 + t if i % 5 else 300_000 + t  # small values framed inline, large sent as is
+                payloads = [os.urandom(size) for _ in keys]
                 assert s.put_many(list(zip(keys, payloads))) == 3
                 assert [bytes(v) for v in s.get_many(keys)] == payloads
         except BaseException as exc:  # reported below

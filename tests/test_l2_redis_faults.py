@@ -165,3 +165,38 @@ def test_threads_during_an_outage(server):
     assert not failures, failures
     assert s.stats()["outages"] >= 1
     s.close()
+
+
+def test_connections_killed_by_the_server(server):
+    """Redis drops our connections (CLIENT KILL, an idle timeout, a proxy restart): the next
+    call fails or reconnects, never raises, and the store is used again without a restart."""
+    s = open_l2(server.url, identity=b"m", timeout_s=TIMEOUT_S, backoff_s=0.05, backoff_max_s=0.1)
+    keys, payloads = keys_and_payloads(b"client-kill")
+    assert s.put_many(list(zip(keys, payloads))) == 4
+    server.client().execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    s.get_many(keys)  # a dead pooled connection: reconnected, or one failure
+    assert wait_until(lambda: s.get_many(keys)[0] is not None)
+    assert [bytes(v) for v in s.get_many(keys)] == payloads
+    s.close()
+
+
+def test_read_only_replica_rejects_writes_only(tmp_path, caplog):
+    """A URL that points at a read-only replica: writes are rejected and counted (one log line),
+    reads go on, and it is not taken for an outage."""
+    need_redis()
+    from tests.redis_server import free_port
+
+    replica = RedisServer(tmp_path, "--replicaof", "127.0.0.1", str(free_port())).start()  # master never up
+    try:
+        s = open_l2(replica.url, timeout_s=TIMEOUT_S)
+        keys, payloads = keys_and_payloads(b"replica")
+        with caplog.at_level(logging.WARNING, logger="radixkv.l2.health"):
+            assert s.put_many(list(zip(keys, payloads))) == 0
+            assert s.put_many(list(zip(keys, payloads))) == 0
+        st = s.stats()
+        assert st["errors"] == 8 and st["down"] == 0 and st["outages"] == 0
+        assert sum("rejects writes" in r.getMessage() for r in caplog.records) == 1
+        assert s.get_many(keys) == [None] * 4 and s.stats()["down"] == 0  # reads still answered
+        s.close()
+    finally:
+        replica.kill()

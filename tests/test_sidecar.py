@@ -4,20 +4,21 @@ mid-write cost speed, never tokens. Every output is checked against stock genera
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 import torch
 
 import hf_patch
 from hf_patch.keys.weights import model_scope
-from tests.hf_models import assert_same_as_stock, build, ids, tokens
+from tests.hf_models import assert_same_as_stock, build, ids, left_pad, tokens
 from tests.sidecar_process import (
     BS,
     DOC_LEN,
@@ -42,24 +43,9 @@ def sock(tmp_path_factory):
     proc.wait()
 
 
-def test_a_document_computed_by_one_process_is_served_to_a_fresh_one(sock):
-    # Process A exits right after its generate(): its prefixes reach the sidecar on the way out.
-    assert run_client(sock, "commit-and-exit", "--doc-seed", "1")["cached"] == [0]
-    # A fresh process: the document's whole blocks come from the sidecar. Another model of the
-    # same shape (other weights) and another namespace read nothing of it.
-    b = run_client(sock, "client", "--run", "1:12", "--run", "1:12::7", "--run", "1:12:tenant-b")
-    assert b["cached"] == [DOC_BLOCKS_TOKENS, 0, 0] and b["remote_hit_tokens"] == DOC_BLOCKS_TOKENS
-    res = subprocess.run(
-        [sys.executable, "-m", "radixkv.sidecar", "stats", "--socket", str(sock)],
-        capture_output=True, text=True, timeout=60, env=client_env(sock), cwd=ROOT,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    stats = json.loads(res.stdout)
-    assert stats["open_leases"] == stats["pinned_blocks"] == stats["open_txns"] == 0
-    assert stats["hit_tokens"] == DOC_BLOCKS_TOKENS and stats["pools"] == 1 and stats["clients"] == 1
-
-
-def test_a_client_killed_while_writing_leaves_nothing_visible_and_no_pins(sock):
+def test_fresh_processes_read_what_another_computed_never_half_writes_or_other_keys(sock):
+    # Process A commits document 4 (written through), pins it, takes blocks for document 3 and
+    # writes half of them, then is SIGKILLed before committing.
     res = subprocess.run(
         [sys.executable, "-m", "tests.sidecar_process", "half-write", "--socket", str(sock),
          "--doc-seed", "3", "--pin-seed", "4"],
@@ -71,8 +57,20 @@ def test_a_client_killed_while_writing_leaves_nothing_visible_and_no_pins(sock):
         stats["open_leases"] == stats["open_txns"] == stats["private_blocks"] == stats["pinned_blocks"] == 0
     )
     assert stats["released_pins"] == 1 and stats["aborted_blocks"] == DOC_LEN // BS
-    # The half-written document is not served; the committed one is.
-    assert run_client(sock, "client", "--run", "3", "--run", "4")["cached"] == [0, DOC_BLOCKS_TOKENS]
+    # A fresh process B: document 4's whole blocks come from the sidecar; another model of the
+    # same shape (other weights), another namespace and the half-written document read nothing.
+    # B then computes document 8 and exits at once: its prefixes reach the sidecar on the way out.
+    runs = ["4:12", "4:12::7", "4:12:tenant-b", "3"]
+    b = run_client(sock, "client", *(x for r in runs for x in ("--run", r)), "--exit-doc", "8")
+    assert b["cached"] == [DOC_BLOCKS_TOKENS, 0, 0, 0] and b["remote_hit_tokens"] == DOC_BLOCKS_TOKENS
+    stats = sidecar_stats(sock)
+    assert stats["open_leases"] == stats["pinned_blocks"] == stats["open_txns"] == 0 and stats["pools"] == 1
+    model = build("llama-sdpa")
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=sock)
+    cache, _ = assert_same_as_stock(
+        model, ids(document(8) + tokens(6, 81)), store, max_new_tokens=2, do_sample=False
+    )
+    assert cache.cached_tokens == [DOC_BLOCKS_TOKENS]
 
 
 def test_sidecar_killed_mid_generation_then_a_new_one_is_used(tmp_path_factory, caplog):
@@ -139,7 +137,11 @@ def test_a_sidecar_full_of_pinned_blocks_degrades(tmp_path_factory):
     model = build("llama-sdpa")
     a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048)
     block_bytes = BS * a.pool.bytes_per_token
-    proc = start_sidecar(path, str(12 * block_bytes))  # 12 blocks: one document of 10 and a bit
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # 12 blocks: one document of 10 and a bit
+    proc = start_sidecar(path, str(12 * block_bytes), "--metrics-port", str(port))
     try:
         a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
         b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
@@ -155,6 +157,9 @@ def test_a_sidecar_full_of_pinned_blocks_degrades(tmp_path_factory):
         assert c.remote.flush(30)
         stats = sidecar_stats(path)
         assert stats["uncached_tokens"] > 0 and stats["pinned_blocks"] == DOC_LEN // BS
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        assert f"radixkv_sidecar_pinned_blocks {DOC_LEN // BS}" in metrics
+        assert "radixkv_sidecar_clients 3" in metrics
         held.release()
         assert_same_as_stock(model, ids(document(8) + tokens(2, 81)), c, max_new_tokens=1, do_sample=False)
         assert c.remote.flush(30)
@@ -193,3 +198,53 @@ def test_a_prefix_another_process_is_computing_is_waited_for(sock, monkeypatch):
     thread.join(120)
     assert torch.equal(result["out"], stock) and result["cached"] == [DOC_BLOCKS_TOKENS]
     assert b.stats()["sidecar_waited"] == 1
+
+
+def test_host_tier_blocks_are_written_through_and_a_padded_batch_reads_the_sidecar(sock):
+    model = build("llama-sdpa")
+    a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, host_cache_tokens=2048, sidecar=sock)
+    docs = [document(30), document(31)[:30]]  # 10 and 7 whole blocks
+    for d in docs:
+        assert_same_as_stock(model, ids(d + tokens(6, 300)), a, max_new_tokens=2, do_sample=False)
+    assert a.remote.flush(30)
+    before = sidecar_stats(sock)["inserted_tokens"]
+    with a._lock:  # every unpinned device block demoted: A's blocks now live on its host tier
+        a._make_room_locked(0, a.pool.num_blocks)
+    assert a.stats()["host_cached_blocks"] > 0
+    # A new prefix over a host-resident one: its write-through copies from A's host pool.
+    longer = docs[0] + tokens(8, 301)
+    assert_same_as_stock(model, ids(longer + tokens(3, 302)), a, max_new_tokens=2, do_sample=False)
+    assert a.remote.flush(30) and sidecar_stats(sock)["inserted_tokens"] > before
+    # B, empty, reads both documents from the sidecar in one left-padded batch.
+    b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=sock)
+    rows = [longer + tokens(5, 303), docs[1] + tokens(4, 304)]
+    input_ids, mask = left_pad(rows)
+    cache, _ = assert_same_as_stock(
+        model, input_ids, b, attention_mask=mask, max_new_tokens=3, do_sample=False
+    )
+    # A rectangular batch preloads one common column count: L = min(pad + match) over the rows.
+    pads = [input_ids.shape[1] - len(r) for r in rows]
+    common = min(p + m for p, m in zip(pads, [len(longer) // BS * BS, len(docs[1]) // BS * BS]))
+    assert cache.cached_tokens == [common - p for p in pads] and min(cache.cached_tokens) > 0
+    # In-batch sharing read the documents from the sidecar to extend them (not counted as hits);
+    # every byte of B's prefixes came from there.
+    bpt = b.pool.bytes_per_token
+    assert b.stats()["bytes_from_remote"] >= bpt * (len(longer) // BS * BS + len(docs[1]) // BS * BS)
+
+
+def test_kv_of_a_call_whose_weights_changed_meanwhile_is_not_cached():
+    # Its KV belongs to no one weights; a sidecar would file it under the new identity.
+    model = build("llama-sdpa")
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=2048)
+
+    class ChangeWeights:
+        def __call__(self, input_ids, scores):
+            with torch.no_grad():
+                model.model.layers[0].mlp.up_proj.weight.mul_(1.01)
+            return scores
+
+    model.generate(ids(document(40)), past_key_values=hf_patch.RadixCache(store), max_new_tokens=2,
+                   do_sample=False, logits_processor=[ChangeWeights()])  # fmt: skip
+    assert store.stats()["inserted_tokens"] == 0
+    assert_same_as_stock(model, ids(document(40)), store, max_new_tokens=2, do_sample=False)
+    assert store.stats()["inserted_tokens"] > 0  # unchanged weights: cached as ever

@@ -4,6 +4,7 @@ of bad input, the socket's mode, Prometheus text. (test_sidecar.py runs real pro
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
@@ -13,6 +14,7 @@ import urllib.request
 import pytest
 
 from radixkv.l2 import block_keys
+from radixkv.sidecar.__main__ import stats_main
 from radixkv.sidecar.layout import KVLayout, PoolGeometry
 from radixkv.sidecar.metrics import prometheus_text, serve_metrics
 from radixkv.sidecar.protocol import HEADER, FrameBuffer, ProtocolError, encode, recv, send
@@ -155,7 +157,7 @@ def test_frames_over_the_limits_or_not_json_are_protocol_errors():
     assert list(buffer.frames()) == [({"op": "stats"}, b"12345678")]
 
 
-def test_server_socket_mode_and_hostile_clients(tmp_path):
+def test_server_socket_mode_hostile_clients_and_the_stats_command(tmp_path, capsys):
     path = str(tmp_path / "s.sock")
     state = Sidecar(1 << 16)
     server = Server(state, path)
@@ -188,6 +190,9 @@ def test_server_socket_mode_and_hostile_clients(tmp_path):
         send(client, {"op": "stats"})
         assert recv(client, buffer)[0]["stats"]["clients"] == 1  # the garbage client is gone
         client.close()
+        assert stats_main(["--socket", path]) == 0  # python -m radixkv.sidecar stats
+        assert json.loads(capsys.readouterr().out)["clients"] == 1  # itself: the others left
+        assert stats_main(["--socket", path + ".none"]) == 1
     finally:
         server.stop()
         thread.join(10)
@@ -279,7 +284,7 @@ def test_a_prefix_in_flight_is_claimed_waited_for_and_released():
     assert hit["wait"] == 0 and hit["num_tokens"] == 6
     # A claim goes with its client; expired claims are dropped.
     state.drop_client(2)
-    assert all(c.cid != 2 for c in state.claims)
+    assert all(c.cid != 2 for c in state.claims.live)
     state.match(3, NS, toks(7, 7, 7, 7), 0, claim_s=1e-6)
     import time
 

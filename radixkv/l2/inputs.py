@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from radixkv.l2.block_keys import key_identity
-from radixkv.l2.value_format import as_bytes_view, digest16
+from radixkv.l2.value_format import Parts, as_parts, digest16
 
 MAX_KEY_BYTES = 1024
 
@@ -24,8 +24,9 @@ def checked_keys(keys: Sequence[bytes], what: str) -> list[bytes]:
     return list(keys)
 
 
-def checked_items(items: Sequence[tuple[bytes, object]]) -> list[tuple[bytes, memoryview]]:
-    """``items`` as ``(key, flat byte view of the payload)`` pairs; no payload is copied."""
+def checked_items(items: Sequence[tuple[bytes, object]]) -> list[tuple[bytes, Parts]]:
+    """``items`` as ``(key, byte views of the payload)`` pairs; no payload is copied. A payload
+    is one buffer, or a list/tuple of buffers meaning their concatenation."""
     if not isinstance(items, Sequence):
         raise ValueError(f"L2 put_many: items must be a list of (key, payload), got {type(items).__name__}")
     out = []
@@ -34,12 +35,12 @@ def checked_items(items: Sequence[tuple[bytes, object]]) -> list[tuple[bytes, me
             raise ValueError(f"L2 put_many: item {i} must be a (key, payload) tuple")
         checked_keys([item[0]], f"put_many item {i}")
         try:
-            view = as_bytes_view(item[1])
+            parts = as_parts(item[1])
         except (TypeError, ValueError) as exc:
             raise ValueError(
-                f"L2 put_many: item {i}'s payload must be a contiguous bytes-like buffer ({exc})"
+                f"L2 put_many: item {i}'s payload must be a contiguous bytes-like buffer or a list of them ({exc})"
             ) from None
-        out.append((item[0], view))
+        out.append((item[0], parts))
     return out
 
 

@@ -31,7 +31,8 @@ class L2Store(Protocol):
         ...
 
     def put_many(self, items: Sequence[tuple[bytes, object]], *, identity: bytes | None = None) -> int:
-        """Store ``(key, payload)`` pairs (payload: any C-contiguous bytes-like buffer); the
+        """Store ``(key, payload)`` pairs (payload: any C-contiguous bytes-like buffer, or a
+        list of them meaning their concatenation, e.g. a block's regions: no join needed); the
         number stored. Never raises because the store is down, full or slow; raises ValueError
         only for malformed ``items``."""
         ...
@@ -52,7 +53,7 @@ def open_l2(url: str, *, timeout_s: float = 0.5, **opts) -> L2Store:
 
     Common options: ``identity`` (bytes; default: the one each block key carries), ``backoff_s`` / ``backoff_max_s`` (retry
     delay after an outage, 0.5 / 10 s). Redis: ``ttl_s``, ``key_prefix``, ``username``,
-    ``password``, ``keys_per_mget``, ``write_batch_bytes``, ``max_value_bytes``, and redis-py's
+    ``password``, ``keys_per_mget``, ``round_trip_bytes``, ``max_value_bytes``, and redis-py's
     ``ssl_*``, ``max_connections``, ``client_name``. file: ``fsync``, ``file_mode``.
     Connects lazily: an unreachable Redis is not an error here (it is an outage at first use).
     Raises ValueError naming the part of the URL or the option that is wrong; ImportError

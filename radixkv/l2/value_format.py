@@ -20,8 +20,10 @@ chunks from the start). Like the cache files' checksums this
 guards against damage and mix-ups, not against someone who can write to the store: they can
 write a matching checksum too (docs/l2.md "Security").
 
-Copies: ``pack_into`` makes the one copy a store needs (header and payload into one buffer,
-since a Redis value is one string); ``check`` returns a memoryview into the fetched value, no copy.
+Copies: ``pack_header`` reads the payload once (the checksum) and copies nothing; the stores
+send or write header and payload side by side (resp_sets.py, file_store.py). ``pack_into``
+(one buffer holding both) is for tests and tools. ``check`` returns a memoryview into the
+fetched value, no copy.
 """
 
 from __future__ import annotations
@@ -65,8 +67,18 @@ def digest16(data: bytes) -> bytes:
     return blake3.blake3(data).digest(length=DIGEST_BYTES)
 
 
-def _checksum(payload: memoryview) -> bytes:
-    return blake3.blake3(payload).digest()  # the blake3 package releases the GIL on large inputs
+Parts = tuple[memoryview, ...]  # a payload given in pieces (e.g. one region per layer): their concatenation
+
+
+def _parts(payload: memoryview | Parts) -> Parts:
+    return (payload,) if isinstance(payload, memoryview) else payload
+
+
+def _checksum(parts: Parts) -> bytes:
+    h = blake3.blake3()
+    for part in parts:
+        h.update(part)  # the blake3 package releases the GIL on large inputs
+    return h.digest()
 
 
 def as_bytes_view(payload: object) -> memoryview:
@@ -77,26 +89,46 @@ def as_bytes_view(payload: object) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def pack_header(identity_digest: bytes, key: bytes, payload: memoryview) -> bytes:
+def as_parts(payload: object) -> Parts:
+    """A payload as byte views, no copy: one buffer, or a list/tuple of buffers meaning their
+    concatenation (so a caller holding a block as regions needs no join)."""
+    if isinstance(payload, (list, tuple)):
+        return tuple(as_bytes_view(p) for p in payload)
+    return (as_bytes_view(payload),)
+
+
+def parts_nbytes(payload: memoryview | Parts) -> int:
+    return sum(p.nbytes for p in _parts(payload))
+
+
+def pack_header(identity_digest: bytes, key: bytes, payload: memoryview | Parts) -> bytes:
     """The 80 header bytes for ``payload`` stored under ``key`` (O(len(payload)) for the checksum)."""
-    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, 0, payload.nbytes, identity_digest, digest16(key))
-    return fixed + _checksum(payload)
+    parts = _parts(payload)
+    fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, 0, parts_nbytes(parts), identity_digest, digest16(key))
+    return fixed + _checksum(parts)
 
 
-def pack_into(dest: memoryview, identity_digest: bytes, key: bytes, payload: memoryview) -> memoryview:
-    """Write header and payload to the start of ``dest`` (the one copy a write makes); the view
-    of ``dest`` they fill. ``dest`` must hold ``HEADER_BYTES + payload.nbytes`` bytes."""
-    n = HEADER_BYTES + payload.nbytes
+def pack_into(
+    dest: memoryview, identity_digest: bytes, key: bytes, payload: memoryview | Parts
+) -> memoryview:
+    """Write header and payload to the start of ``dest`` (a copy of the payload); the view
+    of ``dest`` they fill. ``dest`` must hold ``HEADER_BYTES + parts_nbytes(payload)`` bytes."""
+    parts = _parts(payload)
+    n = HEADER_BYTES + parts_nbytes(parts)
     if dest.nbytes < n:
         raise ValueError(f"pack_into: {dest.nbytes} bytes of room for a {n}-byte value")
-    dest[:HEADER_BYTES] = pack_header(identity_digest, key, payload)
-    dest[HEADER_BYTES:n] = payload
+    dest[:HEADER_BYTES] = pack_header(identity_digest, key, parts)
+    at = HEADER_BYTES
+    for part in parts:
+        dest[at : at + part.nbytes] = part
+        at += part.nbytes
     return dest[:n]
 
 
-def pack(identity_digest: bytes, key: bytes, payload: memoryview) -> memoryview:
+def pack(identity_digest: bytes, key: bytes, payload: memoryview | Parts) -> memoryview:
     """Header and payload in one new buffer; a view of it."""
-    return pack_into(memoryview(bytearray(HEADER_BYTES + payload.nbytes)), identity_digest, key, payload)
+    dest = memoryview(bytearray(HEADER_BYTES + parts_nbytes(payload)))
+    return pack_into(dest, identity_digest, key, payload)
 
 
 def check(
@@ -121,6 +153,6 @@ def check(
     if key_digest != digest16(key):
         return None, KEY
     payload = view[HEADER_BYTES:]
-    if _checksum(payload) != view[_FIXED.size : HEADER_BYTES]:
+    if _checksum((payload,)) != view[_FIXED.size : HEADER_BYTES]:
         return None, CHECKSUM
     return payload, None

@@ -14,6 +14,9 @@
   are dropped (counted). Why write-through, not on eviction: another process can read a prefix
   as soon as it is computed (a replica's first request on a document, ranks sharing a prompt);
   on eviction it would reach the sidecar only once this process's pool is full.
+- Prefixes in flight (``wait_s`` > 0, ``RADIXKV_SIDECAR_WAIT_S``): a request's lookup claims what
+  it misses; a lookup that finds another process's claim over its prefix polls for that
+  process's commit instead of computing the prefix again (``lookup``).
 - Faults: a sidecar that is gone (killed, not started yet) turns every call into "no hit" and
   "not written"; one warning is logged, and a connect is retried with backoff (0.1 s doubling to
   ``max_retry_s``) on the next calls: a new sidecar on the socket is used again without a restart.
@@ -129,6 +132,7 @@ class SidecarTier:
         self._retry_at = 0.0
         self._retry_s = 0.1
         self._warned = False
+        self._closed = False
         self._queue: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._busy = False
@@ -144,6 +148,8 @@ class SidecarTier:
     # -- connection -------------------------------------------------------------------------
     def _connect_locked(self) -> None:
         now = time.monotonic()
+        if self._closed:
+            raise SidecarDown("closed")
         if now < self._retry_at:
             raise SidecarDown("retry later")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -355,7 +361,9 @@ class SidecarTier:
         return out
 
     def close(self) -> None:
+        """Detach for good: later calls are misses, later commits stay local."""
         with self._lock:
+            self._closed = True
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None

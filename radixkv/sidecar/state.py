@@ -13,6 +13,10 @@ loop thread, or under ``Sidecar.lock`` (the metrics thread reads ``stats``).
   can read a block before the client wrote it whole. When the client's socket closes
   (``drop_client``: it exited, crashed or was killed) its leases are unpinned and the blocks of
   its open transactions freed.
+- Claims (prefixes in flight): a match may claim what it misses for a few seconds; another
+  client that then misses a common prefix is told to wait for it (it polls). A client holding
+  claims is never told to wait; claims go with their client, expire, or are fulfilled by its
+  commit (``radixkv.sidecar.claims``).
 - An optional L2 tier (``radixkv.l2``): a match shorter than the prompt asks it for the next
   blocks (chained keys over identity, namespace and tokens) and inserts what it returns;
   committed blocks are handed to ``l2_writer`` (bounded, in the background).
@@ -26,9 +30,9 @@ import logging
 import mmap
 import os
 import threading
-import time
 from collections.abc import Callable
 
+from radixkv.sidecar.claims import Claims
 from radixkv.sidecar.layout import KVLayout, PoolGeometry
 from radixkv.tree import RadixTree
 from radixkv.tree.node import Node, PackedTokens
@@ -97,37 +101,6 @@ class Txn:
 
 
 @dataclasses.dataclass
-class Claim:
-    """A client computing ``tokens`` now (it missed them): others may wait for its commit."""
-
-    cid: int
-    pool: SharedPool
-    namespace: tuple
-    tokens: PackedTokens
-    expires: float
-
-
-MAX_CLAIMS = 256  # live claims over all clients (a claim keeps at most MAX_CLAIM_TOKENS tokens)
-MAX_CLAIM_TOKENS = 1 << 16
-MAX_CLAIM_S = 60.0
-
-
-def _common_tokens(a: bytes, b: bytes) -> int:
-    """Leading tokens two packed sequences share."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n // 8
-    lo, hi = 0, n  # bytes known equal up to lo; differ somewhere before hi
-    while hi - lo > 8:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo // 8
-
-
-@dataclasses.dataclass
 class Client:
     pool: SharedPool | None = None
     leases: dict[int, Lease] = dataclasses.field(default_factory=dict)
@@ -148,7 +121,7 @@ class Sidecar:
         self.l2 = l2
         self.l2_writer = l2_writer  # l2_writer(list of (key, payload)): queue blocks for the L2
         self._ids = itertools.count(1)
-        self.claims: list[Claim] = []
+        self.claims = Claims()
 
     # -- clients --------------------------------------------------------------------------
     def add_client(self, cid: int) -> None:
@@ -175,7 +148,7 @@ class Sidecar:
         client = self.clients.pop(cid, None)
         if client is None:
             return
-        self.claims = [c for c in self.claims if c.cid != cid]
+        self.claims.drop(cid)
         for lease in client.leases.values():
             lease.pool.tree.unpin(lease.node)
             self.counters.released_pins += 1
@@ -228,28 +201,11 @@ class Sidecar:
             "wait": wait,
         }
 
-    def _claim(
-        self, cid: int, pool: SharedPool, namespace: tuple, tokens: PackedTokens, cached: int, claim_s: float
-    ) -> int:
-        """Tokens of ``tokens`` another client's live claim covers past ``cached`` (0: none, and
-        this client's claim is recorded). O(claims x prompt length)."""
-        now = time.monotonic()
-        self.claims = [c for c in self.claims if c.expires > now and c.cid in self.clients]
-        bs = pool.layout.block_size
-        best = 0
-        # A client with live claims of its own never waits: two ranks each computing one prefix
-        # the other wants would otherwise wait for each other until their claims expire.
-        mine = any(c.cid == cid for c in self.claims)
-        for c in self.claims if not mine else ():
-            if c.cid != cid and c.pool is pool and c.namespace == namespace:
-                best = max(best, _common_tokens(c.tokens, tokens) // bs * bs)
-        if best > cached:
+    def _claim(self, cid, pool, namespace, tokens, cached: int, claim_s: float) -> int:
+        wait = self.claims.check(cid, pool, namespace, tokens, cached, pool.layout.block_size, claim_s)
+        if wait:
             self.counters.waits += 1
-            return best
-        if tokens.num_tokens // bs * bs > cached and len(self.claims) < MAX_CLAIMS:
-            head = tokens.head(MAX_CLAIM_TOKENS // bs * bs)
-            self.claims.append(Claim(cid, pool, namespace, head, now + min(claim_s, MAX_CLAIM_S)))
-        return 0
+        return wait
 
     def release(self, cid: int, lease: int) -> None:
         held = self.clients[cid].leases.pop(lease, None)
@@ -294,18 +250,8 @@ class Sidecar:
         return self._close_txn(txn, commit=True)
 
     def _fulfil(self, cid: int, namespace: tuple, tokens: PackedTokens) -> None:
-        """Drop ``cid``'s claims that ``tokens`` (now cached) cover."""
-        if self.claims:
-            self.claims = [
-                c
-                for c in self.claims
-                if not (
-                    c.cid == cid
-                    and c.namespace == namespace
-                    and _common_tokens(c.tokens, tokens) // c.pool.layout.block_size
-                    >= c.tokens.num_tokens // c.pool.layout.block_size
-                )
-            ]
+        pool = self._pool_of(cid)
+        self.claims.fulfil(cid, namespace, tokens, pool.layout.block_size)
 
     def abort(self, cid: int, txn_id: int) -> None:
         txn = self.clients[cid].txns.pop(txn_id, None)

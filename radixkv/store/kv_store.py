@@ -168,6 +168,7 @@ class KVStore:
                 self.counters.host_hit_tokens += min(host_tokens, hits)
                 self.counters.remote_hit_tokens += min(remote_tokens, hits)
             self.counters.bytes_from_host += host_tokens * self.pool.bytes_per_token  # moved either way
+            self.counters.bytes_from_remote += remote_tokens * self.pool.bytes_per_token
 
     def _read_with_remote(self, leases, num_tokens, k_out, v_out) -> tuple[int, int]:
         """``read`` for rows some of whose blocks the remote tier pinned (after the local ones);

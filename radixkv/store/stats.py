@@ -28,6 +28,8 @@ class StoreCounters:
     promoted_blocks: int = 0  # host blocks copied back to the device for a task pin
     host_hit_tokens: int = 0  # of hit_tokens, those read from host blocks
     remote_hit_tokens: int = 0  # of hit_tokens, those read from a remote tier (radixkv.sidecar)
+    # read from the remote tier, hits or not (in-batch sharing reads a prefix it then extends)
+    bytes_from_remote: int = 0
     bytes_to_host: int = 0  # demotions + commits written straight to the host tier
     bytes_from_host: int = 0  # host hits copied into request buffers, and promotions
 
