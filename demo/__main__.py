@@ -1,4 +1,5 @@
 """python -m demo [--host H] [--port P] [--model builtin|builtin-tiny|PATH|HUB_ID] [--no-reuse] ...
+python -m demo save-builtin DIR     (the built-in model as a checkpoint folder: demo.save_builtin)
 
 Flags override RADIXKV_* environment variables; `python -m demo --help` lists both.
 """
@@ -16,6 +17,11 @@ from demo.config import from_args, parser
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["save-builtin"]:
+        from demo.save_builtin import main as save_builtin
+
+        return save_builtin(argv[1:])
     try:
         config = from_args(argv)
     except ValueError as e:
