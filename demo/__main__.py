@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from demo.config import from_args, parser
+from demo.config import from_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,11 +24,12 @@ def main(argv: list[str] | None = None) -> int:
         return save_builtin(argv[1:])
     try:
         config = from_args(argv)
-    except ValueError as e:
-        parser().error(str(e))
+    except ValueError as e:  # a flag's or variable's value (its syntax was argparse's to check)
+        _fail(str(e))
     from demo.api.app import create_app
     from demo.api.auth import TenantSecretError
     from demo.api.server import Limits, serve_forever
+    from demo.cache_files import CacheFileConflict
     from demo.model.adapters import AdapterError
     from demo.model.loading import BUILTIN, ModelNotFound
     from demo.task_prompts import TaskPromptError
@@ -36,16 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = create_app(config)
     except ModelNotFound as e:
-        parser().error(
+        _fail(
             f"--model {config.model}: not a built-in model ({', '.join(BUILTIN)}), "
             f"a local directory or a loadable Hub id: {e}"
         )
-    except TaskPromptError as e:  # a malformed --task-prompts file / RADIXKV_TASK_PROMPTS, or too big
-        parser().error(str(e))
-    except TenantSecretError as e:  # a damaged --tenant-secret-file (or CACHE_FILE.secret)
-        parser().error(str(e))
+    # A malformed --task-prompts file / RADIXKV_TASK_PROMPTS or prompts too big for the pool; a
+    # damaged --tenant-secret-file (or CACHE_FILE.secret); a --cache-file of other flags
+    except (TaskPromptError, TenantSecretError, CacheFileConflict) as e:
+        _fail(str(e))
     except AdapterError as e:  # a --lora-modules entry that does not load
-        parser().error(f"--lora-modules: {e.message}")
+        _fail(f"--lora-modules: {e.message}")
     engine = app.extensions["radixkv"]["engine"]
     log = logging.getLogger("demo")
     log.info(
@@ -84,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         stopped = _signalled[0] if _signalled else time.monotonic()  # Ctrl-C: from now
         app.extensions["radixkv"]["cache_files"].save_at_exit(stopped + config.cache_save_timeout)
     return 0
+
+
+def _fail(message: str) -> None:
+    """Stop with a one-line error (exit status 2, as argparse's): these come from the flags'
+    values, not their syntax, so the usage text would only push the message out of sight."""
+    print(f"python -m demo: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 _signalled: list[float] = []  # when SIGTERM came (time.monotonic())
