@@ -32,6 +32,7 @@ import logging
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable, Collection, Hashable, Sequence
 
 from flask import Blueprint, Response, request
@@ -189,8 +190,9 @@ class Adapters:
             # The wrapper injects the first adapter's layers as it is built: an adapter that does
             # not fit the model (target modules it lacks, a module type LoRA cannot wrap) fails
             # here, possibly after some layers went in.
-            peft = PeftModelForCausalLM(self.model, config, adapter_name=internal) if fresh else peft
-            result = peft.load_adapter(path, adapter_name=internal, is_trainable=False)
+            with _peft_notices():
+                peft = PeftModelForCausalLM(self.model, config, adapter_name=internal) if fresh else peft
+                result = peft.load_adapter(path, adapter_name=internal, is_trainable=False)
             missing = [k for k in getattr(result, "missing_keys", ()) if f".{internal}." in k]
             if missing:
                 raise ValueError(f"the adapter's file lacks {len(missing)} of its weights, e.g. {missing[0]}")
@@ -225,7 +227,8 @@ class Adapters:
         """Take a half-loaded adapter out again (PEFT injects its layers before reading weights)."""
         if not fresh:
             if internal in peft.peft_config:
-                peft.delete_adapter(internal)
+                with _peft_notices():
+                    peft.delete_adapter(internal)
             from peft.tuners.tuners_utils import BaseTunerLayer
 
             for layer in self.model.modules():  # injected before the failure, not in peft_config
@@ -265,7 +268,8 @@ class Adapters:
                 404, f"The lora adapter '{name}' cannot be found.", "lora_name", "adapter_not_found"
             )
         if self._loaded:
-            self.peft.delete_adapter(adapter.peft_name)
+            with _peft_notices():
+                self.peft.delete_adapter(adapter.peft_name)
         else:  # the last one: the plain model again, no tuner layers left
             _plain_modules(self.model)
             self.peft = None
@@ -366,3 +370,20 @@ def install(app, engine, check_admin: Callable[[], None]) -> None:
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", mimetype="text/plain")
 
     app.register_blueprint(bp)
+
+
+@contextlib.contextmanager
+def _peft_notices():
+    """Silence two warnings of our dependencies that say nothing to a demo operator: peft 0.21
+    reads transformers 5's deprecated ``is_gradient_checkpointing`` when it wraps a model (a
+    FutureWarning each adapter load), and announces which adapter it made active after a delete
+    (the demo sets the active adapter, or passes ``adapter_names``, for every generate() call:
+    the one peft picks after a delete is never used)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        warnings.filterwarnings(
+            "ignore", message="Adapter .* was active which is now deleted", category=UserWarning
+        )
+        yield
