@@ -18,7 +18,7 @@ runs into a store that is serving: by default it takes free blocks only (never e
 ``"evict": true`` lets the file's prefixes displace the least recently used unpinned ones.
 
 Periodic saves run in a thread that only takes CPU time the requests leave (Linux
-SCHED_IDLE), so requests keep their latency while one runs (README "The cache on disk"); a
+SCHED_IDLE), so requests keep their latency while one runs (docs/benchmarks.md "The cache on disk"); a
 save in progress when the server shuts down is cancelled at its next chunk, its temporary
 file removed.
 
@@ -60,7 +60,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 RATE_MIN_BYTES = 32 << 20  # smaller saves are mostly fixed costs: no throughput measured from them
 # How the periodic save thread (and the writer thread it starts, which inherits it) is
 # scheduled: "idle" (Linux SCHED_IDLE: only CPU time the request threads leave), "nice" (nice
-# 10) or "normal". p99 request latency during 2 GiB saves: README "The cache on disk".
+# 10) or "normal". p99 request latency during 2 GiB saves: docs/benchmarks.md "The cache on disk".
 PERIODIC_SCHEDULING = "idle"
 # Bytes/s of KV a periodic save writes at most: spread thin, its memory traffic (hash, copy into
 # the page cache) leaves requests their latency; None: as fast as it goes.
@@ -170,7 +170,8 @@ class CacheFiles:
         return out
 
     def restore_at_start(self) -> dict | None:
-        """Restore --cache-file if it exists; a bad file is moved aside and logged, never raised."""
+        """Restore --cache-file if it exists. A damaged file, or one of other weights, is moved
+        aside and logged; one written under other flags raises CacheFileConflict (left in place)."""
         path = self.cache_file
         if not path or self.engine.store is None:
             return None
