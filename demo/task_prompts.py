@@ -151,6 +151,8 @@ def _fits(engine, forms: dict[tuple, list[int]]) -> str:
 
     block = engine.store.block_size
     need = _blocks_needed(forms.values(), block) * block
+    if need <= engine.store.pool.num_blocks * block:  # refused for another reason: no advice
+        return ""
     fits = need + -(-engine.context // block) * block
     return (
         f". They take {need} tokens of the pool; --cache-tokens {fits} (or RADIXKV_CACHE_TOKENS={fits}) "
