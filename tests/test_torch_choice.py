@@ -58,3 +58,12 @@ def test_the_script_prints_a_reason_then_the_arguments_and_never_goes_online():
 
 def test_local_cpu_wheel_is_false_for_a_version_nobody_has():
     assert torch_choice.local_cpu_wheel("torch==0.0.1") is False
+
+
+def test_install_script_parses_and_reads_the_choice():
+    """scripts/install.sh is valid bash and takes torch's arguments from torch_choice.py's output
+    (the sentence first, then the arguments): a fresh-venv install here ran it end to end."""
+    script = SCRIPT.parent / "install.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    assert "scripts/torch_choice.py)" in text and '"${choice[@]:1}"' in text and 'say "done"' in text
