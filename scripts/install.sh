@@ -23,7 +23,8 @@ say() { echo "install.sh: $* ($SECONDS s)"; }
 if torch_version=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null); then
   say "torch $torch_version is installed already: kept"
 else
-  mapfile -t choice < <("$PY" scripts/torch_choice.py)
+  choice=()  # a sentence, then pip's arguments, one a line (no mapfile: macOS ships bash 3.2)
+  while IFS= read -r line; do choice+=("$line"); done < <("$PY" scripts/torch_choice.py)
   say "torch: ${choice[0]} ..."
   "$PY" -m pip install -q "${choice[@]:1}"
 fi
