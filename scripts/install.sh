@@ -25,6 +25,7 @@ if torch_version=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null
 else
   choice=()  # a sentence, then pip's arguments, one a line (no mapfile: macOS ships bash 3.2)
   while IFS= read -r line; do choice+=("$line"); done < <("$PY" scripts/torch_choice.py)
+  [ "${#choice[@]}" -ge 2 ] || { echo "install.sh: scripts/torch_choice.py gave no choice" >&2; exit 1; }
   say "torch: ${choice[0]} ..."
   "$PY" -m pip install -q "${choice[@]:1}"
 fi
