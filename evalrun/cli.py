@@ -24,9 +24,9 @@ It adds the model type `radixkv`: lm-eval's HuggingFace backend (`--model hf`) w
 read the prompt prefixes (few-shot preambles, a question shared by its choices) from a prefix
 store and compute only the rest, with the same numbers as `--model hf`:
 
-  python -m demo save-builtin ./tiny          # a local model, if you have none
+  python -m demo save-builtin ./tiny        # a local model, if you have none
   python -m evalrun --model radixkv --model_args pretrained=./tiny,dtype=float32 \\
-      --include_path examples/eval --tasks radixkv_demo_mc --batch_size 8
+      --include_path examples/eval --tasks radixkv_arith --batch_size 8
   torchrun --nproc_per_node 2 -m evalrun --model radixkv ...   # data parallel, a store per rank
 
 --model_args of radixkv: every one of --model hf (pretrained, dtype, peft, max_length, ...) plus

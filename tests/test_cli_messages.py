@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from demo.config import Config
 from demo.model.loading import build_builtin
 from demo.task_prompts import TaskPromptError
 
+ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 16
 TABLE = "Here is a table:\n" + "\n".join(f"| Chen {i} | {20 + i} | Osaka | nurse |" for i in range(20))
 
@@ -81,6 +83,8 @@ def test_evalrun_help_says_what_it_adds_before_lm_evals_help_and_pretrained_buil
     ours = out.index("--model_args of radixkv")
     for arg in ("cache_tokens=", "block_size=", "host_cache_bytes=", "cache_file=", "split=", "first_n"):
         assert ours < out.index(arg) < out.index("lm-eval's own help follows") < out.index("usage:")
+    task = re.search(r"--include_path (\S+) --tasks (\w+)", out)
+    assert task and (ROOT / task.group(1) / f"{task.group(2)}.yaml").is_file()  # the example exists
     with pytest.raises(ValueError, match="save-builtin"):
         RadixLM(pretrained="builtin")
 
