@@ -136,6 +136,7 @@ def test_a_missing_cache_file_is_logged_and_written_at_shutdown(tmp_path, caplog
     [
         ({"block_size": 8}, "--block-size: the file has blocks of 16 tokens, this server 8"),
         ({"model": "builtin"}, "of another configuration (sizes, layers or vocabulary) than --model builtin"),
+        ({"dtype": "bfloat16"}, "--dtype: the file holds float32 KV, this server bfloat16"),
     ],
 )
 def test_a_cache_file_of_other_flags_names_the_flag_and_stays(tmp_path, flags, words, capsys):
@@ -149,16 +150,17 @@ def test_a_cache_file_of_other_flags_names_the_flag_and_stays(tmp_path, flags, w
         "sha256" if "model" in flags else "Details"
     )
     assert open(path, "rb").read() == before and [p.name for p in tmp_path.iterdir()] == ["kv.safetensors"]
-    argv = [
-        "--model",
-        config.model,
-        "--block-size",
-        str(config.block_size),
-        "--cache-file",
-        path,
-        "--port",
-        "0",
-    ]
+    if "block_size" in flags:  # the admin restore says the same words first (a 409)
+        eng = build_engine(Config(model="builtin-tiny", block_size=8, cache_tokens=4096))
+        admin = Config(model="builtin-tiny", block_size=8, admin_token="a", cache_dir=str(tmp_path))
+        r = (
+            create_app(admin, eng)
+            .test_client()
+            .post("/v1/cache/restore", json={"name": "kv"}, headers={"X-Admin-Token": "a"})
+        )
+        assert r.status_code == 409 and r.get_json()["error"]["message"].startswith(words)
+    argv = ["--model", config.model, "--block-size", str(config.block_size), "--dtype", config.dtype]
+    argv += ["--cache-file", path, "--port", "0"]
     with pytest.raises(SystemExit) as exit_:  # python -m demo: one line, no usage text
         demo_main(argv)
     err_text = capsys.readouterr().err
