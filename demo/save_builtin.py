@@ -46,7 +46,10 @@ def save_builtin(directory: str, name: str = "builtin") -> str:
 
 
 def main(argv: list[str]) -> int:
+    from transformers.utils import logging as hf_logging
+
     args = parser().parse_args(argv)
+    hf_logging.disable_progress_bar()  # a bar for writing one small file says nothing
     started = time.monotonic()
     try:
         save_builtin(args.directory, args.name)
