@@ -34,7 +34,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Serve an OpenAI batch file (chat / completions) with prefix reuse, over the "
         "processes of accelerate launch or torchrun, or in one process.",
     )
-    parser.add_argument("--model", required=True, help="local checkpoint directory (model + tokenizer)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="local checkpoint folder (model + tokenizer); `python -m demo save-builtin DIR` writes one",
+    )
     parser.add_argument("--input", required=True, help="requests, OpenAI batch JSONL")
     parser.add_argument("--output", required=True, help="results, one line per request, in input order")
     parser.add_argument("--routing", choices=("affine", "round-robin"), default="affine")
@@ -50,7 +54,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--chunk", type=int, default=256, help="requests generated between writes of a part file"
     )
     parser.add_argument("--no-progress", action="store_true")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.model):
+        parser.exit(2, f"{parser.prog}: error: {model_dir_problem(args.model)}\n")  # no usage text first
+    return args
+
+
+def model_dir_problem(model: str) -> str:
+    """One line saying why ``model`` is no checkpoint folder, and how to get one."""
+    if model in ("builtin", "builtin-tiny"):
+        return (
+            f"--model {model}: batchrun loads a checkpoint folder; write the built-in model to one "
+            f"with `python -m demo save-builtin DIR{'' if model == 'builtin' else ' --name ' + model}` "
+            "and pass --model DIR"
+        )
+    return (
+        f"--model {model}: no such folder (batchrun loads a local checkpoint folder, never the Hub; "
+        "`python -m demo save-builtin DIR` writes a small one)"
+    )
 
 
 def read_requests(path: str | Path) -> list[BatchRequest]:

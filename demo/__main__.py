@@ -1,4 +1,5 @@
 """python -m demo [--host H] [--port P] [--model builtin|builtin-tiny|PATH|HUB_ID] [--no-reuse] ...
+python -m demo save-builtin DIR     (the built-in model as a checkpoint folder: demo.save_builtin)
 
 Flags override RADIXKV_* environment variables; `python -m demo --help` lists both.
 """
@@ -11,7 +12,7 @@ import signal
 import sys
 import time
 
-from demo.config import from_args, parser
+from demo.config import from_args
 
 
 def quiet_threads(environ=os.environ) -> None:
@@ -26,13 +27,19 @@ def quiet_threads(environ=os.environ) -> None:
 def main(argv: list[str] | None = None) -> int:
     quiet_threads()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["save-builtin"]:
+        from demo.save_builtin import main as save_builtin
+
+        return save_builtin(argv[1:])
     try:
         config = from_args(argv)
-    except ValueError as e:
-        parser().error(str(e))
+    except ValueError as e:  # a flag's or variable's value (its syntax was argparse's to check)
+        _fail(str(e))
     from demo.api.app import create_app
     from demo.api.auth import TenantSecretError
     from demo.api.server import Limits, serve_forever
+    from demo.cache_files import CacheFileConflict
     from demo.model.adapters import AdapterError
     from demo.model.loading import BUILTIN, ModelNotFound
     from demo.task_prompts import TaskPromptError
@@ -40,16 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = create_app(config)
     except ModelNotFound as e:
-        parser().error(
+        _fail(
             f"--model {config.model}: not a built-in model ({', '.join(BUILTIN)}), "
             f"a local directory or a loadable Hub id: {e}"
         )
-    except TaskPromptError as e:  # a malformed --task-prompts file / RADIXKV_TASK_PROMPTS, or too big
-        parser().error(str(e))
-    except TenantSecretError as e:  # a damaged --tenant-secret-file (or CACHE_FILE.secret)
-        parser().error(str(e))
+    # A malformed --task-prompts file / RADIXKV_TASK_PROMPTS or prompts too big for the pool; a
+    # damaged --tenant-secret-file (or CACHE_FILE.secret); a --cache-file of other flags
+    except (TaskPromptError, TenantSecretError, CacheFileConflict) as e:
+        _fail(str(e))
     except AdapterError as e:  # a --lora-modules entry that does not load
-        parser().error(f"--lora-modules: {e.message}")
+        _fail(f"--lora-modules: {e.message}")
     engine = app.extensions["radixkv"]["engine"]
     log = logging.getLogger("demo")
     log.info(
@@ -95,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         stopped = _signalled[0] if _signalled else time.monotonic()  # Ctrl-C: from now
         app.extensions["radixkv"]["cache_files"].save_at_exit(stopped + config.cache_save_timeout)
     return 0
+
+
+def _fail(message: str) -> None:
+    """Stop with a one-line error (exit status 2, as argparse's): these come from the flags'
+    values, not their syntax, so the usage text would only push the message out of sight."""
+    print(f"python -m demo: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 _signalled: list[float] = []  # when SIGTERM came (time.monotonic())

@@ -18,15 +18,20 @@ runs into a store that is serving: by default it takes free blocks only (never e
 ``"evict": true`` lets the file's prefixes displace the least recently used unpinned ones.
 
 Periodic saves run in a thread that only takes CPU time the requests leave (Linux
-SCHED_IDLE), so requests keep their latency while one runs (README "The cache on disk"); a
+SCHED_IDLE), so requests keep their latency while one runs (docs/benchmarks.md "The cache on disk"); a
 save in progress when the server shuts down is cancelled at its next chunk, its temporary
 file removed.
 
 All three need the admin token, like /v1/cache/flush. A name is a plain file name inside
 --cache-dir (letters, digits, '.', '_', '-'; no separators, no '..'): anything else is a 400.
 
-A cache file that is damaged or was saved for another model never blocks a start: it is
-moved aside (``PATH.rejected-<time>``), the reason is logged, and the server starts cold.
+At start: a missing --cache-file is logged (it is written at shutdown) and the server starts
+cold. A damaged file, or one saved for other weights of the same model configuration (a new
+checkpoint at the same path), never blocks a start: it is moved aside (``PATH.rejected-<time>``),
+the reason is logged, and the server starts cold. A file saved under other flags (another
+--model class or configuration, --block-size or --dtype: demo.cache_mismatch) is most likely a
+mistyped flag: it is left in place and the server refuses to start (CacheFileConflict) with a
+message naming the flag, so a restart with the right flags restores it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from collections.abc import Callable
 from flask import Blueprint, jsonify, request
 
 import hf_patch
+from demo.cache_mismatch import describe
 from demo.errors import ApiError
 from radixkv import CacheFileError, CacheFileMismatch, SaveAborted
 from radixkv.persist.cache_file import read_manifest
@@ -54,11 +60,15 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 RATE_MIN_BYTES = 32 << 20  # smaller saves are mostly fixed costs: no throughput measured from them
 # How the periodic save thread (and the writer thread it starts, which inherits it) is
 # scheduled: "idle" (Linux SCHED_IDLE: only CPU time the request threads leave), "nice" (nice
-# 10) or "normal". p99 request latency during 2 GiB saves: README "The cache on disk".
+# 10) or "normal". p99 request latency during 2 GiB saves: docs/benchmarks.md "The cache on disk".
 PERIODIC_SCHEDULING = "idle"
 # Bytes/s of KV a periodic save writes at most: spread thin, its memory traffic (hash, copy into
 # the page cache) leaves requests their latency; None: as fast as it goes.
 PERIODIC_RATE: float | None = 256e6
+
+
+class CacheFileConflict(ValueError):
+    """--cache-file holds the cache of a model or store that other start-up flags make; left in place."""
 
 
 def background_priority(how: str) -> None:
@@ -78,6 +88,7 @@ class CacheFiles:
 
     def __init__(self, engine, config) -> None:
         self.engine = engine
+        self.model_flag = config.model
         self.cache_file = config.cache_file
         self.cache_dir = config.cache_dir
         self.every = config.cache_save_every
@@ -159,24 +170,34 @@ class CacheFiles:
         return out
 
     def restore_at_start(self) -> dict | None:
-        """Restore --cache-file if it exists; a bad file is moved aside and logged, never raised."""
+        """Restore --cache-file if it exists. A damaged file, or one of other weights, is moved
+        aside and logged; one written under other flags raises CacheFileConflict (left in place)."""
         path = self.cache_file
         if not path or self.engine.store is None:
             return None
         self._remove_stale_temporaries()
         if not os.path.exists(path):
+            log.info(
+                "cache file %s does not exist yet: starting cold; it will be written at shutdown%s",
+                path,
+                f" and every {self.every:g} s" if self.every else "",
+            )
             return None
+        log.info("restoring the cache from %s (%.1f MiB) ...", path, os.path.getsize(path) / (1 << 20))
         try:
             result = self.restore(path, evict=True)  # nothing a request warmed is in the store yet
+        except CacheFileMismatch as e:
+            why = self.mismatch(path)
+            if why.flag_mistake:
+                raise CacheFileConflict(
+                    f"--cache-file {path} was written under other flags: {why.words}. Start with the "
+                    f"flags it was written with, or move the file away (or pass another --cache-file) "
+                    f"to start cold; the file is left as it is. Details: {e}"
+                ) from None
+            self._move_aside(path, f"{why.words}; details: {e}")
+            return None
         except (CacheFileError, OSError) as e:
-            aside = f"{path}.rejected-{time.strftime('%Y%m%dT%H%M%S')}"
-            try:
-                os.replace(path, aside)
-                log.warning("cache file %s refused (%s); moved to %s, starting cold", path, e, aside)
-            except OSError as move_error:
-                log.warning(
-                    "cache file %s refused (%s) and not moved (%s); starting cold", path, e, move_error
-                )
+            self._move_aside(path, str(e))
             return None
         except Exception:  # a bug of ours must not block a restart either; the file stays for a look
             log.exception("restoring %s failed; starting cold (the file is left in place)", path)
@@ -192,6 +213,20 @@ class CacheFiles:
             result["dropped_tokens"],
         )
         return result
+
+    def mismatch(self, path: str):
+        """demo.cache_mismatch.Mismatch for a file radixkv refused as another model's or store's."""
+        return describe(read_manifest(path), self.engine.model, self.engine.store, self.model_flag)
+
+    def _move_aside(self, path: str, reason: str) -> None:
+        aside = f"{path}.rejected-{time.strftime('%Y%m%dT%H%M%S')}"
+        try:
+            os.replace(path, aside)
+            log.warning("cache file %s refused (%s); moved to %s, starting cold", path, reason, aside)
+        except OSError as move_error:
+            log.warning(
+                "cache file %s refused (%s) and not moved (%s); starting cold", path, reason, move_error
+            )
 
     def _remove_stale_temporaries(self) -> None:
         """A save killed mid-write (SIGKILL past the grace period) leaves its temporary file."""
@@ -311,7 +346,10 @@ def blueprint(files: CacheFiles, check_admin: Callable[[], None]) -> Blueprint:
         try:
             return jsonify({"restored": True, **files.restore(path, evict=evict)})
         except CacheFileMismatch as e:
-            raise ApiError(409, f"{e}; nothing was restored", code="cache_file_mismatch") from None
+            why = files.mismatch(path).words
+            raise ApiError(
+                409, f"{why}; nothing was restored. Details: {e}", code="cache_file_mismatch"
+            ) from None
         except CacheFileError as e:
             raise ApiError(422, f"{e}; nothing was restored", code="cache_file_corrupt") from None
 

@@ -226,7 +226,10 @@ _ENV = {
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m demo", description="radixkv chat page + OpenAI-compatible API"
+        prog="python -m demo",
+        description="radixkv chat page + OpenAI-compatible API",
+        epilog="python -m demo save-builtin DIR writes the built-in model as a checkpoint folder "
+        "(python -m demo save-builtin --help).",
     )
     p.add_argument("--host", help="bind address (default 127.0.0.1; env RADIXKV_HOST)")
     p.add_argument("--port", type=int, help="port (default 8000; env RADIXKV_PORT)")

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import time
 from collections.abc import Sequence
 
 from demo.errors import ApiError
 
+log = logging.getLogger(__name__)
 ENV = "RADIXKV_TASK_PROMPTS"
 _PROBES = ("a", "b")  # two different continuations: their common token prefix is the task's
 
@@ -121,6 +124,11 @@ class TaskPrompts:
             forms[task_id, "chat"] = _common_prefix(*chat)
             forms[task_id, "completion"] = _common_prefix(*(engine.text_ids(prompt + p) for p in _PROBES))
         forms = {key: ids for key, ids in forms.items() if len(ids) >= engine.store.block_size}
+        tokens = sum(map(len, forms.values()))
+        log.info(
+            "pinning %d task prompts (%d tokens in chat and completion forms) ...", len(self.prompts), tokens
+        )
+        started = time.monotonic()
         try:
             base = (
                 engine.adapters.base()
@@ -130,6 +138,23 @@ class TaskPrompts:
             with base as model:  # the base model's KV, whatever adapters are loaded
                 pinned = hf_patch.pin_prompts(model, forms, store=engine.store, namespace=PUBLIC_NAMESPACE)
         except ValueError as e:
-            raise TaskPromptError(f"task prompts cannot be pinned: {e}") from None
+            raise TaskPromptError(f"task prompts cannot be pinned: {e}{_fits(engine, forms)}") from None
         engine.runner.set_public_prefixes(forms.values())
+        log.info("pinned the task prompts in %.1f s", time.monotonic() - started)
         return sum(pinned.values())
+
+
+def _fits(engine, forms: dict[tuple, list[int]]) -> str:
+    """The --cache-tokens advice for task prompts too big for the pool: their distinct whole
+    blocks plus one full-context request's worth of room for the traffic."""
+    from hf_patch.task_prompts import _blocks_needed
+
+    block = engine.store.block_size
+    need = _blocks_needed(forms.values(), block) * block
+    if need <= engine.store.pool.num_blocks * block:  # refused for another reason: no advice
+        return ""
+    fits = need + -(-engine.context // block) * block
+    return (
+        f". They take {need} tokens of the pool; --cache-tokens {fits} (or RADIXKV_CACHE_TOKENS={fits}) "
+        f"holds them and leaves one full-context request ({engine.context} tokens) room beside them"
+    )

@@ -89,6 +89,11 @@ class RadixLM(HFLM):
         cache_tokens = _positive("cache_tokens", cache_tokens)
         host_cache_bytes = _positive("host_cache_bytes", host_cache_bytes)
         check_split(split)
+        if pretrained in ("builtin", "builtin-tiny") and not Path(pretrained).is_dir():
+            raise ValueError(
+                f"pretrained={pretrained}: evalrun loads a checkpoint folder or Hub id; write the "
+                f"built-in model to a folder with `python -m demo save-builtin DIR` and pass pretrained=DIR"
+            )
         start_cpu_ranks()
         super().__init__(pretrained, **kwargs)
         if self.backend != "causal":

@@ -13,12 +13,11 @@ WORDS = "the cache prefix token block tree node pool key value model request rep
 
 
 def save_tiny_model(directory: Path) -> Path:
-    """demo's built-in tiny Llama and BPE tokenizer (chat template included), saved as a checkpoint."""
-    from demo.model.loading import build_builtin
+    """demo's built-in tiny Llama and BPE tokenizer (chat template included), saved as a checkpoint
+    (what ``python -m demo save-builtin DIR --name builtin-tiny`` writes)."""
+    from demo.save_builtin import save_builtin
 
-    model, tokenizer = build_builtin("builtin-tiny")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    save_builtin(str(directory), "builtin-tiny")
     return directory
 
 

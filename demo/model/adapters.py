@@ -35,6 +35,7 @@ import logging
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable, Collection, Hashable, Sequence
 
 from flask import Blueprint, Response, request
@@ -216,13 +217,14 @@ class Adapters:
             # The wrapper injects the first adapter's layers as it is built: an adapter that does
             # not fit the model (target modules it lacks, a module type LoRA cannot wrap) fails
             # here, possibly after some layers went in.
-            if fresh:
-                peft = PeftModelForCausalLM(self.model, config, adapter_name=internal)
-            else:
-                if hasattr(peft, "_check_new_adapter_config"):
-                    peft._check_new_adapter_config(config, is_trainable=False)
-                peft.add_adapter(internal, config)
-            result = set_peft_model_state_dict(peft, weights, adapter_name=internal)
+            with _peft_notices():
+                if fresh:
+                    peft = PeftModelForCausalLM(self.model, config, adapter_name=internal)
+                else:
+                    if hasattr(peft, "_check_new_adapter_config"):
+                        peft._check_new_adapter_config(config, is_trainable=False)
+                    peft.add_adapter(internal, config)
+                result = set_peft_model_state_dict(peft, weights, adapter_name=internal)
             missing = [k for k in getattr(result, "missing_keys", ()) if f".{internal}." in k]
             if missing:
                 raise ValueError(f"the adapter's file lacks {len(missing)} of its weights, e.g. {missing[0]}")
@@ -257,7 +259,8 @@ class Adapters:
         """Take a half-loaded adapter out again (PEFT injects its layers before reading weights)."""
         if not fresh:
             if internal in peft.peft_config:
-                peft.delete_adapter(internal)
+                with _peft_notices():
+                    peft.delete_adapter(internal)
             from peft.tuners.tuners_utils import BaseTunerLayer
 
             for layer in self.model.modules():  # injected before the failure, not in peft_config
@@ -297,7 +300,8 @@ class Adapters:
                 404, f"The lora adapter '{name}' cannot be found.", "lora_name", "adapter_not_found"
             )
         if self._loaded:
-            self.peft.delete_adapter(adapter.peft_name)
+            with _peft_notices():
+                self.peft.delete_adapter(adapter.peft_name)
         else:  # the last one: the plain model again, no tuner layers left
             _plain_modules(self.model)
             self.peft = None
@@ -398,3 +402,20 @@ def install(app, engine, check_admin: Callable[[], None]) -> None:
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", mimetype="text/plain")
 
     app.register_blueprint(bp)
+
+
+@contextlib.contextmanager
+def _peft_notices():
+    """Silence two warnings of our dependencies that say nothing to a demo operator: peft 0.21
+    reads transformers 5's deprecated ``is_gradient_checkpointing`` when it wraps a model (a
+    FutureWarning each adapter load), and announces which adapter it made active after a delete
+    (the demo sets the active adapter, or passes ``adapter_names``, for every generate() call:
+    the one peft picks after a delete is never used)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        warnings.filterwarnings(
+            "ignore", message="Adapter .* was active which is now deleted", category=UserWarning
+        )
+        yield

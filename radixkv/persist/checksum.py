@@ -2,7 +2,7 @@
 
 The manifest names the algorithm (``"checksum"``; a format-1 file has none and used sha256),
 and a restore checks every tensor with the one its file names. Why BLAKE3 (measured on the
-2-core test machine, AMD EPYC with SHA-NI and AVX-512, 256 MiB in memory; README "The cache
+2-core test machine, AMD EPYC with SHA-NI and AVX-512, 256 MiB in memory; docs/benchmarks.md "The cache
 on disk"): one thread of BLAKE3 hashes ~7.7 GB/s, sha256 ~2.1 GB/s (SHA-NI), sha256 over
 chunks on both cores ~4.0 GB/s. A restore reads a page-cached file at ~4 GB/s (``cp``): with
 sha256 the hash alone takes as long as the copy, with BLAKE3 a quarter of it, on one core,
