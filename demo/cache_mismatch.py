@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_patch.persistence import model_identity
+from hf_patch.identity import model_identity
 from radixkv.persist.manifest import layout_of
 
 
