@@ -31,6 +31,20 @@ def test_mkdocs_build_strict(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "site" / "reference" / "flags" / "index.html").is_file()
+    # The README is outside the site, so mkdocs does not check its links into docs/: check each
+    # page and anchor against the built site.
+    links = re.findall(r"\]\(docs/([^)#]+)(?:#([^)]+))?\)", (ROOT / "README.md").read_text())
+    assert len(links) >= 10
+    for page, anchor in links:
+        html = (
+            tmp_path
+            / "site"
+            / ("index.html" if page == "index.md" else page.removesuffix(".md") + "/index.html")
+        )
+        assert html.is_file(), f"README.md links docs/{page}, which the site lacks"
+        assert not anchor or f'id="{anchor}"' in html.read_text(), (
+            f"README.md links docs/{page}#{anchor}: no such anchor"
+        )
 
 
 def _importable(name: str) -> bool:
