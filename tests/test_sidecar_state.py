@@ -202,8 +202,10 @@ def test_server_socket_mode_hostile_clients_and_the_stats_command(tmp_path, caps
 def test_metrics_text_and_endpoint():
     state = Sidecar(1 << 16)
     state.add_client(1)
-    text = prometheus_text({**state.stats(), "l2_reads": 3})
+    text = prometheus_text({**state.stats(), "l2_reads": 3, "l2_down": 1})
     assert "radixkv_sidecar_clients 1" in text and "# TYPE radixkv_sidecar_clients gauge" in text
+    assert "radixkv_sidecar_clients_total 1" in text and "_total_total" not in text
+    assert "# TYPE radixkv_sidecar_l2_down gauge" in text and "radixkv_sidecar_l2_down 1" in text
     assert "radixkv_sidecar_hit_tokens_total 0" in text and "radixkv_sidecar_l2_reads_total 3" in text
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

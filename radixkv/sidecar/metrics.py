@@ -24,6 +24,7 @@ GAUGES = {
     "private_blocks",
     "claims",
     "l2_queued_bytes",
+    "l2_down",  # 1 while the L2 is in an outage: a state, not a count
 }
 COUNTERS = set(Counters.__dataclass_fields__) | {"l2_dropped_blocks"}
 
@@ -34,7 +35,8 @@ def prometheus_text(stats: dict[str, int]) -> str:
         if name in GAUGES:
             kind, metric = "gauge", f"radixkv_sidecar_{name}"
         else:  # sidecar and L2 counters: monotone
-            kind, metric = "counter", f"radixkv_sidecar_{name}_total"
+            base = name.removesuffix("_total")  # clients_total -> ..._clients_total, not _total_total
+            kind, metric = "counter", f"radixkv_sidecar_{base}_total"
         lines += [f"# TYPE {metric} {kind}", f"{metric} {int(value)}"]
     return "\n".join(lines) + "\n"
 
