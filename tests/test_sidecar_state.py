@@ -4,6 +4,7 @@ of bad input, the socket's mode, Prometheus text. (test_sidecar.py runs real pro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -164,13 +165,15 @@ def test_server_socket_mode_hostile_clients_and_the_stats_command(tmp_path, caps
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     try:
-        for _ in range(200):
-            if os.path.exists(path):
+        for _ in range(500):  # until it listens (the file exists from bind(), before listen())
+            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as probe:
+                probe.connect(path)
                 break
             threading.Event().wait(0.01)
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         with pytest.raises(RuntimeError, match="already serving"):
             Server(Sidecar(1 << 16), path)._listen()
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)  # the refused second sidecar left it alone
         garbage = socket.socket(socket.AF_UNIX)
         garbage.connect(path)
         garbage.sendall(HEADER.pack(1 << 30, 1 << 30))  # over the limits: dropped
@@ -293,3 +296,23 @@ def test_a_prefix_in_flight_is_claimed_waited_for_and_released():
     time.sleep(0.01)
     assert state.match(1, NS, toks(7, 7, 7, 7), 0, claim_s=5)["wait"] == 0
     state.check_invariants()
+
+
+def test_a_stale_socket_is_replaced_and_the_lock_goes_with_the_server(tmp_path):
+    path = str(tmp_path / "s.sock")
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(path)  # a sidecar that died: its file stays, nobody listens, nobody holds the lock
+    dead.close()
+    first = Server(Sidecar(1 << 16), path)
+    listener = first._listen()
+    try:
+        with socket.socket(socket.AF_UNIX) as probe:
+            probe.connect(path)  # the new sidecar listens on the old path
+        with pytest.raises(RuntimeError, match="already serving"):
+            Server(Sidecar(1 << 16), path)._listen()
+    finally:
+        listener.close()
+        os.close(first._lock_fd)  # as serve() does when it ends
+    second = Server(Sidecar(1 << 16), path)
+    second._listen().close()  # the lock was free again
+    os.close(second._lock_fd)

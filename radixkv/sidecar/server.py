@@ -11,6 +11,7 @@ any process that can attach reads every block (docs/sidecar.md, Security).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import selectors
@@ -56,24 +57,32 @@ class Server:
         self._conns: dict[int, tuple[socket.socket, FrameBuffer]] = {}
 
     def _listen(self) -> socket.socket:
+        # One sidecar per path, decided by a lock held for the server's life (released by the
+        # kernel when the process dies), not by probing the socket: between another sidecar's
+        # bind() and listen() a probe is refused, and the path of a live sidecar was unlinked.
+        self._lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.mode)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise RuntimeError(
+                f"a sidecar is already serving {self.path} (it holds {self.path}.lock)"
+            ) from None
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                probe = socket.socket(socket.AF_UNIX)
-                try:
-                    probe.connect(self.path)
-                except OSError:
-                    os.unlink(self.path)  # a stale socket of a sidecar that died
-                else:
-                    probe.close()
-                    raise RuntimeError(f"a sidecar is already serving {self.path}")
+                os.unlink(self.path)  # a stale socket of a sidecar that died: we hold the lock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o777 & ~self.mode)  # the file is born with the mode: no window of 0755
         try:
             sock.bind(self.path)
+            os.chmod(self.path, self.mode)
+            sock.listen(128)
+        except BaseException:
+            sock.close()
+            os.close(self._lock_fd)
+            raise
         finally:
             os.umask(old)
-        os.chmod(self.path, self.mode)
-        sock.listen(128)
         return sock
 
     def stop(self) -> None:
@@ -103,6 +112,7 @@ class Server:
             listener.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+            os.close(self._lock_fd)  # the lock goes with it; the .lock file stays (harmless)
 
     def _accept(self, listener: socket.socket, sel) -> None:
         try:
