@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,12 +35,21 @@ def start_sidecar(path: Path, host_bytes: str = "16M", *extra: str) -> subproces
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 60
-    while not path.exists():
+    while not _listening(path):  # the file exists from bind(), before listen(): connect to know
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"sidecar did not start: {proc.stdout.read()}")
         time.sleep(0.05)
     return proc
+
+
+def _listening(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def client_env(socket_path: Path) -> dict:
