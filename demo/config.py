@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
@@ -65,6 +66,8 @@ class Config:
     max_image_bytes: int = 8 << 20
     allowed_media_domains: tuple[str, ...] = ()
     media_fetch_timeout: float = 5.0
+    # Origins a browser app may call the API from (CORS, demo.api.conventions); () = none, "*" = any
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -102,6 +105,11 @@ class Config:
             raise ValueError("cache_save_every must be > 0 seconds and needs a cache_file")
         if not self.cache_save_timeout > 0:  # also refuses NaN
             raise ValueError(f"cache_save_timeout must be > 0 seconds, got {self.cache_save_timeout}")
+        for origin in self.allowed_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(
+                    f"allowed_origins must be '*' or scheme://host[:port] origins, got {origin!r}"
+                )
         self.media_policy  # noqa: B018  (raises ValueError for bad image limits)
 
     @property
@@ -197,6 +205,7 @@ _ENV = {
     "max_image_bytes": ("RADIXKV_MAX_IMAGE_BYTES", int),
     "allowed_media_domains": ("RADIXKV_ALLOWED_MEDIA_DOMAINS", _domains),
     "media_fetch_timeout": ("RADIXKV_MEDIA_FETCH_TIMEOUT", float),
+    "allowed_origins": ("RADIXKV_ALLOWED_ORIGINS", _keys),
 }
 
 
@@ -332,6 +341,13 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         help="seconds for fetching one image URL (default 5; env RADIXKV_MEDIA_FETCH_TIMEOUT)",
     )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        metavar="ORIGIN",
+        help="origins (https://app.example:8443, or *) whose browser apps may call the API (CORS); "
+        "default none (env RADIXKV_ALLOWED_ORIGINS, comma-separated)",
+    )
     return p
 
 
@@ -350,6 +366,8 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
         args.lora_modules = parse_lora_modules(args.lora_modules)
     if args.allowed_media_domains is not None:
         args.allowed_media_domains = _domains(" ".join(args.allowed_media_domains))
+    if args.allowed_origins is not None:
+        args.allowed_origins = _keys(",".join(args.allowed_origins))
     values.update(
         {f.name: getattr(args, f.name) for f in fields(Config) if getattr(args, f.name, None) is not None}
     )

@@ -24,7 +24,7 @@ from flask import Flask, Response, jsonify, render_template, request
 from werkzeug.exceptions import HTTPException
 
 from demo import cache_files
-from demo.api import gateway, images, options, schema
+from demo.api import conventions, gateway, images, options, schema
 from demo.api.auth import Auth, tenant_secret
 from demo.api.auth_throttle import Throttle
 from demo.api.completions import responder
@@ -99,6 +99,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         "config": config,
         "max_body_bytes": max_body,
     }
+    conventions.install(app, config.allowed_origins)  # X-Request-Id, access log, CORS
     model_id = config.model_id
     served_names = {model_id, config.model}  # the reported id, and the name it was started with
     vocab_size = engine.model.get_input_embeddings().num_embeddings
