@@ -18,6 +18,8 @@ from demo.model.adapters import LoraModule, parse_lora_modules
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("cpu", "cuda", "mps", "xpu")
+_REASONING = ("auto", "none", "deepseek_r1", "qwen3")  # demo.api.reasoning.PARSERS
+_TOOL_PARSERS = ("auto", "none", "hermes", "llama3_json", "mistral")  # demo.api.tool_parsers.PARSERS
 _DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's strategies
 
 
@@ -68,6 +70,12 @@ class Config:
     media_fetch_timeout: float = 5.0
     # Origins a browser app may call the API from (CORS, demo.api.conventions); () = none, "*" = any
     allowed_origins: tuple[str, ...] = ()
+    # Agents (docs/agents.md): how replies split into reasoning and tool calls ("auto": from the
+    # chat template; demo.api.reasoning.PARSERS, demo.api.tool_parsers.PARSERS), and chat
+    # template variables every request gets unless it sets them (``{"enable_thinking": false}``)
+    reasoning_parser: str = "auto"
+    tool_call_parser: str = "auto"
+    default_chat_template_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -110,6 +118,16 @@ class Config:
                 raise ValueError(
                     f"allowed_origins must be '*' or scheme://host[:port] origins, got {origin!r}"
                 )
+        if self.reasoning_parser not in _REASONING:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(_REASONING)}, got {self.reasoning_parser!r}"
+            )
+        if self.tool_call_parser not in _TOOL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(_TOOL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
+        if not isinstance(self.default_chat_template_kwargs, dict):
+            raise ValueError("default_chat_template_kwargs must be a JSON object")
         self.media_policy  # noqa: B018  (raises ValueError for bad image limits)
 
     @property
@@ -161,6 +179,13 @@ def _domains(text: str) -> tuple[str, ...]:
     return tuple(d.strip().lower() for d in text.replace(",", " ").split() if d.strip())
 
 
+def _json_object(text: str) -> dict:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text[:80]!r}")
+    return value
+
+
 def _lora_env(text: str) -> tuple[LoraModule, ...]:
     """RADIXKV_LORA_MODULES: a JSON list (of name=path strings or objects), or name=path items
     separated by whitespace."""
@@ -206,6 +231,9 @@ _ENV = {
     "allowed_media_domains": ("RADIXKV_ALLOWED_MEDIA_DOMAINS", _domains),
     "media_fetch_timeout": ("RADIXKV_MEDIA_FETCH_TIMEOUT", float),
     "allowed_origins": ("RADIXKV_ALLOWED_ORIGINS", _keys),
+    "reasoning_parser": ("RADIXKV_REASONING_PARSER", str),
+    "tool_call_parser": ("RADIXKV_TOOL_CALL_PARSER", str),
+    "default_chat_template_kwargs": ("RADIXKV_DEFAULT_CHAT_TEMPLATE_KWARGS", _json_object),
 }
 
 
@@ -347,6 +375,25 @@ def parser() -> argparse.ArgumentParser:
         metavar="ORIGIN",
         help="origins (https://app.example:8443, or *) whose browser apps may call the API (CORS); "
         "default none (env RADIXKV_ALLOWED_ORIGINS, comma-separated)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=_REASONING,
+        help="split <think> reasoning into reasoning_content: auto (when the chat template has "
+        "<think>), none, deepseek_r1, qwen3 (env RADIXKV_REASONING_PARSER)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=_TOOL_PARSERS,
+        help="tool-call format of the model's replies: auto (from the chat template), none, hermes, "
+        "llama3_json, mistral (env RADIXKV_TOOL_CALL_PARSER)",
+    )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        metavar="JSON",
+        help="chat template variables for every request, e.g. '{\"enable_thinking\": false}'; a "
+        "request's chat_template_kwargs override them (env RADIXKV_DEFAULT_CHAT_TEMPLATE_KWARGS)",
     )
     return p
 

@@ -24,10 +24,21 @@ from flask import Flask, Response, jsonify, render_template, request
 from werkzeug.exceptions import HTTPException
 
 from demo import cache_files
-from demo.api import conventions, gateway, images, options, schema
+from demo.api import (
+    agent_options,
+    conventions,
+    gateway,
+    images,
+    options,
+    reasoning,
+    schema,
+    structured,
+    tool_parsers,
+)
 from demo.api.auth import Auth, tenant_secret
 from demo.api.auth_throttle import Throttle
 from demo.api.completions import responder
+from demo.api.reply_parts import ReplySpec
 from demo.config import Config
 from demo.engine.engine import Busy, Engine
 from demo.errors import ApiError
@@ -178,6 +189,26 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         raise ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found")
 
     respond = responder(engine, config, metrics, model_id)  # the chat and completions answers
+    # Agents (docs/agents.md): the reply formats of this model, by flag or from its template
+    template = engine.template() or getattr(engine.tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else None
+    reasoning_format = reasoning.choose(config.reasoning_parser, template)
+    tool_format = tool_parsers.choose(config.tool_call_parser, template)
+    markers = [m for f in (reasoning_format,) if f for m in (f.start, f.end)]
+    markers += (
+        [tool_format.start, *getattr(tool_format, "starts", ()), "</tool_call>", "[ARGS]"]
+        if tool_format
+        else []
+    )
+    engine.keep_special(markers)
+
+    def reply_spec(agent, prompt_ids) -> ReplySpec:
+        """How this request's replies split (the prompt's tail decides if reasoning is open)."""
+        inside = False
+        if reasoning_format is not None:
+            tail = engine.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False)
+            inside = reasoning_format.opens_in(tail)
+        return ReplySpec(reasoning_format, inside, tool_format if agent.calls_tools else None)
 
     @app.get("/")
     def index():
@@ -223,6 +254,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         adapter = pick_model(data)
         req = schema.chat(data, engine.context)
         opts = options.parse(data, "chat", logits_size)
+        agent = agent_options.parse(data, config.default_chat_template_kwargs, tool_format is not None)
+        grammar = structured.grammar(agent, tool_format, engine.runner.grammars)
         task_prompt = tasks.lookup(data)
         messages = tasks.chat(task_prompt, req.messages) if task_prompt else req.messages
         parts = images.image_parts(messages)
@@ -235,16 +268,30 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         pictures = images.load_images(parts, media) if media is not None else []
         with reserve() as slot:
             inputs = None
+            if media is not None and agent.tools:
+                raise ApiError(
+                    400, f"the model {model_id} (vision-language) does not take tools here", "tools"
+                )
             if media is not None:  # a vision-language model: its processor renders every chat
                 prompt = vision.render(engine.processor, messages, pictures)
                 ids, inputs = prompt.ids, prompt.inputs
             else:
                 try:
-                    ids = engine.chat_ids(messages)
+                    ids = engine.chat_ids(messages, agent.tools, agent.template_kwargs)
                 except ValueError as e:
                     raise ApiError(400, str(e), "messages") from None
             return respond(
-                "chat", ids, req.sampling, opts, namespace, started, slot, adapter=adapter, inputs=inputs
+                "chat",
+                ids,
+                req.sampling,
+                opts,
+                namespace,
+                started,
+                slot,
+                adapter=adapter,
+                inputs=inputs,
+                grammar=grammar,
+                reply=reply_spec(agent, ids),
             )
 
     @app.post("/v1/completions")

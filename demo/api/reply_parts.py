@@ -131,3 +131,19 @@ def parse_whole(
     p.feed(text)
     p.finish()
     return p
+
+
+@dataclass(frozen=True)
+class ReplySpec:
+    """How a request's replies are split: its reasoning format and whether the prompt opened
+    the block, and its tool-call format (None when the request gave no tools)."""
+
+    reasoning: ReasoningFormat | None = None
+    inside: bool = False
+    tools: ToolFormat | None = None
+
+    def parser(self) -> ReplyParser:
+        return ReplyParser(self.reasoning, self.inside, self.tools)
+
+    def __bool__(self) -> bool:
+        return self.reasoning is not None or self.tools is not None

@@ -192,10 +192,15 @@ def run_batch(runner, gens: list[Generation], pause=None) -> list[Generation]:
         mask[i, width - len(g.context_ids) :] = 1
     cache = runner.cache(gens)
     rows = Rows(gens, width, runner.eos, cache, pause)
-    logits_processor, recorder = processors.build(
-        width, first.frequency_penalty, first.presence_penalty, dict(first.logit_bias), first.top_logprobs
-    )
     try:
+        logits_processor, recorder = processors.build(
+            width,
+            first.frequency_penalty,
+            first.presence_penalty,
+            dict(first.logit_bias),
+            first.top_logprobs,
+            runner.grammar_rows(gens, width),  # per row: requests with and without a grammar mix
+        )
         runner.generate(
             gens,
             ids.to(runner.model.device),

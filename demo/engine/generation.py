@@ -45,6 +45,7 @@ class Params:
     top_logprobs: int | None = None  # None: no logprobs
     cache_prompt: bool = True  # False: generate without the prefix cache (no read, no write)
     adapter: str | None = None  # the LoRA adapter computing the reply (demo.model.adapters); None: the base
+    grammar: str | None = None  # an llguidance grammar the reply must match (demo.engine.constrained)
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,9 @@ class Generation:
         # chunks generated (demo.engine.batching: a paused request resumes in a re-formed batch).
         self.context_ids = prompt_ids
         self.cached: int | None = None  # the prompt's cached tokens, fixed by its first chunk
+        # Its rows' grammar states (demo.engine.constrained), made by its first generate() and
+        # carried across decode chunks; None without a grammar
+        self.grammar_states: list | None = None
         self.submitted = time.perf_counter()
         self.started: float | None = None
         self.cancelled = threading.Event()

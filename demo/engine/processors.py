@@ -106,14 +106,19 @@ def build(
     presence_penalty: float = 0.0,
     logit_bias: dict[int, float] | None = None,
     top_logprobs: int | None = None,
+    grammar: LogitsProcessor | None = None,
 ) -> tuple[LogitsProcessorList, LogprobRecorder | None]:
     """The processors a request needs (none for the defaults) and its recorder (None unless
-    logprobs were asked for; top_logprobs=0 records the chosen token's logprob only)."""
+    logprobs were asked for; top_logprobs=0 records the chosen token's logprob only).
+    ``grammar``: demo.engine.constrained.GrammarRows, after penalties and bias (its -inf stay
+    -inf) and before the recorder (logprobs are of the distribution the grammar allowed)."""
     out = LogitsProcessorList()
     if frequency_penalty or presence_penalty:
         out.append(OpenAIPenalties(prompt_length, frequency_penalty, presence_penalty))
     if logit_bias:
         out.append(LogitBias(logit_bias))
+    if grammar is not None:
+        out.append(grammar)
     recorder = None
     if top_logprobs is not None:
         recorder = LogprobRecorder(top_logprobs)

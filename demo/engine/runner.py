@@ -25,6 +25,7 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from demo.engine import batching, processors
+from demo.engine.constrained import GrammarRows, Grammars
 from demo.engine.generation import GREEDY_BELOW, Generation, Params, Stopped, Streamer
 from demo.model import vision
 
@@ -47,6 +48,9 @@ class Runner:
         # Held while a batch runs: adapters load and unload between generate() calls.
         self.lock = adapters.lock if adapters is not None else threading.RLock()
         self.eos = self._eos_ids()
+        vocab = model.get_input_embeddings().num_embeddings
+        logits = min(vocab, getattr(model.get_output_embeddings(), "out_features", vocab))
+        self.grammars = Grammars(tokenizer, logits, self.eos)  # constrained decoding
         # Token prefixes pinned under PUBLIC_NAMESPACE (the operator's task prompts, longest
         # first): a request starting with one reads it there, whatever its tenant.
         self._public: list[list[int]] = []
@@ -137,6 +141,7 @@ class Runner:
             p.presence_penalty,
             dict(p.logit_bias),
             p.top_logprobs,
+            self.grammar_rows([gen], len(gen.prompt_ids), rows),
         )
         if p.seed is not None:
             # int64 seeds (schema.SEED_MIN..SEED_MAX) onto torch's uint64 range one to one;
@@ -194,6 +199,20 @@ class Runner:
         namespace = gens[0].namespace if len(gens) == 1 else [g.namespace for g in gens]
         shared = [self.shared_prefix(g.prompt_ids) for g in gens] if self._public else None
         return RadixCache(store=self.store, namespace=namespace, shared_prefix=shared)
+
+    def grammar_rows(self, gens: Sequence[Generation], width: int, rows_each: int = 1) -> GrammarRows | None:
+        """The grammar processor of ``gens``'s rows (``rows_each`` generate() rows per request),
+        or None when no request has a grammar. A request's grammar states are made on its first
+        call and kept on it, so a paused request resumes its grammar where it stopped."""
+        if not any(g.params.grammar for g in gens):
+            return None
+        states, before = [], []
+        for g in gens:
+            if g.params.grammar is not None and g.grammar_states is None:
+                g.grammar_states = [self.grammars.start(g.params.grammar) for _ in range(rows_each)]
+            states += g.grammar_states if g.grammar_states is not None else [None] * rows_each
+            before += [g.replied] * rows_each
+        return GrammarRows(states, width, before)
 
     def set_public_prefixes(self, prefixes: Sequence[Sequence[int]]) -> None:
         """Token prefixes whose KV is pinned under PUBLIC_NAMESPACE (demo.task_prompts)."""

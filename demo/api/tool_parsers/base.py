@@ -33,9 +33,11 @@ class ToolFormat:
         so far (maybe none); ``final=True``: every call, or None if ``text`` is not a calls block."""
         raise NotImplementedError
 
-    def grammar(self, call_schema: dict, parallel: bool) -> str:
+    def grammar(self, call_schema: dict, parallel: bool, lit=None) -> str:
         """A Lark grammar (llguidance's dialect) of the calls block, each call matching
-        ``call_schema`` (a JSON schema of one call object); one call unless ``parallel``."""
+        ``call_schema`` (a JSON schema of one call object); one call unless ``parallel``.
+        ``lit(text)``: text as a Lark expression (default ``lark_literal``; the engine's writes
+        a marker that is one added token as that token, ``<[id]>``)."""
         raise NotImplementedError
 
     def call_id(self) -> str:

@@ -41,6 +41,6 @@ class Hermes(ToolFormat):
                 return None if final else calls
             calls.append(call)
 
-    def grammar(self, call_schema: dict, parallel: bool) -> str:
-        call = f"{lark_literal(OPEN + chr(10))} {json_rule(call_schema)} {lark_literal(chr(10) + CLOSE)}"
-        return f"start: call{' (' + lark_literal(chr(10)) + ' call)*' if parallel else ''}\ncall: {call}\n"
+    def grammar(self, call_schema: dict, parallel: bool, lit=lark_literal) -> str:
+        call = f"{lit(OPEN + chr(10))} {json_rule(call_schema)} {lit(chr(10) + CLOSE)}"
+        return f"start: call{' (' + lit(chr(10)) + ' call)*' if parallel else ''}\ncall: {call}\n"

@@ -32,6 +32,6 @@ class Llama3Json(ToolFormat):
             return None
         return calls
 
-    def grammar(self, call_schema: dict, parallel: bool) -> str:
-        more = f" ({lark_literal('; ')} call)*" if parallel else ""
+    def grammar(self, call_schema: dict, parallel: bool, lit=lark_literal) -> str:
+        more = f" ({lit('; ')} call)*" if parallel else ""
         return f"start: call{more}\ncall: {json_rule(call_schema)}\n"

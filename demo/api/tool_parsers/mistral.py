@@ -51,6 +51,6 @@ class Mistral(ToolFormat):
             calls.append(call)
         return calls
 
-    def grammar(self, call_schema: dict, parallel: bool) -> str:
-        more = f" ({lark_literal(', ')} call)*" if parallel else ""
-        return f"start: {lark_literal(MARKER + '[')} call{more} {lark_literal(']')}\ncall: {json_rule(call_schema)}\n"
+    def grammar(self, call_schema: dict, parallel: bool, lit=lark_literal) -> str:
+        more = f" ({lit(', ')} call)*" if parallel else ""
+        return f"start: {lit(MARKER + '[')} call{more} {lit(']')}\ncall: {json_rule(call_schema)}\n"
