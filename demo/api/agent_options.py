@@ -27,7 +27,8 @@ _RESERVED = {
 
 @dataclass(frozen=True)
 class AgentOptions:
-    tools: tuple[dict, ...] = ()  # OpenAI function specs {"name", "description"?, "parameters"?}
+    tools: tuple[dict, ...] = ()  # OpenAI function specs {"name", "description"?, "parameters"}
+    rendered_tools: tuple[dict, ...] = ()  # the client's function objects, as the template gets them
     tool_choice: str = "auto"  # "auto" | "none" | "required" | "function" (then `function`)
     function: str | None = None  # the named function tool_choice forces
     parallel_tool_calls: bool = True
@@ -51,13 +52,14 @@ class AgentOptions:
         return ()
 
 
-def _tools(body: dict) -> tuple[dict, ...]:
+def _tools(body: dict) -> tuple[tuple[dict, ...], tuple[dict, ...]]:
+    """(normalized specs with ``parameters`` always set, the client's function objects)."""
     tools = body.get("tools")
     if tools is None:
-        return ()
+        return (), ()
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise _bad(f"'tools' must be a list of at most {MAX_TOOLS} tools", "tools")
-    out, names = [], set()
+    out, names, given = [], set(), []
     for i, t in enumerate(tools):
         where = f"tools[{i}]"
         fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
@@ -85,7 +87,8 @@ def _tools(body: dict) -> tuple[dict, ...]:
             spec["description"] = desc
         spec["parameters"] = params if params is not None else {"type": "object", "properties": {}}
         out.append(spec)
-    return tuple(out)
+        given.append(dict(fn))
+    return tuple(out), tuple(given)
 
 
 def _tool_choice(body: dict, tools: tuple[dict, ...]) -> tuple[str, str | None]:
@@ -153,7 +156,7 @@ def parse(body: dict, default_kwargs: dict | None = None, tool_calls: bool = Tru
                     name,
                     "unsupported_parameter",
                 )
-    tools = _tools(body)
+    tools, given = _tools(body)
     choice, function = _tool_choice(body, tools)
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
@@ -164,6 +167,7 @@ def parse(body: dict, default_kwargs: dict | None = None, tool_calls: bool = Tru
     }
     return AgentOptions(
         tools=tools,
+        rendered_tools=given,
         tool_choice=choice,
         function=function,
         parallel_tool_calls=parallel and choice != "function",

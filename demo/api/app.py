@@ -277,7 +277,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                 ids, inputs = prompt.ids, prompt.inputs
             else:
                 try:
-                    ids = engine.chat_ids(messages, agent.tools, agent.template_kwargs)
+                    ids = engine.chat_ids(messages, agent.rendered_tools, agent.template_kwargs)
                 except ValueError as e:
                     raise ApiError(400, str(e), "messages") from None
             return respond(

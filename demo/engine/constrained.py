@@ -52,6 +52,7 @@ class RowGrammar:
     """One row's grammar state: the llguidance matcher and how many reply tokens it consumed."""
 
     matcher: object  # llguidance.LLMatcher
+    eos: tuple[int, ...]  # the ids that end the row once the grammar is complete
     fed: int = 0
     broken: bool = False  # the matcher refused a token (logged); the row is no longer masked
 
@@ -110,7 +111,7 @@ class Grammars:
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
-        return RowGrammar(matcher)
+        return RowGrammar(matcher, tuple(self.eos_ids))
 
 
 class GrammarRows(LogitsProcessor):
@@ -136,13 +137,23 @@ class GrammarRows(LogitsProcessor):
         if self._mask is None:
             self._mask = self._lt.allocate_token_bitmask(len(self.states), scores.shape[1])
         generated = input_ids.shape[1] - self.width
-        masked = []
+        masked, complete = [], []
         for i in active:
             state = self._advance(i, input_ids, generated)
-            if state.broken or state.matcher.is_stopped():
-                continue  # ended (generate() feeds it pad tokens) or broken: leave it
+            if state.broken:
+                continue  # logged: leave the row unmasked
+            if state.matcher.is_stopped():
+                complete.append(i)  # the grammar is complete: only EOS (or pad after it)
+                continue
             self._lt.fill_next_token_bitmask(state.matcher, self._mask, i)
             masked.append(i)
+        if complete:
+            scores = scores.clone()
+            for i in complete:
+                eos = torch.tensor(self.states[i].eos, dtype=torch.long, device=scores.device)
+                keep = scores[i, eos]
+                scores[i] = -float("inf")
+                scores[i, eos] = keep
         if not masked:
             return scores
         rows = torch.tensor(masked, dtype=torch.long)
