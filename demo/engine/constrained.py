@@ -148,7 +148,6 @@ class GrammarRows(LogitsProcessor):
             self._lt.fill_next_token_bitmask(state.matcher, self._mask, i)
             masked.append(i)
         if complete:
-            scores = scores.clone()
             for i in complete:
                 eos = torch.tensor(self.states[i].eos, dtype=torch.long, device=scores.device)
                 keep = scores[i, eos]
@@ -156,11 +155,11 @@ class GrammarRows(LogitsProcessor):
                 scores[i, eos] = keep
         if not masked:
             return scores
-        rows = torch.tensor(masked, dtype=torch.long)
-        sub = scores[rows.to(scores.device)].clone()
-        self._lt.apply_token_bitmask_inplace(sub, self._mask[rows].to(sub.device))
-        scores = scores.clone()
-        scores[rows.to(scores.device)] = sub
+        free = [i for i in range(len(self.states)) if i not in masked]
+        if free:
+            self._mask[free] = -1  # all bits set: those rows keep every token
+        # In place, as generate() allows: no copy of the [rows, vocab] scores per step
+        self._lt.apply_token_bitmask_inplace(scores, self._mask.to(scores.device, non_blocking=True))
         return scores
 
     def _advance(self, i: int, input_ids: torch.LongTensor, generated: int) -> RowGrammar:
