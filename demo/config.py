@@ -76,6 +76,9 @@ class Config:
     reasoning_parser: str = "auto"
     tool_call_parser: str = "auto"
     default_chat_template_kwargs: dict = field(default_factory=dict)
+    # /v1/responses with store: responses kept (per tenant, in memory) and for how many seconds
+    responses_max_stored: int = 1000
+    responses_max_age: float = 3600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -125,6 +128,11 @@ class Config:
         if self.tool_call_parser not in _TOOL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(_TOOL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
+        if self.responses_max_stored < 0 or not self.responses_max_age > 0:
+            raise ValueError(
+                f"responses_max_stored must be >= 0 and responses_max_age > 0 seconds, got "
+                f"{self.responses_max_stored} and {self.responses_max_age}"
             )
         if not isinstance(self.default_chat_template_kwargs, dict):
             raise ValueError("default_chat_template_kwargs must be a JSON object")
@@ -234,6 +242,8 @@ _ENV = {
     "reasoning_parser": ("RADIXKV_REASONING_PARSER", str),
     "tool_call_parser": ("RADIXKV_TOOL_CALL_PARSER", str),
     "default_chat_template_kwargs": ("RADIXKV_DEFAULT_CHAT_TEMPLATE_KWARGS", _json_object),
+    "responses_max_stored": ("RADIXKV_RESPONSES_MAX_STORED", int),
+    "responses_max_age": ("RADIXKV_RESPONSES_MAX_AGE", float),
 }
 
 
@@ -394,6 +404,18 @@ def parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help="chat template variables for every request, e.g. '{\"enable_thinking\": false}'; a "
         "request's chat_template_kwargs override them (env RADIXKV_DEFAULT_CHAT_TEMPLATE_KWARGS)",
+    )
+    p.add_argument(
+        "--responses-max-stored",
+        type=int,
+        help="responses /v1/responses keeps for previous_response_id (default 1000, oldest dropped "
+        "first; in memory, lost on restart; env RADIXKV_RESPONSES_MAX_STORED)",
+    )
+    p.add_argument(
+        "--responses-max-age",
+        type=float,
+        metavar="SECONDS",
+        help="how long a stored response is kept (default 3600; env RADIXKV_RESPONSES_MAX_AGE)",
     )
     return p
 

@@ -5,7 +5,7 @@
                                      # block_size, cache_tokens and max_queue are then unused)
 
 Routes: GET / (chat page), GET /health, GET /v1/models, POST /v1/chat/completions,
-POST /v1/completions, POST /v1/cache/flush (admin token), GET /metrics (Prometheus), and
+POST /v1/completions, POST /v1/responses and GET|DELETE /v1/responses/<id> (demo.api.responses_route), POST /v1/cache/flush (admin token), GET /metrics (Prometheus), and
 POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin token; demo.model.adapters). A request's
 ``model`` picks the base model or a LoRA adapter; a vision-language model takes image_url
 content parts (demo.api.images, demo.model.vision).
@@ -31,6 +31,7 @@ from demo.api import (
     images,
     options,
     reasoning,
+    responses_route,
     schema,
     structured,
     tool_parsers,
@@ -55,6 +56,7 @@ BUSY_RETRY_AFTER_S = 1  # a batch step frees queue slots within about a second
 _ROUTES = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
+    "/v1/responses": "responses",
     "/v1/models": "models",
     "/v1/cache/flush": "flush",
     "/v1/cache/save": "save",  # demo.cache_files
@@ -293,6 +295,24 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                 grammar=grammar,
                 reply=reply_spec(agent, ids),
             )
+
+    # POST /v1/responses, GET|DELETE /v1/responses/<id> (stored per tenant, in memory)
+    app.extensions["radixkv"]["responses"] = responses_route.install(
+        app,
+        responses_route.Hooks(
+            engine,
+            config,
+            metrics,
+            model_id,
+            logits_size,
+            tool_format,
+            tenant,
+            body,
+            reserve,
+            pick_model,
+            reply_spec,
+        ),
+    )
 
     @app.post("/v1/completions")
     def completions():
