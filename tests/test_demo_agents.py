@@ -1,4 +1,4 @@
-"""Agents against a real `python -m demo` process, through the official openai client: a
+"""Agents against the served app (waitress, real HTTP), through the official openai client: a
 tool-calling loop (the prompt checked against apply_chat_template(tools=...), calls forced by
 constrained decoding on a random model and validated against their schemas, streamed deltas,
 cached_tokens growing per turn), json_schema outputs, and the reasoning split."""
@@ -14,8 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from demo.api.app import create_app
+from demo.api.server import serving
+from demo.config import Config
 from tests.demo_checkpoints import save_agent_model, stock_reply
-from tests.demo_process import start_demo
 
 WEATHER = {
     "type": "object",
@@ -57,14 +59,10 @@ def stock(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("log") / "demo.log"
-    proc, url = start_demo(["--model", checkpoint, "--port", "0", "--block-size", "16"], str(log))
-    try:
+def server(checkpoint):
+    """The app served over HTTP by waitress in this process (demo.api.server.serving)."""
+    with serving(create_app(Config(model=checkpoint, block_size=16))) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 @pytest.fixture(scope="module")
