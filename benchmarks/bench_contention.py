@@ -1,10 +1,10 @@
 """radixkv against stock generate() on a busy machine: quiet, then beside a competing load.
 
-Runs `benchmarks.bench_batch --parts cold` (a cold batch of questions over one 2,000-token
-document: RadixCache with in-batch sharing against stock batched generate) in a child process
-per setting (torch threads, OMP wait policy: both fixed when the OpenMP runtime starts), once
-quiet and once beside a competitor: a second process multiplying 512x512 matrices on every
-core. Prints each time and the radix/stock lead in both conditions.
+Runs `benchmarks.contention_job` (a cold batch of questions over one 2,000-token document, and
+8 rows decoding 32 tokens over a cached prefix: RadixCache against stock generate) in a child
+process per setting (torch threads, OMP wait policy: both fixed when the OpenMP runtime
+starts), once quiet and once beside a competitor: a second process multiplying 512x512
+matrices on every core. Prints each time and the radix/stock lead in both conditions.
 
     python benchmarks/bench_contention.py --settings 2,2:passive,1 --questions 8
 """
@@ -28,45 +28,47 @@ COMPETITOR = (
 )
 
 
-def run_cold(threads: int, policy: str | None, questions: int) -> tuple[float, float]:
-    """(stock seconds, radix seconds) of one bench_batch cold run."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(threads)}
+def run_job(threads: int | None, policy: str | None, questions: int) -> dict[str, tuple[float, float]]:
+    """{case: (stock seconds, radix seconds)} of one contention_job run."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     if policy:
         env["OMP_WAIT_POLICY"] = policy.upper()
-    cmd = [sys.executable, "-m", "benchmarks.bench_batch", "--parts", "cold", "--repeats", "1"]
-    cmd += ["--questions", str(questions), "--threads", str(threads)]
+    cmd = [sys.executable, "-m", "benchmarks.contention_job", "--questions", str(questions)]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
-    stock = float(re.search(r"stock batched generate\s+([\d.]+)", out).group(1))
-    radix = float(re.search(r"RadixCache, in-batch sharing\s+([\d.]+)", out).group(1))
-    return stock, radix
+    return {m[0]: (float(m[1]), float(m[2])) for m in re.findall(r"^(\w+) ([\d.]+) ([\d.]+)$", out, re.M)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--settings", default="2,2:passive,1", help="threads[:wait policy], comma-separated")
+    p.add_argument("--settings", default="default,2:passive,1", help="threads[:wait policy], comma-separated")
     p.add_argument("--questions", type=int, default=8)
+    p.add_argument("--busy-only", action="store_true", help="skip the quiet runs")
     args = p.parse_args()
-    rows = []
+    print(f"cold: {args.questions} questions over one 2,000-token document; decode: 8 rows x 32 tokens")
+    print(
+        f"{'threads':>10} {'':>6} {'case':>7} {'stock s':>8} {'radix s':>8} {'lead':>6} {'load':>5}",
+        flush=True,
+    )
     for setting in args.settings.split(","):
         threads, _, policy = setting.partition(":")
-        quiet = run_cold(int(threads), policy or None, args.questions)
-        load_quiet = os.getloadavg()[0]
-        competitor = subprocess.Popen([sys.executable, "-c", COMPETITOR])
-        try:
-            time.sleep(2)
-            loaded = run_cold(int(threads), policy or None, args.questions)
-            load_busy = os.getloadavg()[0]
-        finally:
-            competitor.kill()
-            competitor.wait()
-        rows.append((setting, quiet, loaded, load_quiet, load_busy))
-    print(
-        f"\ncold batch: {args.questions} questions over one 2,000-token document (bench_batch --parts cold)"
-    )
-    print(f"{'threads':>10} {'':>6} {'stock s':>8} {'radix s':>8} {'lead':>6} {'load':>5}")
-    for setting, quiet, loaded, lq, lb in rows:
-        for name, (stock, radix), load in (("quiet", quiet, lq), ("busy", loaded, lb)):
-            print(f"{setting:>10} {name:>6} {stock:>8.2f} {radix:>8.2f} {stock / radix:>5.1f}x {load:>5.1f}")
+        threads = None if threads == "default" else int(threads)
+        for name in ("busy",) if args.busy_only else ("quiet", "busy"):
+            competitor = subprocess.Popen([sys.executable, "-c", COMPETITOR]) if name == "busy" else None
+            try:
+                time.sleep(2 if competitor else 0)
+                cases = run_job(threads, policy or None, args.questions)
+                load = os.getloadavg()[0]
+            finally:
+                if competitor is not None:
+                    competitor.kill()
+                    competitor.wait()
+            for case, (stock, radix) in cases.items():
+                print(
+                    f"{setting:>10} {name:>6} {case:>7} {stock:>8.2f} {radix:>8.2f} {stock / radix:>5.1f}x {load:>5.1f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

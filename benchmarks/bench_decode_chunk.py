@@ -72,7 +72,9 @@ def main() -> None:
     p.add_argument("--greedy", action="store_true", help="all rows greedy (default: mixed options)")
     p.add_argument("--block-size", type=int, default=16, help="the store's block size")
     args = p.parse_args()
-    engine = build_engine(Config(model=args.model, max_batch_size=max(8, args.rows), block_size=args.block_size))
+    engine = build_engine(
+        Config(model=args.model, max_batch_size=max(8, args.rows), block_size=args.block_size)
+    )
     run(engine, args.rows, 8, 0, not args.greedy, "warm-up")
     base = run(engine, args.rows, args.tokens, 0, not args.greedy, "base")
     step = base / args.tokens

@@ -14,7 +14,17 @@ import time
 from demo.config import from_args, parser
 
 
+def quiet_threads(environ=os.environ) -> None:
+    """OMP_WAIT_POLICY=PASSIVE unless the environment says otherwise; call before torch loads
+    (its OpenMP runtime reads it once). A torch thread that finishes its part of an operation
+    early then sleeps instead of spinning: on a busy machine a spinning thread holds the core
+    its partner needs to finish, and each of the many small operations of a decode step waits
+    for a scheduler slice (measured 4-8x slower; docs/batching.md, "A busy machine")."""
+    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_threads()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = from_args(argv)

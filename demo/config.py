@@ -49,7 +49,7 @@ class Config:
     decode_chunk: int = 16
     # prompt tokens a long prompt computes per turn while other requests decode (prefilled in
     # slices between decode chunks, docs/batching.md); 0: a long prompt is prefilled at once
-    prefill_chunk: int = 512
+    prefill_chunk: int = 256
     # open connections one client address may hold; None: half of the server's connection
     # limit, 0: no cap (behind a trusted proxy or gateway, which is one address for everyone)
     connections_per_address: int | None = None
@@ -337,7 +337,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-chunk",
         type=int,
-        help="prompt tokens a long prompt computes per turn while others decode (default 512, a "
+        help="prompt tokens a long prompt computes per turn while others decode (default 256, a "
         "multiple of the block size; 0 = all at once; env RADIXKV_PREFILL_CHUNK)",
     )
     p.add_argument(

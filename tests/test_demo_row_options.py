@@ -329,8 +329,8 @@ def test_a_long_prompt_is_prefilled_in_slices_between_decode_chunks(engine, monk
     long_gen = engine.submit(long_, Params(5, temperature=0.7, seed=4))
     results = collect_all([runner_gen, long_gen])
     slices = [e for e in events if e[0] == "slice"]
-    assert len(slices) == (len(long_) - 1) // 32  # until the rest fits in one slice
-    assert [s[1] for s in slices] == list(range(32, 32 * len(slices) + 1, 32))
+    ends = [s[1] for s in slices]  # slices of 32 up to the prompt's last token
+    assert ends == [*range(32, len(long_) - 1, 32), len(long_) - 1]
     progress = [s[2] for s in slices]
     assert progress == sorted(progress) and progress[-1] > progress[0]  # decoding went on between slices
     assert engine.scheduler.prefill_slices - slices0 == len(slices)
@@ -435,3 +435,14 @@ def test_a_client_gone_while_its_request_is_paused_is_answered_and_never_resumed
         stays.collect().text
         == stock(engine, engine.text_ids("stays"), Params(8, temperature=0.9, seed=98))[0]
     )
+
+
+def test_the_server_asks_for_passive_omp_threads_unless_told_otherwise():
+    from demo.__main__ import quiet_threads
+
+    env = {}
+    quiet_threads(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    quiet_threads(env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}

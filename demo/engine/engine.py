@@ -50,7 +50,7 @@ class Engine:
         max_batch_size: int = 8,
         max_batch_tokens: int = 16384,
         decode_chunk: int = 16,
-        prefill_chunk: int = 512,
+        prefill_chunk: int = 256,
         adapters=None,
         processor=None,
     ):

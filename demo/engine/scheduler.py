@@ -14,7 +14,8 @@ A long prompt does not stall the rows decoding beside it: a request whose prompt
 `prefill_chunk` tokens left to compute, taken while others wait, is handed out alone for one
 slice (`Generation.slice_to`: the runner computes and commits that much of its prompt) and
 queues again behind them, so slices and decode chunks take turns; it joins a batch once the
-rest fits in one slice, reading its prompt from the store. (Alone, it is prefilled at once.)
+whole prompt but its last token is in the store, reading it from there. (Alone, it is
+prefilled at once.)
 
 A queue place is taken with `reserve()` before the prompt is tokenised, so a full queue
 refuses at no cost; `submit(gen, slot)` then fills it. Thread-safe: HTTP threads reserve and
@@ -219,14 +220,17 @@ class Scheduler:
         return batch
 
     def _long(self, gen: Generation) -> bool:
-        """Whether ``gen`` has more than a slice of its prompt left to compute (a text request
-        on the prefix cache, not started yet)."""
+        """Whether ``gen`` is a long prompt (more than a slice; a text request on the prefix
+        cache, not started yet) not yet prefilled up to its last token. It is sliced to the end:
+        a batch computes every row over the columns its longest uncached row needs, so a
+        remainder left to the batch would cost rows x remainder."""
         return (
             self.prefill_chunk > 0
             and gen.started is None
             and gen.params.cache_prompt
             and batching.batch_key(gen) is not None
-            and len(gen.prompt_ids) - gen.prefilled > self.prefill_chunk
+            and len(gen.prompt_ids) > self.prefill_chunk
+            and gen.prefilled < len(gen.prompt_ids) - 1
         )
 
     def pause_for(self, batch: Sequence[Generation]) -> Callable[[int], bool] | None:
