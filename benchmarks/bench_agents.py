@@ -145,7 +145,7 @@ def main() -> None:
             results[m][t] for m in ("chat", "responses", "chat-no-cache")
         )
         print(
-            f"{t + 1:>4} | {pc:>6} | {cc / pc:>10.0%} {tc:>8.3f} | {cr / pr:>10.0%} {tr:>8.3f} | {tn:>15.3f}{same}"
+            f"{t + 1:>4} | {pc:>6} | {cc / pc:>10.0%} {tc:>8.3f} | {cr / pr:>10.0%} {tr:>8.3f} | {tn:>15.3f}"
         )
     for mode, rows in results.items():
         later = rows[1:]
