@@ -112,3 +112,24 @@ def test_default_template_kwargs_and_override(client):
 def test_completions_still_refuse_tools(client):
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "tools": [TOOL]})
     assert r.status_code == 400 and r.get_json()["error"]["param"] == "tools"
+
+
+def test_forced_call_with_thinking_on_is_a_call_not_reasoning(client):
+    """The prompt opens <think>, but a forced call's reply is the call from its first token."""
+    flag = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "f", "parameters": flag}}
+    r = chat(
+        client,
+        tools=[tool],
+        tool_choice="required",
+        max_tokens=40,
+        chat_template_kwargs={"enable_thinking": True},
+    )
+    m = r.get_json()["choices"][0]
+    assert m["finish_reason"] == "tool_calls" and m["message"]["reasoning_content"] is None
+    assert m["message"]["tool_calls"][0]["function"]["name"] == "f"
