@@ -281,7 +281,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                 ids, inputs = prompt.ids, prompt.inputs
             else:
                 try:
-                    ids = engine.chat_ids(messages, agent.rendered_tools, agent.template_kwargs)
+                    extra = {"tools": agent.rendered_tools, "template_kwargs": agent.template_kwargs}
+                    ids = engine.chat_ids(messages, **{k: v for k, v in extra.items() if v})
                 except ValueError as e:
                     raise ApiError(400, str(e), "messages") from None
             return respond(
