@@ -331,3 +331,20 @@ def test_constrained_and_free_rows_share_batches(checkpoint, stock):
     assert again.cached_tokens >= len(prompts[1]) - 16
     assert again.text == stock_reply(model, tok, prompts[1], 4)[1]
     engine.check_invariants()
+
+
+def test_apply_bitmask_by_definition():
+    """Bit t % 32 of word t // 32 keeps token t; logits past the mask are never allowed."""
+    from demo.engine.constrained import apply_bitmask
+
+    g = torch.Generator().manual_seed(0)
+    for vocab, words in ((100, 4), (512, 16), (70, 2)):
+        mask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=g)
+        scores = torch.randn(3, vocab, generator=g)
+        want = scores.clone()
+        for r in range(3):
+            for t in range(vocab):
+                if t >= 32 * words or not (int(mask[r, t // 32]) >> (t % 32)) & 1:
+                    want[r, t] = -float("inf")
+        apply_bitmask(scores, mask)
+        assert torch.equal(scores, want)
