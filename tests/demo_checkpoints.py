@@ -143,10 +143,10 @@ AGENT_TEMPLATE = (
 AGENT_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
 
-def save_agent_model(path, seed: int = 0) -> str:
-    """The built-in tiny model with a tool-calling, thinking chat template and its markers as
+def save_agent_model(path, seed: int = 0, name: str = "builtin-tiny") -> str:
+    """The built-in (tiny) model with a tool-calling, thinking chat template and its markers as
     added (non-special) tokens, as Qwen's checkpoints have them, saved as a checkpoint directory."""
-    model, tokenizer = build_builtin("builtin-tiny")
+    model, tokenizer = build_builtin(name)
     tokenizer.add_tokens(AGENT_TOKENS)
     tokenizer.chat_template = AGENT_TEMPLATE
     with torch.random.fork_rng(devices=[]):

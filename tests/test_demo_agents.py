@@ -298,3 +298,63 @@ def test_grammar_state_survives_a_pause(stock):
     assert second[0].tolist() == whole[0].tolist()
     text = tok.decode(whole[0, prompt.shape[1] :], skip_special_tokens=True)
     jsonschema.validate(json.loads(text), JSON_SCHEMAS[1])
+
+
+def test_constrained_and_free_rows_share_batches(checkpoint, stock):
+    """Constrained and free requests run together, pausing every 3 decode steps so that they
+    re-form batches: each free reply equals stock generate(), each constrained one validates,
+    and a free request after a constrained one reads the prompt the grammar left in the cache."""
+    import threading
+
+    from demo.api.app import build_engine
+    from demo.engine.constrained import json_lark
+    from demo.engine.engine import Params
+
+    model, tok = stock
+    engine = build_engine(Config(model=checkpoint, block_size=16, decode_chunk=3, max_batch_size=4))
+    grammar = engine.runner.grammars.check(json_lark(JSON_SCHEMAS[1]))
+    prompts = [
+        engine.chat_ids([{"role": "user", "content": f"Person {i}, as JSON please."}]) for i in range(4)
+    ]
+    results = [None] * 4
+    with engine.exclusive():  # queue all four before the worker can run any
+        gens = [
+            engine.submit(
+                ids, Params(60 if i % 2 else 10, temperature=0.0, grammar=grammar if i % 2 else None)
+            )
+            for i, ids in enumerate(prompts)
+        ]
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, gens[i].collect())) for i in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sum(engine.scheduler.batch_sizes.counts[1:]) > 0  # some batch had several rows
+    for i, r in enumerate(results):
+        if i % 2:
+            jsonschema.validate(json.loads(r.text), JSON_SCHEMAS[1])
+        else:
+            assert r.text == stock_reply(model, tok, prompts[i], 10)[1]
+    again = engine.submit(prompts[1], Params(4, temperature=0.0)).collect()
+    assert again.cached_tokens >= len(prompts[1]) - 16
+    assert again.text == stock_reply(model, tok, prompts[1], 4)[1]
+    engine.check_invariants()
+
+
+def test_apply_bitmask_by_definition():
+    """Bit t % 32 of word t // 32 keeps token t; logits past the mask are never allowed."""
+    from demo.engine.constrained import apply_bitmask
+
+    g = torch.Generator().manual_seed(0)
+    for vocab, words in ((100, 4), (512, 16), (70, 2)):
+        mask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=g)
+        scores = torch.randn(3, vocab, generator=g)
+        want = scores.clone()
+        for r in range(3):
+            for t in range(vocab):
+                if t >= 32 * words or not (int(mask[r, t // 32]) >> (t % 32)) & 1:
+                    want[r, t] = -float("inf")
+        apply_bitmask(scores, mask)
+        assert torch.equal(scores, want)

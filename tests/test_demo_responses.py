@@ -188,3 +188,20 @@ def test_store_bounds():
     assert off.get("t", "x") is None
     with pytest.raises(ValueError):
         ResponseStore(max_items=-1, max_age_s=1)
+
+
+def test_reasoning_item(url):
+    c = client(url)
+    kw = {"model": "agent-tiny", "input": "Think about Rome.", "max_output_tokens": 6, "temperature": 0}
+    thinking = {"chat_template_kwargs": {"enable_thinking": True}}  # the template opens <think>
+    r = c.responses.create(**kw, extra_body=thinking)
+    assert [o.type for o in r.output] == ["reasoning"] and r.output[0].content[0].text
+    events = list(c.responses.create(**kw, stream=True, extra_body=thinking))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.reasoning_text.done", "response.output_item.done", "response.completed"]
+    assert set(kinds[3:-3]) == {"response.reasoning_text.delta"}
+    assert (
+        "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        == r.output[0].content[0].text
+    )

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from demo.api.schema import _bad
+from demo.api.schema import _bad, _utf8_json
 
 MAX_TOOLS = 128  # OpenAI's limit
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -88,6 +88,7 @@ def _tools(body: dict) -> tuple[tuple[dict, ...], tuple[dict, ...]]:
         spec["parameters"] = params if params is not None else {"type": "object", "properties": {}}
         out.append(spec)
         given.append(dict(fn))
+    _utf8_json(given, "tools")
     return tuple(out), tuple(given)
 
 
@@ -141,6 +142,7 @@ def template_kwargs(value: Any, param: str) -> dict:
     reserved = sorted(set(value) & _RESERVED)
     if reserved:
         raise _bad(f"'{param}' may not set {', '.join(reserved)}", param)
+    _utf8_json(value, param)
     return dict(value)
 
 

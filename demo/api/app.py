@@ -219,7 +219,9 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     def reply_spec(agent, prompt_ids) -> ReplySpec:
         """How this request's replies split (the prompt's tail decides if reasoning is open)."""
         inside = False
-        if reasoning_format is not None:
+        # A constrained reply (a forced call, a JSON format) is the grammar's text from its
+        # first token: no reasoning block, even where the prompt opened one.
+        if reasoning_format is not None and not (agent.forced_tools or agent.response_format):
             tail = engine.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False)
             inside = reasoning_format.opens_in(tail)
         return ReplySpec(reasoning_format, inside, tool_format if agent.calls_tools else None)
@@ -293,7 +295,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                 ids, inputs = prompt.ids, prompt.inputs
             else:
                 try:
-                    ids = engine.chat_ids(messages, agent.rendered_tools, agent.template_kwargs)
+                    extra = {"tools": agent.rendered_tools, "template_kwargs": agent.template_kwargs}
+                    ids = engine.chat_ids(messages, **{k: v for k, v in extra.items() if v})
                 except ValueError as e:
                     raise ApiError(400, str(e), "messages") from None
             return respond(

@@ -75,6 +75,11 @@ def _utf8(v: str, param: str) -> str:
     return v
 
 
+def _utf8_json(v: Any, param: str) -> None:
+    """``_utf8`` for every string inside a JSON value (tools, tool call arguments)."""
+    _utf8(json.dumps(v, ensure_ascii=False), param)
+
+
 def _content(v: Any, param: str) -> str | list[dict]:
     """A message's content: a string, or content parts. Text-only parts are joined into one string;
     with an image part, the parts as ``[{"type": "text", "text"}, {"type": "image_url", "url",
@@ -251,6 +256,7 @@ def _tool_calls(v: Any, param: str) -> list[dict] | None:
                 f"{param}[{j}].function.arguments must be a JSON object (as text)",
                 f"{param}[{j}].function.arguments",
             )
+        _utf8_json(args, f"{param}[{j}].function.arguments")
         call = {"type": "function", "function": {"name": _utf8(fn["name"], param), "arguments": args}}
         if isinstance(c.get("id"), str):
             call["id"] = _utf8(c["id"], f"{param}[{j}].id")

@@ -46,6 +46,22 @@ def json_lark(schema: dict | None) -> str:
     return "start: %json" + json.dumps(schema, ensure_ascii=False, separators=(",", ":")) + "\n"
 
 
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_bitmask(scores: torch.Tensor, mask: torch.Tensor) -> None:
+    """scores[r, t] = -inf where bit t of row r's mask is 0. scores: [rows, vocab] (any device);
+    mask: int32 [rows, ceil(vocab / 32)], bit t % 32 of word t // 32 (llguidance's layout).
+    Plain tensor ops: llguidance's own helper is torch.compile'd, which costs seconds (and a
+    C++ compiler) on a server's first constrained request."""
+    mask = mask.to(scores.device, non_blocking=True)
+    bits = _BITS.to(scores.device)
+    allowed = ((mask.unsqueeze(-1) >> bits) & 1).reshape(mask.shape[0], -1)[:, : scores.shape[1]]
+    if allowed.shape[1] < scores.shape[1]:  # logits past the mask's width: never allowed
+        scores[:, allowed.shape[1] :] = -float("inf")
+    scores[:, : allowed.shape[1]].masked_fill_(allowed == 0, -float("inf"))
+
+
 @dataclass
 class RowGrammar:
     """One row's grammar state: the llguidance matcher and how many reply tokens it consumed."""
@@ -142,7 +158,7 @@ class GrammarHook:
             self._mask = self._lt.allocate_token_bitmask(1, scores.shape[-1])
         self._lt.fill_next_token_bitmask(state.matcher, self._mask, 0)
         # In place on the row's [vocab] (a view of the sampler's copy): no copy per step
-        self._lt.apply_token_bitmask_inplace(scores, self._mask.to(scores.device, non_blocking=True))
+        apply_bitmask(scores.unsqueeze(0), self._mask)
         return scores
 
     def _advance(self, ids: torch.Tensor) -> RowGrammar:
