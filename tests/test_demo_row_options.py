@@ -446,3 +446,34 @@ def test_the_server_asks_for_passive_omp_threads_unless_told_otherwise():
     env = {"OMP_WAIT_POLICY": "ACTIVE"}
     quiet_threads(env)
     assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_a_hook_that_raises_fails_its_own_request_only(engine, monkeypatch):
+    class Broken:
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, ids, scores):
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("grammar exploded")
+            return scores
+
+    ids = prompts(engine, 2)
+    held = Held(engine, monkeypatch)
+    broken = engine.submit(ids[0], Params(8, temperature=0.0), hooks=[Broken()])
+    fine = engine.submit(ids[1], Params(8, temperature=0.0))
+    held.go()
+    with pytest.raises(RuntimeError, match="grammar exploded"):
+        broken.collect()
+    assert fine.collect().text == stock(engine, ids[1], Params(8, temperature=0.0))[0]
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(top_k=-1), dict(min_p=1.5), dict(repetition_penalty=0.0), dict(top_p=0.0), dict(n=0)]
+)
+def test_engine_params_refuse_values_that_would_fail_a_whole_batch(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Params(4, **bad)

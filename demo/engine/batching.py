@@ -115,6 +115,16 @@ class Rows:
         if len(self.gens) > 1 and all(self.settled[j] and not self.paused[j] for j in mine):
             self.close(row.gen)
 
+    def fail(self, i: int, exc: Exception, length: int) -> None:
+        """Row i's request failed on its own (its hook raised): it gets the error, its rows end
+        at ``length`` (fed padding from then on), the other requests go on."""
+        log.warning("a row's hook failed; its request ends with the error: %r", exc)
+        gen = self.rows[i].gen
+        for j in self.of_gen[id(gen)]:
+            if self.ended[j] is None:
+                self.ended[j] = length
+        self.close(gen, ("error", exc))
+
     def close_all(self, event: tuple | None = None) -> None:
         for g in self.gens:
             self.close(g, event)
@@ -227,7 +237,7 @@ def run_batch(runner, gens: list[Generation], pause=None, on_step=None) -> list[
         mask[i, width - len(context) :] = 1
     cache = runner.cache(gens, [r.gen for r in rows] if not inputs else None)
     state = Rows(rows, width, runner.eos, cache, pause)
-    sampler = RowSampler(rows, state.closed)
+    sampler = RowSampler(rows, state.closed, state.fail)
     try:
         runner.generate(
             [r.gen for r in rows] if not inputs else gens,

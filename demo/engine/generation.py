@@ -53,6 +53,20 @@ class Params:
     # RowHook (demo.engine.constrained.GrammarHook, made by Engine.submit)
     grammar: str | None = None
 
+    def __post_init__(self) -> None:
+        checks = (
+            ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+            ("n", self.n >= 1, ">= 1"),
+            ("temperature", self.temperature >= 0.0, ">= 0"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, ">= 0 (0: off)"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1] (0: off)"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "> 0 (1: off)"),
+        )
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"Params.{name} must be {allowed}, got {getattr(self, name)!r}")
+
     @property
     def sampled(self) -> bool:
         """Whether choices are sampled (else greedy: argmax, the sampling options unused)."""

@@ -55,7 +55,8 @@ class RowHook(Protocol):
 
     It returns the new scores (may be the same tensor, changed in place). It lives on the
     request, so its state survives a pause; the tokens it has not seen yet are ids[len seen:]
-    (a hook that keeps state advances by those). It must not keep ``scores``."""
+    (a hook that keeps state advances by those). It must not keep ``scores``. If it raises, its
+    request ends with that error; the other rows of the batch go on."""
 
     def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor: ...
 
@@ -137,8 +138,11 @@ class RowSampler(LogitsProcessor):
     (None when no row asked for logprobs) holds each step's log-probabilities for the streamer.
     Rows whose ``closed(i)`` is True (ended, fed padding) are skipped."""
 
-    def __init__(self, rows: list[Row], closed=lambda i: False):
+    def __init__(self, rows: list[Row], closed=lambda i: False, fail=None):
         self.rows, self.closed = rows, closed
+        # fail(i, exc, length): row i's hook raised; its request ends with that error, alone
+        # (None: the error propagates and fails the whole call).
+        self.fail = fail
         self.transforms = [_Transforms(r) for r in rows]
         self.warpers = [_warpers(r.gen.params) if r.gen.params.sampled else None for r in rows]
         tops = [r.gen.params.top_logprobs for r in rows]
@@ -151,7 +155,12 @@ class RowSampler(LogitsProcessor):
             scores = scores.clone()
             for i, (row, transform) in enumerate(zip(self.rows, self.transforms)):
                 if transform and not self.closed(i):
-                    scores[i] = transform(input_ids[i : i + 1, row.start :], scores[i : i + 1])[0]
+                    try:
+                        scores[i] = transform(input_ids[i : i + 1, row.start :], scores[i : i + 1])[0]
+                    except Exception as e:
+                        if self.fail is None:
+                            raise
+                        self.fail(i, e, input_ids.shape[1])
         if self.recorder is not None:
             self.recorder(input_ids, scores)
         if not any(w is not None for w in self.warpers):
