@@ -203,6 +203,13 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         else []
     )
     engine.keep_special(markers)
+    log.info(
+        "agents: reasoning split %s, tool-call format %s",
+        "on (<think>)" if reasoning_format else "off",
+        tool_format.name if tool_format else "none",
+    )
+    if tool_format is not None and (template is None or "tools" not in template):
+        log.warning("--tool-call-parser %s: the chat template does not render tools", tool_format.name)
 
     def reply_spec(agent, prompt_ids) -> ReplySpec:
         """How this request's replies split (the prompt's tail decides if reasoning is open)."""
