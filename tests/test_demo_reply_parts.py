@@ -132,3 +132,10 @@ def test_ids_and_choice():
     assert isinstance(tool_parsers.choose("mistral", None), Mistral)
     with pytest.raises(ValueError, match="hermes"):
         tool_parsers.choose("qwen", None)
+
+
+def test_one_call_without_parallel_tool_calls():
+    reply = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    p = ReplyParser(None, False, Hermes(), max_calls=1)
+    parts = [p.feed(t) for t in pieces(reply, 1)] + [p.finish()]
+    assert [c.call.name for x in parts for c in x.calls] == ["a"] and p.content == ""

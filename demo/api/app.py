@@ -219,7 +219,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         if reasoning_format is not None and not (agent.forced_tools or agent.response_format):
             tail = engine.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False)
             inside = reasoning_format.opens_in(tail)
-        return ReplySpec(reasoning_format, inside, tool_format if agent.calls_tools else None)
+        tools = tool_format if agent.calls_tools else None
+        return ReplySpec(reasoning_format, inside, tools, None if agent.parallel_tool_calls else 1)
 
     @app.get("/")
     def index():

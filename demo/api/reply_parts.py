@@ -43,7 +43,14 @@ class ReplyParser:
     """The parts of one reply (see the module doc). ``inside``: the prompt opened the
     reasoning block (demo.api.reasoning.ReasoningFormat.opens_in)."""
 
-    def __init__(self, reasoning: ReasoningFormat | None, inside: bool, tools: ToolFormat | None):
+    def __init__(
+        self,
+        reasoning: ReasoningFormat | None,
+        inside: bool,
+        tools: ToolFormat | None,
+        max_calls: int | None = None,
+    ):
+        self._max_calls = max_calls  # parallel_tool_calls false: 1 (later calls are dropped)
         self._split = ReasoningSplit(reasoning, inside) if reasoning is not None else None
         self._tools = tools
         self._state = "content" if tools is not None else "plain"  # "content" | "calls" | "plain"
@@ -118,6 +125,8 @@ class ReplyParser:
 
     def _new_calls(self, calls: list[ToolCall], part: Part) -> None:
         done = len(self.calls) + len(part.calls)
+        if self._max_calls is not None:
+            calls = calls[: self._max_calls]
         for call in calls[done:]:
             part.calls.append(IdentifiedCall(done, self._tools.call_id(), call))
             done += 1
@@ -141,9 +150,10 @@ class ReplySpec:
     reasoning: ReasoningFormat | None = None
     inside: bool = False
     tools: ToolFormat | None = None
+    max_calls: int | None = None  # 1 with parallel_tool_calls false
 
     def parser(self) -> ReplyParser:
-        return ReplyParser(self.reasoning, self.inside, self.tools)
+        return ReplyParser(self.reasoning, self.inside, self.tools, self.max_calls)
 
     def __bool__(self) -> bool:
         return self.reasoning is not None or self.tools is not None
