@@ -205,3 +205,14 @@ def test_reasoning_item(url):
         "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
         == r.output[0].content[0].text
     )
+
+
+def test_text_format_json_schema(url):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    r = client(url).responses.create(
+        model="agent-tiny", input="A digit as JSON.", max_output_tokens=30, temperature=0,
+        text={"format": {"type": "json_schema", "name": "digit", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)
