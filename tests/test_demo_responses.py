@@ -196,6 +196,7 @@ def test_reasoning_item(url):
     thinking = {"chat_template_kwargs": {"enable_thinking": True}}  # the template opens <think>
     r = c.responses.create(**kw, extra_body=thinking)
     assert [o.type for o in r.output] == ["reasoning"] and r.output[0].content[0].text
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
     events = list(c.responses.create(**kw, stream=True, extra_body=thinking))
     kinds = [e.type for e in events]
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]

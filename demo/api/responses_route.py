@@ -186,13 +186,25 @@ def install(app: Flask, hooks: Hooks) -> ResponseStore:
     store = ResponseStore(config.responses_max_stored, config.responses_max_age)
 
     def shape(rid, created, req, agent, status, items, result, previous) -> dict:
+        def reasoning_tokens() -> int:
+            text = "".join(c["text"] for i in items if i["type"] == "reasoning" for c in i["content"])
+            return (
+                min(
+                    len(engine.tokenizer(text, add_special_tokens=False)["input_ids"]),
+                    result.completion_tokens,
+                )
+                if text
+                else 0
+            )
+
         usage = None
         if result is not None:
             usage = {
                 "input_tokens": result.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": result.cached_tokens},
                 "output_tokens": result.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                # the reasoning text's tokens, re-encoded (the reply's own split is not tracked)
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens()},
                 "total_tokens": result.prompt_tokens + result.completion_tokens,
             }
         incomplete = result is not None and result.finish_reason == "length"
