@@ -197,6 +197,10 @@ def test_reasoning_item(url):
     r = c.responses.create(**kw, extra_body=thinking)
     assert [o.type for o in r.output] == ["reasoning"] and r.output[0].content[0].text
     assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
+    nxt = c.responses.create(
+        model="agent-tiny", input="Go on.", previous_response_id=r.id, max_output_tokens=2
+    )
+    assert nxt.usage.input_tokens > r.usage.input_tokens  # a reply with no content continues too
     events = list(c.responses.create(**kw, stream=True, extra_body=thinking))
     kinds = [e.type for e in events]
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]

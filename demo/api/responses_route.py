@@ -235,7 +235,7 @@ def install(app: Flask, hooks: Hooks) -> ResponseStore:
 
     def history_turn(parser: ReplyParser) -> dict:
         """This reply as the assistant message a continuation renders."""
-        turn = {"role": "assistant", "content": parser.content or None}
+        turn = {"role": "assistant", "content": parser.content or (None if parser.calls else "")}
         if parser.calls:
             turn["tool_calls"] = [
                 {
