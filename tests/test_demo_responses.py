@@ -164,6 +164,30 @@ def test_tool_call_round_trip(url):
     assert by_hand.choices[0].message.content == nxt.output_text
 
 
+def test_output_items_resent_as_input(url):
+    """Without server state (store=false), a client resends the earlier output items: the same
+    prompt as the stored conversation's continuation."""
+    c = client(url)
+    first = c.responses.create(
+        model="agent-tiny", input="Name a city.", store=False, max_output_tokens=4, temperature=0
+    )
+    items = [{"role": "user", "content": "Name a city."}]
+    items += [{"type": "reasoning", "id": "rs_1", "summary": []}] + [o.model_dump() for o in first.output]
+    items += [{"role": "user", "content": "Another one."}]
+    resent = c.responses.create(
+        model="agent-tiny", input=items, store=False, max_output_tokens=4, temperature=0
+    )
+    kept = c.responses.create(model="agent-tiny", input="Name a city.", max_output_tokens=4, temperature=0)
+    cont = c.responses.create(
+        model="agent-tiny",
+        input="Another one.",
+        previous_response_id=kept.id,
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert resent.usage.input_tokens == cont.usage.input_tokens and resent.output_text == cont.output_text
+
+
 def test_bad_requests(url):
     c = client(url)
     with pytest.raises(openai.BadRequestError, match="input"):
