@@ -169,3 +169,16 @@ def test_hermes_arguments_stream_as_written():
     parts = [p.feed(reply[i : i + 3]) for i in range(0, len(reply), 3)] + [p.finish()]
     pieces_ = [d.arguments for x in parts for d in x.call_deltas if d.name is None]
     assert len(pieces_) > 5 and "".join(pieces_) == args == p.calls[0].call.arguments
+
+
+def test_hermes_streaming_edge_cases():
+    # name after the arguments: nothing to stream early, the call comes whole (re-serialised)
+    reply = '<tool_call>{"arguments": {"b": [1,2]}, "name": "f"}</tool_call>'
+    p = parse_whole(None, False, Hermes(), reply)
+    assert [c.call for c in p.calls] == [tool_parsers.ToolCall("f", '{"b": [1, 2]}')]
+    # announced while written, then malformed: not a call; its text is content
+    bad = '<tool_call>{"name": "f", "arguments": {"a": 1} oops</tool_call>'
+    p = ReplyParser(None, False, Hermes())
+    parts = [p.feed(bad[i : i + 4]) for i in range(0, len(bad), 4)] + [p.finish()]
+    assert p.calls == [] and p.content == bad
+    assert any(d.name == "f" for x in parts for d in x.call_deltas)  # the header had gone out

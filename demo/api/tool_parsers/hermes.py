@@ -37,17 +37,23 @@ class Hermes(ToolFormat):
                 call = self.call_from_json(json.loads(inner))
             except ValueError:
                 call = None
-            raw = raw_arguments(inner)
-            if (
-                call is not None
-                and raw is not None
-                and raw[2]
-                and json.loads(raw[1]) == json.loads(call.arguments)
-            ):
-                call = ToolCall(call.name, raw[1])  # the arguments as written (what a stream sent)
+            call = self._as_written(call, inner)
             if call is None:
                 return None if final else calls
             calls.append(call)
+
+    @staticmethod
+    def _as_written(call: ToolCall | None, inner: str) -> ToolCall | None:
+        """``call`` with its arguments as the model wrote them (what a stream sent), when the
+        call object starts with its name and the written arguments are the parsed ones."""
+        raw = raw_arguments(inner) if call is not None else None
+        if raw is None or not raw[2] or raw[0] != call.name:
+            return call
+        try:
+            same = json.loads(raw[1]) == json.loads(call.arguments)
+        except ValueError:
+            return call
+        return ToolCall(call.name, raw[1]) if same else call
 
     def partial(self, text: str) -> tuple[str, str] | None:
         at = text.rfind(OPEN)
