@@ -358,3 +358,13 @@ def test_apply_bitmask_by_definition():
                     want[r, t] = -float("inf")
         apply_bitmask(scores, mask)
         assert torch.equal(scores, want)
+
+
+def test_apply_bitmask_narrow_mask_spares_free_rows():
+    from demo.engine.constrained import apply_bitmask
+
+    scores = torch.zeros(2, 40)
+    mask = torch.full((2, 1), -1, dtype=torch.int32)  # 32 tokens wide, all allowed
+    apply_bitmask(scores, mask, rows=[1])
+    assert torch.equal(scores[0], torch.zeros(40))  # a free row keeps the tokens past the mask
+    assert torch.isinf(scores[1, 32:]).all() and torch.equal(scores[1, :32], torch.zeros(32))

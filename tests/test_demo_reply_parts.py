@@ -132,3 +132,53 @@ def test_ids_and_choice():
     assert isinstance(tool_parsers.choose("mistral", None), Mistral)
     with pytest.raises(ValueError, match="hermes"):
         tool_parsers.choose("qwen", None)
+
+
+def test_one_call_without_parallel_tool_calls():
+    reply = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    p = ReplyParser(None, False, Hermes(), max_calls=1)
+    parts = [p.feed(t) for t in pieces(reply, 1)] + [p.finish()]
+    assert [c.call.name for x in parts for c in x.calls] == ["a"] and p.content == ""
+
+
+@pytest.mark.parametrize("fmt,reply,want_content,want_calls", TOOL_CASES)
+def test_call_deltas_rebuild_the_calls(fmt, reply, want_content, want_calls):
+    """OpenAI's stream view: per index one header (id, name), then arguments pieces whose
+    concatenation is the call's arguments; Hermes streams them as written."""
+    for seed in range(4):
+        p = ReplyParser(None, False, fmt)
+        parts = [p.feed(t) for t in pieces(reply, seed)] + [p.finish()]
+        deltas = [d for x in parts for d in x.call_deltas]
+        rebuilt = {}
+        for d in deltas:
+            if d.name is not None:
+                assert d.index not in rebuilt and d.arguments == ""
+                rebuilt[d.index] = [d.id, d.name, ""]
+            else:
+                assert rebuilt[d.index][0] == d.id
+                rebuilt[d.index][2] += d.arguments
+        got = [(i, n, a) for i, (_, n, a) in sorted(rebuilt.items())]
+        assert got == [(i, c.call.name, c.call.arguments) for i, c in enumerate(p.calls)]
+        assert [c.call for c in p.calls] == [tool_parsers.ToolCall(c.name, c.arguments) for c in want_calls]
+
+
+def test_hermes_arguments_stream_as_written():
+    args = json.dumps({"city": "Lima", "days": 3, "notes": 'a "quoted" } ]'})
+    reply = '<tool_call>\n{"name": "w", "arguments": ' + args + "}\n</tool_call>"
+    p = ReplyParser(None, False, Hermes())
+    parts = [p.feed(reply[i : i + 3]) for i in range(0, len(reply), 3)] + [p.finish()]
+    pieces_ = [d.arguments for x in parts for d in x.call_deltas if d.name is None]
+    assert len(pieces_) > 5 and "".join(pieces_) == args == p.calls[0].call.arguments
+
+
+def test_hermes_streaming_edge_cases():
+    # name after the arguments: nothing to stream early, the call comes whole (re-serialised)
+    reply = '<tool_call>{"arguments": {"b": [1,2]}, "name": "f"}</tool_call>'
+    p = parse_whole(None, False, Hermes(), reply)
+    assert [c.call for c in p.calls] == [tool_parsers.ToolCall("f", '{"b": [1, 2]}')]
+    # announced while written, then malformed: not a call; its text is content
+    bad = '<tool_call>{"name": "f", "arguments": {"a": 1} oops</tool_call>'
+    p = ReplyParser(None, False, Hermes())
+    parts = [p.feed(bad[i : i + 4]) for i in range(0, len(bad), 4)] + [p.finish()]
+    assert p.calls == [] and p.content == bad
+    assert any(d.name == "f" for x in parts for d in x.call_deltas)  # the header had gone out

@@ -164,6 +164,30 @@ def test_tool_call_round_trip(url):
     assert by_hand.choices[0].message.content == nxt.output_text
 
 
+def test_output_items_resent_as_input(url):
+    """Without server state (store=false), a client resends the earlier output items: the same
+    prompt as the stored conversation's continuation."""
+    c = client(url)
+    first = c.responses.create(
+        model="agent-tiny", input="Name a city.", store=False, max_output_tokens=4, temperature=0
+    )
+    items = [{"role": "user", "content": "Name a city."}]
+    items += [{"type": "reasoning", "id": "rs_1", "summary": []}] + [o.model_dump() for o in first.output]
+    items += [{"role": "user", "content": "Another one."}]
+    resent = c.responses.create(
+        model="agent-tiny", input=items, store=False, max_output_tokens=4, temperature=0
+    )
+    kept = c.responses.create(model="agent-tiny", input="Name a city.", max_output_tokens=4, temperature=0)
+    cont = c.responses.create(
+        model="agent-tiny",
+        input="Another one.",
+        previous_response_id=kept.id,
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert resent.usage.input_tokens == cont.usage.input_tokens and resent.output_text == cont.output_text
+
+
 def test_bad_requests(url):
     c = client(url)
     with pytest.raises(openai.BadRequestError, match="input"):
@@ -196,6 +220,11 @@ def test_reasoning_item(url):
     thinking = {"chat_template_kwargs": {"enable_thinking": True}}  # the template opens <think>
     r = c.responses.create(**kw, extra_body=thinking)
     assert [o.type for o in r.output] == ["reasoning"] and r.output[0].content[0].text
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
+    nxt = c.responses.create(
+        model="agent-tiny", input="Go on.", previous_response_id=r.id, max_output_tokens=2
+    )
+    assert nxt.usage.input_tokens > r.usage.input_tokens  # a reply with no content continues too
     events = list(c.responses.create(**kw, stream=True, extra_body=thinking))
     kinds = [e.type for e in events]
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
@@ -205,3 +234,14 @@ def test_reasoning_item(url):
         "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
         == r.output[0].content[0].text
     )
+
+
+def test_text_format_json_schema(url):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    r = client(url).responses.create(
+        model="agent-tiny", input="A digit as JSON.", max_output_tokens=30, temperature=0,
+        text={"format": {"type": "json_schema", "name": "digit", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)

@@ -215,6 +215,13 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         else []
     )
     engine.keep_special(markers)
+    log.info(
+        "agents: reasoning split %s, tool-call format %s",
+        "on (<think>)" if reasoning_format else "off",
+        tool_format.name if tool_format else "none",
+    )
+    if tool_format is not None and (template is None or "tools" not in template):
+        log.warning("--tool-call-parser %s: the chat template does not render tools", tool_format.name)
 
     def reply_spec(agent, prompt_ids) -> ReplySpec:
         """How this request's replies split (the prompt's tail decides if reasoning is open)."""
@@ -224,7 +231,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         if reasoning_format is not None and not (agent.forced_tools or agent.response_format):
             tail = engine.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False)
             inside = reasoning_format.opens_in(tail)
-        return ReplySpec(reasoning_format, inside, tool_format if agent.calls_tools else None)
+        tools = tool_format if agent.calls_tools else None
+        return ReplySpec(reasoning_format, inside, tools, None if agent.parallel_tool_calls else 1)
 
     @app.get("/")
     def index():

@@ -3,8 +3,8 @@
 
 Streamed tool calls follow OpenAI: a call's first delta carries its ``index``, ``id``, ``type``
 and ``function.name`` with empty ``arguments``; the arguments follow in further deltas of the
-same ``index`` (here one per call, released once the call is complete, since a call's JSON is
-only known to be a call once it parses).
+same ``index``: as they are written for formats that can tell (Hermes), else in one delta once
+the call is complete.
 """
 
 from __future__ import annotations
@@ -27,25 +27,16 @@ def message(parser: ReplyParser, reasoning: bool) -> dict:
 
 
 def deltas(part: Part) -> list[dict]:
-    """The stream deltas of a part, in order: reasoning, content, then each new call (its
-    header delta, then its arguments delta)."""
+    """The stream deltas of a part, in order: reasoning, content, then the calls' pieces."""
     out = []
     if part.reasoning:
         out.append({"reasoning_content": part.reasoning})
     if part.content:
         out.append({"content": part.content})
-    for c in part.calls:
-        out.append(
-            {
-                "tool_calls": [
-                    {
-                        "index": c.index,
-                        "id": c.id,
-                        "type": "function",
-                        "function": {"name": c.call.name, "arguments": ""},
-                    }
-                ]
-            }
-        )
-        out.append({"tool_calls": [{"index": c.index, "function": {"arguments": c.call.arguments}}]})
+    for c in part.call_deltas:
+        if c.name is not None:
+            fn = {"name": c.name, "arguments": ""}
+            out.append({"tool_calls": [{"index": c.index, "id": c.id, "type": "function", "function": fn}]})
+        else:
+            out.append({"tool_calls": [{"index": c.index, "function": {"arguments": c.arguments}}]})
     return out

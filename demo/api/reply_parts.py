@@ -29,25 +29,46 @@ class IdentifiedCall:
     call: ToolCall
 
 
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of a streamed call: its header (``name`` set, ``arguments`` "") or arguments text."""
+
+    index: int
+    id: str
+    name: str | None
+    arguments: str
+
+
 @dataclass
 class Part:
     reasoning: str = ""
     content: str = ""
-    calls: list[IdentifiedCall] = field(default_factory=list)
+    calls: list[IdentifiedCall] = field(default_factory=list)  # calls complete in this part
+    # the same calls as stream pieces: a call's header as soon as its name is known (formats
+    # with ToolFormat.partial), then its arguments as written, the rest when it completes
+    call_deltas: list[CallDelta] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.calls)
+        return bool(self.reasoning or self.content or self.calls or self.call_deltas)
 
 
 class ReplyParser:
     """The parts of one reply (see the module doc). ``inside``: the prompt opened the
     reasoning block (demo.api.reasoning.ReasoningFormat.opens_in)."""
 
-    def __init__(self, reasoning: ReasoningFormat | None, inside: bool, tools: ToolFormat | None):
+    def __init__(
+        self,
+        reasoning: ReasoningFormat | None,
+        inside: bool,
+        tools: ToolFormat | None,
+        max_calls: int | None = None,
+    ):
+        self._max_calls = max_calls  # parallel_tool_calls false: 1 (later calls are dropped)
         self._split = ReasoningSplit(reasoning, inside) if reasoning is not None else None
         self._tools = tools
         self._state = "content" if tools is not None else "plain"  # "content" | "calls" | "plain"
         self._buf = ""  # content not yet released (a possible marker), or the calls block
+        self._open: list | None = None  # [index, id, arguments sent] of the call being streamed
         self._seen_content = False  # content released: a start-only marker can no longer come
         self.reasoning, self.content = "", ""
         self.calls: list[IdentifiedCall] = []
@@ -115,12 +136,43 @@ class ReplyParser:
                 part.content += self._buf[:cut]
                 self._buf, self._state = self._buf[cut:], "calls"
         self._new_calls(fmt.parse(self._buf, final=False) or [], part)
+        self._stream_open_call(part)
 
     def _new_calls(self, calls: list[ToolCall], part: Part) -> None:
         done = len(self.calls) + len(part.calls)
+        if self._max_calls is not None:
+            calls = calls[: self._max_calls]
         for call in calls[done:]:
-            part.calls.append(IdentifiedCall(done, self._tools.call_id(), call))
+            if self._open is not None and self._open[0] == done:  # its header is out already
+                _, call_id, sent = self._open
+                self._open = None
+                if not call.arguments.startswith(sent):
+                    log.warning("call %d: streamed arguments %r differ from the parsed ones", done, sent[:80])
+                rest = call.arguments[len(sent) :] if call.arguments.startswith(sent) else ""
+            else:
+                call_id, rest = self._tools.call_id(), call.arguments
+                part.call_deltas.append(CallDelta(done, call_id, call.name, ""))
+            if rest:
+                part.call_deltas.append(CallDelta(done, call_id, None, rest))
+            part.calls.append(IdentifiedCall(done, call_id, call))
             done += 1
+
+    def _stream_open_call(self, part: Part) -> None:
+        """Stream the call still being written (formats that can: ToolFormat.partial)."""
+        index = len(self.calls) + len(part.calls)
+        if self._max_calls is not None and index >= self._max_calls:
+            return
+        partial = self._tools.partial(self._buf)
+        if partial is None:
+            return
+        name, written = partial
+        if self._open is None or self._open[0] != index:
+            self._open = [index, self._tools.call_id(), ""]
+            part.call_deltas.append(CallDelta(index, self._open[1], name, ""))
+        sent = self._open[2]
+        if written.startswith(sent) and len(written) > len(sent):
+            part.call_deltas.append(CallDelta(index, self._open[1], None, written[len(sent) :]))
+            self._open[2] = written
 
 
 def parse_whole(
@@ -141,9 +193,10 @@ class ReplySpec:
     reasoning: ReasoningFormat | None = None
     inside: bool = False
     tools: ToolFormat | None = None
+    max_calls: int | None = None  # 1 with parallel_tool_calls false
 
     def parser(self) -> ReplyParser:
-        return ReplyParser(self.reasoning, self.inside, self.tools)
+        return ReplyParser(self.reasoning, self.inside, self.tools, self.max_calls)
 
     def __bool__(self) -> bool:
         return self.reasoning is not None or self.tools is not None

@@ -9,7 +9,8 @@ Input items (OpenAI's Responses shapes): a string (one user message); messages
 ``{"role", "content": str | [{"type": "input_text" | "output_text", "text"}]}`` (``"type":
 "message"`` optional); ``{"type": "function_call", "call_id", "name", "arguments"}`` (an earlier
 call, an assistant turn) and ``{"type": "function_call_output", "call_id", "output"}`` (its
-result, a tool message). Responses tools are flat (``{"type": "function", "name", ...}``) and
+result, a tool message); ``reasoning`` items (an earlier output resent) are skipped, as chat
+templates drop earlier turns' reasoning. Responses tools are flat (``{"type": "function", "name", ...}``) and
 ``text.format`` replaces chat's ``response_format``. ``instructions`` are a system message
 before the conversation, never stored with it (OpenAI: not carried over to continuations).
 """
@@ -86,9 +87,12 @@ def _items(value: Any) -> list[dict]:
                     f"{where}: a function_call_output item needs 'call_id' and 'output' strings", where
                 )
             out.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "reasoning":
+            continue  # an earlier reply's reasoning, resent by clients that keep no server state
         else:
             raise _bad(
-                f"{where}.type must be message, function_call or function_call_output", f"{where}.type"
+                f"{where}.type must be message, function_call, function_call_output or reasoning",
+                f"{where}.type",
             )
     return out
 

@@ -68,6 +68,7 @@ class _Output:
         self.items: list[dict] = []
         self._open: dict | None = None  # the reasoning or message item being written
         self._texts: dict[str, str] = {}
+        self._calls: dict[int, dict] = {}  # function_call items by call index
 
     def _close(self) -> list[dict]:
         item, self._open = self._open, None
@@ -147,38 +148,54 @@ class _Output:
             events += self._text("reasoning", part.reasoning)
         if part.content:
             events += self._text("message", part.content)
-        for c in part.calls:
-            events += self._close()
-            item = {
-                "type": "function_call", "id": _new_id("fc"), "call_id": c.id, "name": c.call.name,
-                "arguments": c.call.arguments, "status": "completed",
-            }  # fmt: skip
-            self.items.append(item)
-            i = len(self.items) - 1
+        done = {c.index: c for c in part.calls}  # calls completed in this part
+        for d in part.call_deltas:
+            if d.name is not None:  # a new call: the calls before it are complete
+                events += self._close()
+                events += self._complete([done.pop(k) for k in sorted(done) if k < d.index])
+                item = {"type": "function_call", "id": _new_id("fc"), "call_id": d.id, "name": d.name,
+                        "arguments": "", "status": "in_progress"}  # fmt: skip
+                self.items.append(item)
+                self._calls[d.index] = item
+                events.append(
+                    {
+                        "type": "response.output_item.added",
+                        "output_index": len(self.items) - 1,
+                        "item": dict(item),
+                    }
+                )
+            else:
+                item = self._calls[d.index]
+                item["arguments"] += d.arguments
+                i = self.items.index(item)
+                events.append(
+                    {
+                        "type": "response.function_call_arguments.delta",
+                        "item_id": item["id"],
+                        "output_index": i,
+                        "delta": d.arguments,
+                    }
+                )
+        return events + self._complete([done[k] for k in sorted(done)])
+
+    def _complete(self, calls) -> list[dict]:
+        events = []
+        for c in calls:
+            item = self._calls[c.index]
+            item["arguments"], item["status"] = c.call.arguments, "completed"
+            i = self.items.index(item)
             events += [
-                {
-                    "type": "response.output_item.added",
-                    "output_index": i,
-                    "item": {**item, "arguments": "", "status": "in_progress"},
-                },
-                {
-                    "type": "response.function_call_arguments.delta",
-                    "item_id": item["id"],
-                    "output_index": i,
-                    "delta": item["arguments"],
-                },
-                {
-                    "type": "response.function_call_arguments.done",
-                    "item_id": item["id"],
-                    "output_index": i,
-                    "arguments": item["arguments"],
-                },
-                {"type": "response.output_item.done", "output_index": i, "item": item},
-            ]
+                {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": i, "arguments": item["arguments"]},
+                {"type": "response.output_item.done", "output_index": i, "item": dict(item)},
+            ]  # fmt: skip
         return events
 
     def finish(self) -> list[dict]:
-        return self.feed(self.parser.finish()) + self._close()
+        events = self.feed(self.parser.finish()) + self._close()
+        # a call announced while written that never parsed: not part of the response (its text
+        # came out as content)
+        self.items = [i for i in self.items if i["type"] != "function_call" or i["status"] == "completed"]
+        return events
 
 
 def install(app: Flask, hooks: Hooks) -> ResponseStore:
@@ -186,13 +203,25 @@ def install(app: Flask, hooks: Hooks) -> ResponseStore:
     store = ResponseStore(config.responses_max_stored, config.responses_max_age)
 
     def shape(rid, created, req, agent, status, items, result, previous) -> dict:
+        def reasoning_tokens() -> int:
+            text = "".join(c["text"] for i in items if i["type"] == "reasoning" for c in i["content"])
+            return (
+                min(
+                    len(engine.tokenizer(text, add_special_tokens=False)["input_ids"]),
+                    result.completion_tokens,
+                )
+                if text
+                else 0
+            )
+
         usage = None
         if result is not None:
             usage = {
                 "input_tokens": result.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": result.cached_tokens},
                 "output_tokens": result.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                # the reasoning text's tokens, re-encoded (the reply's own split is not tracked)
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens()},
                 "total_tokens": result.prompt_tokens + result.completion_tokens,
             }
         incomplete = result is not None and result.finish_reason == "length"
@@ -223,7 +252,7 @@ def install(app: Flask, hooks: Hooks) -> ResponseStore:
 
     def history_turn(parser: ReplyParser) -> dict:
         """This reply as the assistant message a continuation renders."""
-        turn = {"role": "assistant", "content": parser.content or None}
+        turn = {"role": "assistant", "content": parser.content or (None if parser.calls else "")}
         if parser.calls:
             turn["tool_calls"] = [
                 {

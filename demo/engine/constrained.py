@@ -49,16 +49,18 @@ def json_lark(schema: dict | None) -> str:
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
-def apply_bitmask(scores: torch.Tensor, mask: torch.Tensor) -> None:
+def apply_bitmask(scores: torch.Tensor, mask: torch.Tensor, rows: Sequence[int] | None = None) -> None:
     """scores[r, t] = -inf where bit t of row r's mask is 0. scores: [rows, vocab] (any device);
     mask: int32 [rows, ceil(vocab / 32)], bit t % 32 of word t // 32 (llguidance's layout).
+    Logits past the mask's width are -inf in ``rows`` (default: all), the constrained ones.
     Plain tensor ops: llguidance's own helper is torch.compile'd, which costs seconds (and a
     C++ compiler) on a server's first constrained request."""
     mask = mask.to(scores.device, non_blocking=True)
     bits = _BITS.to(scores.device)
     allowed = ((mask.unsqueeze(-1) >> bits) & 1).reshape(mask.shape[0], -1)[:, : scores.shape[1]]
     if allowed.shape[1] < scores.shape[1]:  # logits past the mask's width: never allowed
-        scores[:, allowed.shape[1] :] = -float("inf")
+        index = torch.arange(scores.shape[0]) if rows is None else torch.tensor(list(rows), dtype=torch.long)
+        scores[index.to(scores.device), allowed.shape[1] :] = -float("inf")
     scores[:, : allowed.shape[1]].masked_fill_(allowed == 0, -float("inf"))
 
 
@@ -68,6 +70,7 @@ class RowGrammar:
 
     matcher: object  # llguidance.LLMatcher
     eos: tuple[int, ...]  # the ids that end the row once the grammar is complete
+    vocab: int  # the matcher's vocabulary (its mask's width in bits, rounded up to 32)
     fed: int = 0
     broken: bool = False  # the matcher refused a token (logged); the row is no longer masked
 
@@ -126,7 +129,7 @@ class Grammars:
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
-        return RowGrammar(matcher, tuple(self.eos_ids))
+        return RowGrammar(matcher, tuple(self.eos_ids), self.vocab_size)
 
 
 class GrammarHook:
@@ -155,7 +158,8 @@ class GrammarHook:
             scores[self._eos] = keep
             return scores
         if self._mask is None:
-            self._mask = self._lt.allocate_token_bitmask(1, scores.shape[-1])
+            # the matcher's width (logits may be wider: those past it are never this row's)
+            self._mask = self._lt.allocate_token_bitmask(1, state.vocab)
         self._lt.fill_next_token_bitmask(state.matcher, self._mask, 0)
         # In place on the row's [vocab] (a view of the sampler's copy): no copy per step
         apply_bitmask(scores.unsqueeze(0), self._mask)

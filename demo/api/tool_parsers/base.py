@@ -9,8 +9,12 @@ or a named function can be forced by constrained decoding (demo.engine.constrain
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
+
+# The start of a call object whose arguments can be streamed as written: name first, then them
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,13 @@ class ToolFormat:
         ``lit(text)``: text as a Lark expression (default ``lark_literal``; the engine's writes
         a marker that is one added token as that token, ``<[id]>``)."""
         raise NotImplementedError
+
+    def partial(self, text: str) -> tuple[str, str] | None:
+        """For a calls block ``text`` whose last call is still being written: (its name, the
+        arguments text written so far), once the name is known; None otherwise (or for a
+        format that releases calls whole). The arguments text then grows into the
+        ``arguments`` ``parse`` gives that call (the raw text, as written)."""
+        return None
 
     def call_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
@@ -72,6 +83,34 @@ class ToolFormat:
         if not isinstance(args, dict):
             return None
         return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def raw_arguments(obj_text: str) -> tuple[str, str, bool] | None:
+    """(name, the arguments' text so far, whether that object is complete) of a call object's
+    text that starts ``{"name": ..., "arguments": `` (or "parameters"); None if it does not."""
+    head = _CALL_HEAD.match(obj_text)
+    if head is None:
+        return None
+    try:
+        name = json.loads(f'"{head.group(1)}"')
+    except ValueError:
+        return None
+    rest, depth, in_string, escaped = obj_text[head.end() :], 0, False, False
+    for k, ch in enumerate(rest):
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+            continue
+        if ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return name, rest[: k + 1], True
+            if depth < 0:
+                return None
+    return name, rest, False
 
 
 def lark_literal(text: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from demo.api.tool_parsers.base import ToolCall, ToolFormat, json_rule, lark_literal
+from demo.api.tool_parsers.base import ToolCall, ToolFormat, json_rule, lark_literal, raw_arguments
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -37,9 +37,30 @@ class Hermes(ToolFormat):
                 call = self.call_from_json(json.loads(inner))
             except ValueError:
                 call = None
+            call = self._as_written(call, inner)
             if call is None:
                 return None if final else calls
             calls.append(call)
+
+    @staticmethod
+    def _as_written(call: ToolCall | None, inner: str) -> ToolCall | None:
+        """``call`` with its arguments as the model wrote them (what a stream sent), when the
+        call object starts with its name and the written arguments are the parsed ones."""
+        raw = raw_arguments(inner) if call is not None else None
+        if raw is None or not raw[2] or raw[0] != call.name:
+            return call
+        try:
+            same = json.loads(raw[1]) == json.loads(call.arguments)
+        except ValueError:
+            return call
+        return ToolCall(call.name, raw[1]) if same else call
+
+    def partial(self, text: str) -> tuple[str, str] | None:
+        at = text.rfind(OPEN)
+        if at < 0 or CLOSE in text[at:]:
+            return None
+        raw = raw_arguments(text[at + len(OPEN) :])
+        return (raw[0], raw[1]) if raw is not None else None
 
     def grammar(self, call_schema: dict, parallel: bool, lit=lark_literal) -> str:
         call = f"{lit(OPEN + chr(10))} {json_rule(call_schema)} {lit(chr(10) + CLOSE)}"
