@@ -131,3 +131,21 @@ def test_constrained_requests_join_a_running_batch_of_greedy_and_seeded_rows(ser
     assert joined, batches
     assert any(sum(g for g, _, _ in b) == 2 and all(r > 0 for g, _, r in b if not g) for b in joined)
     assert out == alone
+
+
+def test_a_grammar_gives_each_row_its_own_matcher_and_takes_no_other_hooks(served):
+    from demo.engine.constrained import GrammarHook, json_lark
+    from demo.engine.engine import Params
+
+    engine, _ = served
+    grammar = engine.runner.grammars.check(json_lark(SCHEMA))
+    ids = engine.text_ids("JSON please")
+    sampled = engine.runner.grammar_hooks(ids, Params(5, temperature=1.0, n=3, grammar=grammar))
+    assert len(sampled) == 3 and all(isinstance(h, GrammarHook) for h in sampled)
+    assert len({id(h.state.matcher) for h in sampled}) == 3  # one matcher per sampled row
+    assert len(engine.runner.grammar_hooks(ids, Params(5, temperature=0.0, n=3, grammar=grammar))) == 1
+    assert engine.runner.grammar_hooks(ids, Params(5)) is None
+    queued = engine.queued, engine.scheduler._reserved
+    with pytest.raises(ValueError, match="grammar takes no other hooks"):
+        engine.submit(ids, Params(5, temperature=0.0, grammar=grammar), hooks=[None])
+    assert (engine.queued, engine.scheduler._reserved) == queued  # nothing queued, no place taken
