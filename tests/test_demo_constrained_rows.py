@@ -149,3 +149,37 @@ def test_a_grammar_gives_each_row_its_own_matcher_and_takes_no_other_hooks(serve
     with pytest.raises(ValueError, match="grammar takes no other hooks"):
         engine.submit(ids, Params(5, temperature=0.0, grammar=grammar), hooks=[None])
     assert (engine.queued, engine.scheduler._reserved) == queued  # nothing queued, no place taken
+
+
+def test_an_image_request_with_a_json_schema_gets_one_matcher_per_expanded_row(tmp_path):
+    """An image request (its rows expanded from one input row by generate()) is constrained
+    row by row too: n sampled choices, each valid against the schema."""
+    from tests.demo_checkpoints import data_url, png, save_vlm
+
+    color = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "blue", "green"]}, "n": {"type": "integer", "maximum": 9}},
+        "required": ["color", "n"],
+        "additionalProperties": False,
+    }
+    app = create_app(Config(model=save_vlm(tmp_path / "tiny-llava"), block_size=16))
+    content = [
+        {"type": "text", "text": "Its color?"},
+        {"type": "image_url", "image_url": {"url": data_url(png(1))}},
+    ]
+    r = app.test_client().post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny-llava",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 30,
+            "n": 2,
+            "temperature": 1.0,
+            "seed": 3,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": color}},
+        },
+    )
+    assert r.status_code == 200, r.get_json()
+    for choice in r.get_json()["choices"]:
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["message"]["content"]), color)
