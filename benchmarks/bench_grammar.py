@@ -8,6 +8,7 @@ with a schema pays it) and the per-token overhead against the baseline of the sa
 
     python benchmarks/bench_grammar.py                          # built-in model, llguidance + xgrammar
     python benchmarks/bench_grammar.py --libs llguidance --repeats 5
+    python benchmarks/bench_grammar.py --libs llguidance --rows 4  # 4 constrained rows, one call
 
 Needs llguidance (the demo's choice) and, to compare, xgrammar (pip install xgrammar).
 """
@@ -93,11 +94,14 @@ def main() -> None:
     p.add_argument("--libs", nargs="+", default=["llguidance", "xgrammar"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-new", type=int, default=400)
+    p.add_argument("--rows", type=int, default=1, help="constrained rows in one call (llguidance only)")
     args = p.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     model, tok = build_builtin(args.model)
     vocab = model.config.vocab_size
-    ids = torch.tensor([tok("<|user|>Give me names as JSON.<|end|><|assistant|>")["input_ids"]])
+    if args.rows > 1 and args.libs != ["llguidance"]:
+        p.error("--rows > 1 measures llguidance only (--libs llguidance)")
+    ids = torch.tensor([tok("<|user|>Give me names as JSON.<|end|><|assistant|>")["input_ids"]] * args.rows)
     eos = [tok.eos_token_id]
     print(f"model {args.model}, load {os.getloadavg()[0]:.2f}")
 
@@ -110,13 +114,16 @@ def main() -> None:
             if lib == "llguidance":
                 t0 = time.perf_counter()
                 grammars = Grammars(tok, vocab, eos)
-                state = grammars.start(grammars.check(json_lark(SCHEMA)))
+                grammar = grammars.check(json_lark(SCHEMA))
+                states = [grammars.start(grammar) for _ in range(args.rows)]
                 compile_s = time.perf_counter() - t0
-                # as the demo runs it: the row's RowHook, called by the batch's RowSampler
-                hook = GrammarHook(state, ids.shape[1])
-                gen = Generation(ids[0].tolist(), Params(args.max_new, temperature=0.0), None, tok.decode,
-                                 set(eos), hooks=[hook])  # fmt: skip
-                proc = [RowSampler([Row(gen, 0, 0)])]
+                # as the demo runs it: each row's RowHook, called by the batch's RowSampler
+                gens = [
+                    Generation(ids[0].tolist(), Params(args.max_new, temperature=0.0), None, tok.decode,
+                               set(eos), hooks=[GrammarHook(state, ids.shape[1])])
+                    for state in states
+                ]  # fmt: skip
+                proc = [RowSampler([Row(g, 0, 0) for g in gens])]
             else:
                 import xgrammar as xgr
 
