@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
@@ -18,6 +19,8 @@ from demo.model.adapters import LoraModule, parse_lora_modules
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("cpu", "cuda", "mps", "xpu")
+_REASONING = ("auto", "none", "deepseek_r1", "qwen3")  # demo.api.reasoning.PARSERS
+_TOOL_PARSERS = ("auto", "none", "hermes", "llama3_json", "mistral")  # demo.api.tool_parsers.PARSERS
 _DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's strategies
 
 
@@ -73,6 +76,17 @@ class Config:
     max_image_bytes: int = 8 << 20
     allowed_media_domains: tuple[str, ...] = ()
     media_fetch_timeout: float = 5.0
+    # Origins a browser app may call the API from (CORS, demo.api.conventions); () = none, "*" = any
+    allowed_origins: tuple[str, ...] = ()
+    # Agents (docs/agents.md): how replies split into reasoning and tool calls ("auto": from the
+    # chat template; demo.api.reasoning.PARSERS, demo.api.tool_parsers.PARSERS), and chat
+    # template variables every request gets unless it sets them (``{"enable_thinking": false}``)
+    reasoning_parser: str = "auto"
+    tool_call_parser: str = "auto"
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    # /v1/responses with store: responses kept (per tenant, in memory) and for how many seconds
+    responses_max_stored: int = 1000
+    responses_max_age: float = 3600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -116,6 +130,26 @@ class Config:
             raise ValueError(f"lora_download_timeout must be > 0 seconds, got {self.lora_download_timeout}")
         if not self.cache_save_timeout > 0:  # also refuses NaN
             raise ValueError(f"cache_save_timeout must be > 0 seconds, got {self.cache_save_timeout}")
+        for origin in self.allowed_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(
+                    f"allowed_origins must be '*' or scheme://host[:port] origins, got {origin!r}"
+                )
+        if self.reasoning_parser not in _REASONING:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(_REASONING)}, got {self.reasoning_parser!r}"
+            )
+        if self.tool_call_parser not in _TOOL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(_TOOL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
+        if self.responses_max_stored < 0 or not self.responses_max_age > 0:
+            raise ValueError(
+                f"responses_max_stored must be >= 0 and responses_max_age > 0 seconds, got "
+                f"{self.responses_max_stored} and {self.responses_max_age}"
+            )
+        if not isinstance(self.default_chat_template_kwargs, dict):
+            raise ValueError("default_chat_template_kwargs must be a JSON object")
         self.media_policy  # noqa: B018  (raises ValueError for bad image limits)
         self.proxies  # noqa: B018  (raises ValueError for a bad --trusted-proxies entry)
 
@@ -173,6 +207,13 @@ def _domains(text: str) -> tuple[str, ...]:
     return tuple(d.strip().lower() for d in text.replace(",", " ").split() if d.strip())
 
 
+def _json_object(text: str) -> dict:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text[:80]!r}")
+    return value
+
+
 def _lora_env(text: str) -> tuple[LoraModule, ...]:
     """RADIXKV_LORA_MODULES: a JSON list (of name=path strings or objects), or name=path items
     separated by whitespace."""
@@ -221,6 +262,12 @@ _ENV = {
     "max_image_bytes": ("RADIXKV_MAX_IMAGE_BYTES", int),
     "allowed_media_domains": ("RADIXKV_ALLOWED_MEDIA_DOMAINS", _domains),
     "media_fetch_timeout": ("RADIXKV_MEDIA_FETCH_TIMEOUT", float),
+    "allowed_origins": ("RADIXKV_ALLOWED_ORIGINS", _keys),
+    "reasoning_parser": ("RADIXKV_REASONING_PARSER", str),
+    "tool_call_parser": ("RADIXKV_TOOL_CALL_PARSER", str),
+    "default_chat_template_kwargs": ("RADIXKV_DEFAULT_CHAT_TEMPLATE_KWARGS", _json_object),
+    "responses_max_stored": ("RADIXKV_RESPONSES_MAX_STORED", int),
+    "responses_max_age": ("RADIXKV_RESPONSES_MAX_AGE", float),
 }
 
 
@@ -386,6 +433,44 @@ def parser() -> argparse.ArgumentParser:
         help="seconds for fetching one image URL, name lookup to last byte (default 5; "
         "env RADIXKV_MEDIA_FETCH_TIMEOUT)",
     )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        metavar="ORIGIN",
+        help="origins (https://app.example:8443, or *) whose browser apps may call the API (CORS); "
+        "default none (env RADIXKV_ALLOWED_ORIGINS, comma-separated)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=_REASONING,
+        help="split <think> reasoning into reasoning_content: auto (when the chat template has "
+        "<think>), none, deepseek_r1, qwen3 (env RADIXKV_REASONING_PARSER)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=_TOOL_PARSERS,
+        help="tool-call format of the model's replies: auto (from the chat template), none, hermes, "
+        "llama3_json, mistral (env RADIXKV_TOOL_CALL_PARSER)",
+    )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        metavar="JSON",
+        help="chat template variables for every request, e.g. '{\"enable_thinking\": false}'; a "
+        "request's chat_template_kwargs override them (env RADIXKV_DEFAULT_CHAT_TEMPLATE_KWARGS)",
+    )
+    p.add_argument(
+        "--responses-max-stored",
+        type=int,
+        help="responses /v1/responses keeps for previous_response_id (default 1000, oldest dropped "
+        "first; in memory, lost on restart; env RADIXKV_RESPONSES_MAX_STORED)",
+    )
+    p.add_argument(
+        "--responses-max-age",
+        type=float,
+        metavar="SECONDS",
+        help="how long a stored response is kept (default 3600; env RADIXKV_RESPONSES_MAX_AGE)",
+    )
     return p
 
 
@@ -404,6 +489,8 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
         args.lora_modules = parse_lora_modules(args.lora_modules)
     if args.allowed_media_domains is not None:
         args.allowed_media_domains = _domains(" ".join(args.allowed_media_domains))
+    if args.allowed_origins is not None:
+        args.allowed_origins = _keys(",".join(args.allowed_origins))
     values.update(
         {f.name: getattr(args, f.name) for f in fields(Config) if getattr(args, f.name, None) is not None}
     )

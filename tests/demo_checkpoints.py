@@ -120,3 +120,42 @@ def pil(raw: bytes):
     from PIL import Image
 
     return Image.open(io.BytesIO(raw)).convert("RGB")
+
+
+# A chat template with tools (Hermes-style <tool_call> blocks, tool results as user turns) and
+# opt-in thinking (enable_thinking opens a <think> block in the generation prompt).
+AGENT_TEMPLATE = (
+    "{%- if tools %}<|system|>{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "You may call functions. Signatures:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    'Answer a call as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call><|end|>'
+    "{%- elif messages[0]['role'] == 'system' %}<|system|>{{ messages[0]['content'] }}<|end|>{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'system' and loop.first %}"
+    "{%- elif m['role'] == 'assistant' %}<|assistant|>"
+    "{% if m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}\n</tool_call>{% endfor %}<|end|>"
+    "{%- elif m['role'] == 'tool' %}<|user|><tool_response>\n{{ m['content'] }}\n</tool_response><|end|>"
+    "{%- else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}{% endif %}"
+)
+AGENT_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+
+def save_agent_model(path, seed: int = 0, name: str = "builtin-tiny") -> str:
+    """The built-in (tiny) model with a tool-calling, thinking chat template and its markers as
+    added (non-special) tokens, as Qwen's checkpoints have them, saved as a checkpoint directory."""
+    model, tokenizer = build_builtin(name)
+    tokenizer.add_tokens(AGENT_TOKENS)
+    tokenizer.chat_template = AGENT_TEMPLATE
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        with torch.no_grad():
+            new = model.get_input_embeddings().weight[-len(AGENT_TOKENS) :]
+            new.normal_(0, 0.3)
+    model.generation_config.suppress_tokens = unreadable_ids(tokenizer)
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return str(path)

@@ -203,3 +203,42 @@ def test_chat_page_picks_an_adapter_and_adapters_never_share_kv(tmp_path):
     full = (len(prompt) - 1) // 16 * 16
     assert results == [(text_a, 0), (text_b, 0), (text_a, full)]  # b never read a's prefix
     assert text_a != text_b
+
+
+@pytest.mark.browser
+def test_chat_page_shows_reasoning_apart(tmp_path):
+    """A reasoning model's <think> block streams into the reply's folded reasoning part, not
+    its text; the next turn sends it back (the template renders reasoning_content)."""
+    from selenium.webdriver.common.by import By
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.demo_checkpoints import save_agent_model, stock_reply
+
+    checkpoint = save_agent_model(tmp_path / "agent-tiny")
+    thinking = {"enable_thinking": True}  # the template opens <think> in the generation prompt
+    app = create_app(Config(model=checkpoint, cache_tokens=1 << 13, default_chat_template_kwargs=thinking))
+    driver = _driver(tmp_path / "profile")
+    try:
+        with serving(app) as url:
+            driver.get(url + "/")
+            _greedy(driver, 6)
+            first = _ask(driver, "which city is warmer?", 1)
+            reasoning = first.find_element(By.CSS_SELECTOR, ".reasoning").get_attribute("textContent")
+            text = _reply_text(first)
+            second = _ask(driver, "and why?", 2)
+            assert not driver.find_elements(By.CSS_SELECTOR, ".error")
+            assert second.find_element(By.CSS_SELECTOR, ".reasoning").get_attribute("textContent")
+    finally:
+        driver.quit()
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "which city is warmer?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+        **thinking,
+    )
+    assert (reasoning, text) == (
+        stock_reply(model, tok, tok(prompt, add_special_tokens=False)["input_ids"], 6)[1],
+        "",
+    )

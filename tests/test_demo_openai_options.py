@@ -331,9 +331,12 @@ def test_openai_client_sends_each_option(engine):
                 max_tokens=2,
                 tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
             )
-        with pytest.raises(openai.BadRequestError, match="response_format"):
+        with pytest.raises(openai.BadRequestError, match="response_format"):  # docs/agents.md
             client.chat.completions.create(
-                model="builtin-tiny", messages=messages, max_tokens=2, response_format={"type": "json_object"}
+                model="builtin-tiny",
+                messages=messages,
+                max_tokens=2,
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}},
             )
 
 

@@ -5,7 +5,7 @@
                                      # block_size, cache_tokens and max_queue are then unused)
 
 Routes: GET / (chat page), GET /health, GET /v1/models, POST /v1/chat/completions,
-POST /v1/completions, POST /v1/cache/flush (admin token), GET /metrics (Prometheus), and
+POST /v1/completions, POST /v1/responses and GET|DELETE /v1/responses/<id> (demo.api.responses_route), POST /v1/cache/flush (admin token), GET /metrics (Prometheus), and
 POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin token; demo.model.adapters). A request's
 ``model`` picks the base model or a LoRA adapter; a vision-language model takes image_url
 content parts (demo.api.images, demo.model.vision).
@@ -27,10 +27,22 @@ from flask import Flask, Response, jsonify, render_template, request
 from werkzeug.exceptions import HTTPException
 
 from demo import cache_files
-from demo.api import gateway, images, options, schema
+from demo.api import (
+    agent_options,
+    conventions,
+    gateway,
+    images,
+    options,
+    reasoning,
+    responses_route,
+    schema,
+    structured,
+    tool_parsers,
+)
 from demo.api.auth import Auth, tenant_secret
 from demo.api.auth_throttle import Throttle
 from demo.api.completions import responder
+from demo.api.reply_parts import ReplySpec
 from demo.config import Config
 from demo.engine.engine import Busy, Engine
 from demo.errors import ApiError
@@ -47,6 +59,7 @@ BUSY_RETRY_AFTER_S = 1  # a batch step frees queue slots within about a second
 _ROUTES = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
+    "/v1/responses": "responses",
     "/v1/models": "models",
     "/v1/cache/flush": "flush",
     "/v1/cache/save": "save",  # demo.cache_files
@@ -109,6 +122,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         "config": config,
         "max_body_bytes": max_body,
     }
+    conventions.install(app, config.allowed_origins)  # X-Request-Id, access log, CORS
     model_id = config.model_id
     served_names = {model_id, config.model}  # the reported id, and the name it was started with
     vocab_size = engine.model.get_input_embeddings().num_embeddings
@@ -189,6 +203,36 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         raise ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found")
 
     respond = responder(engine, config, metrics, model_id)  # the chat and completions answers
+    # Agents (docs/agents.md): the reply formats of this model, by flag or from its template
+    template = engine.template() or getattr(engine.tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else None
+    reasoning_format = reasoning.choose(config.reasoning_parser, template)
+    tool_format = tool_parsers.choose(config.tool_call_parser, template)
+    markers = [m for f in (reasoning_format,) if f for m in (f.start, f.end)]
+    markers += (
+        [tool_format.start, *getattr(tool_format, "starts", ()), "</tool_call>", "[ARGS]"]
+        if tool_format
+        else []
+    )
+    engine.keep_special(markers)
+    log.info(
+        "agents: reasoning split %s, tool-call format %s",
+        "on (<think>)" if reasoning_format else "off",
+        tool_format.name if tool_format else "none",
+    )
+    if tool_format is not None and (template is None or "tools" not in template):
+        log.warning("--tool-call-parser %s: the chat template does not render tools", tool_format.name)
+
+    def reply_spec(agent, prompt_ids) -> ReplySpec:
+        """How this request's replies split (the prompt's tail decides if reasoning is open)."""
+        inside = False
+        # A constrained reply (a forced call, a JSON format) is the grammar's text from its
+        # first token: no reasoning block, even where the prompt opened one.
+        if reasoning_format is not None and not (agent.forced_tools or agent.response_format):
+            tail = engine.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False)
+            inside = reasoning_format.opens_in(tail)
+        tools = tool_format if agent.calls_tools else None
+        return ReplySpec(reasoning_format, inside, tools, None if agent.parallel_tool_calls else 1)
 
     @app.get("/")
     def index():
@@ -234,6 +278,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         adapter = pick_model(data)
         req = schema.chat(data, engine.context)
         opts = options.parse(data, "chat", logits_size)
+        agent = agent_options.parse(data, config.default_chat_template_kwargs, tool_format is not None)
+        grammar = structured.grammar(agent, tool_format, engine.runner.grammars)
         task_prompt = tasks.lookup(data)
         messages = tasks.chat(task_prompt, req.messages) if task_prompt else req.messages
         parts = images.image_parts(messages)
@@ -247,18 +293,51 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         pictures = images.load_images(parts, media, processed, image_slots) if media is not None else []
         with reserve() as slot:
             inputs = None
+            if media is not None and agent.tools:
+                raise ApiError(
+                    400, f"the model {model_id} (vision-language) does not take tools here", "tools"
+                )
             if media is not None:  # a vision-language model: its processor renders every chat
                 with image_slots if pictures else contextlib.nullcontext():
                     prompt = vision.render(engine.processor, messages, pictures)
                 ids, inputs = prompt.ids, prompt.inputs
             else:
                 try:
-                    ids = engine.chat_ids(messages)
+                    extra = {"tools": agent.rendered_tools, "template_kwargs": agent.template_kwargs}
+                    ids = engine.chat_ids(messages, **{k: v for k, v in extra.items() if v})
                 except ValueError as e:
                     raise ApiError(400, str(e), "messages") from None
             return respond(
-                "chat", ids, req.sampling, opts, namespace, started, slot, adapter=adapter, inputs=inputs
+                "chat",
+                ids,
+                req.sampling,
+                opts,
+                namespace,
+                started,
+                slot,
+                adapter=adapter,
+                inputs=inputs,
+                grammar=grammar,
+                reply=reply_spec(agent, ids),
             )
+
+    # POST /v1/responses, GET|DELETE /v1/responses/<id> (stored per tenant, in memory)
+    app.extensions["radixkv"]["responses"] = responses_route.install(
+        app,
+        responses_route.Hooks(
+            engine,
+            config,
+            metrics,
+            model_id,
+            logits_size,
+            tool_format,
+            tenant,
+            body,
+            reserve,
+            pick_model,
+            reply_spec,
+        ),
+    )
 
     @app.post("/v1/completions")
     def completions():

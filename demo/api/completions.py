@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 from flask import Response, jsonify, request
 
-from demo.api import options, responses, schema
+from demo.api import chat_shapes, options, responses, schema
+from demo.api.reply_parts import ReplySpec
 from demo.api.server import client_alive
 from demo.config import Config
 from demo.engine.engine import Disconnected, Engine, Generation, Params
@@ -27,6 +28,7 @@ from demo.errors import ApiError
 from demo.metrics import Metrics
 
 log = logging.getLogger(__name__)
+PLAIN = ReplySpec()  # no reasoning split, no tool calls
 
 
 def _sse(obj) -> str:
@@ -54,7 +56,11 @@ def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -
         *,
         adapter: str | None = None,
         inputs: dict | None = None,
+        grammar: str | None = None,
+        reply: ReplySpec = PLAIN,
     ):
+        """``grammar``: a checked llguidance grammar the reply must match (demo.engine.constrained);
+        ``reply``: how chat replies split into reasoning, content and tool calls."""
         name = adapter or model_id  # the model the response names: the adapter's, as vLLM does
         max_new = schema.check_length(
             len(prompt_ids),
@@ -80,6 +86,7 @@ def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -
             top_k=opts.top_k,
             min_p=opts.min_p,
             repetition_penalty=opts.repetition_penalty,
+            grammar=grammar,
         )
         gen = engine.submit(
             prompt_ids, params, options.salted(namespace, opts.cache_salt), slot=slot, inputs=inputs
@@ -101,13 +108,13 @@ def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -
                     "object": "chat.completion" if endpoint == "chat" else "text_completion",
                     "created": created,
                     "model": name,
-                    "choices": [responses.choice(endpoint, c, token_text) for c in r.choices],
+                    "choices": [_choice(endpoint, c, reply) for c in r.choices],
                     "usage": responses.usage(r),
                 }
             )
         shaper = responses.ChunkChoices(endpoint, opts.n, opts.top_logprobs is not None, token_text)
         return Response(
-            _stream(endpoint, gen, shaper, s.include_usage, rid, created, started, name),
+            _stream(endpoint, gen, shaper, s.include_usage, rid, created, started, name, reply),
             mimetype="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -121,8 +128,10 @@ def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -
         created: int,
         started: float,
         name: str,
+        reply: ReplySpec,
     ):
         obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+        parsers = [reply.parser() for _ in range(gen.params.n)] if reply else None
 
         def chunk(choice: dict) -> dict:
             c = {"id": rid, "object": obj, "created": created, "model": name, "choices": [choice]}
@@ -134,10 +143,19 @@ def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -
                 for i in range(gen.params.n):
                     yield _sse(chunk(shaper.role(i)))
             for delta in gen:
-                yield _sse(chunk(shaper.delta(delta)))
+                if parsers is None:
+                    yield _sse(chunk(shaper.delta(delta)))
+                    continue
+                for c in _part_chunks(shaper.delta(delta), parsers[delta.index].feed(delta.text)):
+                    yield _sse(chunk(c))
             r: Result = gen.result
             metrics.generation(endpoint, r)
             for c in r.choices:
+                if parsers is not None:
+                    for part in _part_chunks(shaper.finish(c), parsers[c.index].finish(), logprobs=False):
+                        yield _sse(chunk(part))
+                    yield _sse(chunk({**shaper.finish(c), "finish_reason": _reason(c, parsers[c.index])}))
+                    continue
                 yield _sse(chunk(shaper.finish(c)))
             if include_usage:
                 yield _sse(
@@ -165,4 +183,43 @@ def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -
             metrics.request(endpoint, status, time.perf_counter() - started)
         yield "data: [DONE]\n\n"
 
+    def _choice(endpoint: str, c, reply: ReplySpec) -> dict:
+        out = responses.choice(endpoint, c, token_text)
+        if endpoint != "chat" or not reply:
+            return out
+        parser = reply.parser()
+        parser.feed(c.text)
+        parser.finish()
+        return {
+            **out,
+            "message": chat_shapes.message(parser, reply.reasoning is not None),
+            "finish_reason": _reason(c, parser),
+        }
+
     return respond
+
+
+def _reason(c, parser) -> str:
+    """finish_reason of a parsed chat choice: "tool_calls" once it made a call (OpenAI's)."""
+    return parser.finish_reason_override or c.finish_reason
+
+
+def _part_chunks(template: dict, part, logprobs: bool = True) -> list[dict]:
+    """The chunk choices of a parsed part, shaped like ``template`` (a plain delta's choice,
+    whose logprobs go with the first of them, or an empty content delta if the part is empty)."""
+    deltas = chat_shapes.deltas(part)
+    if not deltas:
+        if logprobs and template.get("logprobs"):
+            return [{**template, "delta": {"content": ""}}]
+        return []
+    out = []
+    for k, d in enumerate(deltas):
+        out.append(
+            {
+                **template,
+                "delta": d,
+                "finish_reason": None,
+                "logprobs": template.get("logprobs") if k == 0 and logprobs else None,
+            }
+        )
+    return out

@@ -8,12 +8,13 @@ demo.api.options.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from demo.errors import ApiError
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOPS = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
 
@@ -74,6 +75,11 @@ def _utf8(v: str, param: str) -> str:
     return v
 
 
+def _utf8_json(v: Any, param: str) -> None:
+    """``_utf8`` for every string inside a JSON value (tools, tool call arguments)."""
+    _utf8(json.dumps(v, ensure_ascii=False), param)
+
+
 def _content(v: Any, param: str) -> str | list[dict]:
     """A message's content: a string, or content parts. Text-only parts are joined into one string;
     with an image part, the parts as ``[{"type": "text", "text"}, {"type": "image_url", "url",
@@ -120,13 +126,17 @@ _UNSUPPORTED = {
 }
 
 
-def _refuse_unsupported(body: dict) -> None:
+# Taken by the chat endpoint (demo.api.agent_options); refused on completions as before.
+CHAT_ONLY = ("tools", "tool_choice", "response_format")
+
+
+def _refuse_unsupported(body: dict, allowed: tuple[str, ...] = ()) -> None:
     for name, used in _UNSUPPORTED.items():
-        if used(body.get(name)):
+        if name not in allowed and used(body.get(name)):
             raise _bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
 
 
-def sampling(body: dict, context: int) -> Sampling:
+def sampling(body: dict, context: int, allowed: tuple[str, ...] = ()) -> Sampling:
     max_tokens = _int(body, "max_tokens")
     if body.get("max_completion_tokens") is not None:
         max_tokens = _int(body, "max_completion_tokens")
@@ -156,7 +166,7 @@ def sampling(body: dict, context: int) -> Sampling:
     options = {} if options is None else options  # not `or {}`: [] and "" are not objects
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise _bad("'stream_options' must be an object like {'include_usage': true}", "stream_options")
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, allowed)
     return Sampling(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -195,12 +205,63 @@ def chat(body: Any, context: int) -> ChatRequest:
                 + (repr(role[:40]) if isinstance(role, str) else f"a {type(role).__name__}"),
                 f"{param}.role",
             )
-        content = _content(m.get("content"), f"{param}.content")
+        calls = _tool_calls(m.get("tool_calls"), f"{param}.tool_calls") if role == "assistant" else None
+        if calls and m.get("content") is None:
+            content = ""  # an assistant turn of tool calls only (OpenAI sends content null)
+        else:
+            content = _content(m.get("content"), f"{param}.content")
         if isinstance(content, list) and ROLES[role] != "user":
             image = next(p for p in content if p["type"] == "image_url")
             raise _bad(f"{image['param']}: images are taken in user messages only", image["param"])
-        out.append({"role": ROLES[role], "content": content})
-    return ChatRequest(out, sampling(body, context))
+        message = {"role": ROLES[role], "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise _bad(f"{param}: a tool message needs its 'tool_call_id'", f"{param}.tool_call_id")
+            message["tool_call_id"] = _utf8(call_id, f"{param}.tool_call_id")
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+            message["reasoning_content"] = _utf8(m["reasoning_content"], f"{param}.reasoning_content")
+        out.append(message)
+    return ChatRequest(out, sampling(body, context, CHAT_ONLY))
+
+
+def _tool_calls(v: Any, param: str) -> list[dict] | None:
+    """An assistant message's tool_calls, in the shape chat templates read: arguments as an
+    object (OpenAI sends a JSON string; templates write ``arguments | tojson``)."""
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise _bad(f"{param} must be a list of tool calls", param)
+    out = []
+    for j, c in enumerate(v):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad(
+                f"{param}[{j}] must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
+                f"{param}[{j}]",
+            )
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except ValueError:
+                raise _bad(
+                    f"{param}[{j}].function.arguments must be a JSON object (as text)",
+                    f"{param}[{j}].function.arguments",
+                ) from None
+        if not isinstance(args, dict):
+            raise _bad(
+                f"{param}[{j}].function.arguments must be a JSON object (as text)",
+                f"{param}[{j}].function.arguments",
+            )
+        _utf8_json(args, f"{param}[{j}].function.arguments")
+        call = {"type": "function", "function": {"name": _utf8(fn["name"], param), "arguments": args}}
+        if isinstance(c.get("id"), str):
+            call["id"] = _utf8(c["id"], f"{param}[{j}].id")
+        out.append(call)
+    return out
 
 
 def completion(body: Any, context: int, vocab_size: int) -> CompletionRequest:

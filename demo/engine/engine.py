@@ -58,6 +58,10 @@ class Engine:
         # demo.model.adapters.Adapters over ``model`` (None: this engine serves the base model only), and
         # a vision-language model's processor (demo.model.vision; None: text only).
         self.adapters, self.processor = adapters, processor
+        # Special tokens decoding drops, and the markers of them kept (keep_special)
+        self._special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        self._special |= set(tokenizer.all_special_ids)
+        self._keep: set[int] = set()
         # Prefill slices need the store (a slice commits its KV for the next to read).
         self.scheduler = Scheduler(
             max_queue, max_batch_size, max_batch_tokens, decode_chunk, prefill_chunk if reuse else 0
@@ -76,20 +80,42 @@ class Engine:
         self._worker.start()
 
     # -- prompts ---------------------------------------------------------------------------
-    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+    def chat_ids(
+        self,
+        messages: Sequence[dict],
+        tools: Sequence[dict] | None = None,
+        template_kwargs: dict | None = None,
+    ) -> list[int]:
         """Token ids of a chat prompt ending with the assistant's turn; control tokens inside
-        message contents are plain text (demo.model.chat_tokens). Raises ValueError. A vision-language
+        message contents are plain text (demo.model.chat_tokens). ``tools`` and
+        ``template_kwargs`` go to the chat template. Raises ValueError. A vision-language
         model's chats are rendered by its processor (demo.model.vision), images or not."""
         if self.processor is not None:
+            if tools or template_kwargs:
+                raise ValueError(
+                    "tools and chat_template_kwargs are not supported with a vision-language model"
+                )
             return vision.render(self.processor, list(messages), []).ids
-        template = None if getattr(self.tokenizer, "chat_template", None) else CHAT_TEMPLATE
-        return chat_tokens.chat_ids(self.tokenizer, list(messages), template)
+        return chat_tokens.chat_ids(self.tokenizer, list(messages), self.template(), tools, template_kwargs)
+
+    def template(self) -> str | None:
+        """The chat template passed to apply_chat_template: None for the tokenizer's own, the
+        demo's CHAT_TEMPLATE for a tokenizer without one."""
+        return None if getattr(self.tokenizer, "chat_template", None) else CHAT_TEMPLATE
+
+    def keep_special(self, markers: Sequence[str]) -> None:
+        """Keep these marker tokens (reasoning and tool-call tags) in decoded replies even when
+        the tokenizer counts them as special tokens, which decoding otherwise drops."""
+        self._keep = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.content in markers}
 
     def text_ids(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt)["input_ids"]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not self._keep:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        kept = [i for i in ids if i in self._keep or i not in self._special]
+        return self.tokenizer.decode(kept, skip_special_tokens=False)
 
     # -- requests ----------------------------------------------------------------------------
     def reserve(self) -> Slot:
@@ -108,7 +134,12 @@ class Engine:
         """Queue a request in `slot` (default: reserve one now; raises Busy if the queue is
         full). ``inputs``: model inputs beside the ids (a VLM's pixel_values). ``hooks``: one
         demo.engine.sampling.RowHook (or None) per row of the request (``params.rows``),
-        applied to that row's logits only. Iterate the result for text."""
+        applied to that row's logits only; a ``params.grammar`` makes them (one matcher per
+        row). Iterate the result for text."""
+        if params.grammar is not None:
+            if hooks is not None:
+                raise ValueError("a request with a grammar takes no other hooks")
+            hooks = self.runner.grammar_hooks(prompt_ids, params)  # (ValueError before a slot is taken)
         slot = slot or self.reserve()
         group = self.adapters.batch_group(params.adapter) if self.adapters is not None else None
         gen = Generation(prompt_ids, params, namespace, self.decode, self.runner.eos, inputs, group, hooks)

@@ -52,6 +52,9 @@ class Params:
     top_k: int = 0  # 0: off; else sample among the k most likely tokens (vLLM's extra option)
     min_p: float = 0.0  # 0: off; else drop tokens below min_p x the top token's probability
     repetition_penalty: float = 1.0  # 1: off; transformers' (CTRL's) over the row's prompt and reply
+    # A checked llguidance grammar the reply must match: each row gets its own matcher as its
+    # RowHook (demo.engine.constrained.GrammarHook, made by Engine.submit)
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         checks = (

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from demo.engine import batching
+from demo.engine.constrained import GrammarHook, Grammars
 from demo.engine.generation import GREEDY_BELOW, Generation, Params
 
 __all__ = ["PUBLIC_NAMESPACE", "Runner"]
@@ -43,6 +44,9 @@ class Runner:
         # Held while a batch runs: adapters load and unload between generate() calls.
         self.lock = adapters.lock if adapters is not None else threading.RLock()
         self.eos = self._eos_ids()
+        vocab = model.get_input_embeddings().num_embeddings
+        logits = min(vocab, getattr(model.get_output_embeddings(), "out_features", vocab))
+        self.grammars = Grammars(tokenizer, logits, self.eos)  # constrained decoding
         # Token prefixes pinned under PUBLIC_NAMESPACE (the operator's task prompts, longest
         # first): a request starting with one reads it there, whatever its tenant.
         self._public: list[list[int]] = []
@@ -172,6 +176,14 @@ class Runner:
             namespace = [g.namespace for g in rows]
         shared = [self.shared_prefix(g.prompt_ids) for g in rows] if self._public else None
         return RadixCache(store=self.store, namespace=namespace, shared_prefix=shared)
+
+    def grammar_hooks(self, prompt_ids: Sequence[int], params: Params) -> list[GrammarHook] | None:
+        """One fresh matcher of ``params.grammar`` per row of the request (its RowHooks: each row
+        advanced by its own tokens, kept on the request across pauses), or None without one.
+        Raises ValueError if the grammar cannot be started."""
+        if params.grammar is None:
+            return None
+        return [GrammarHook(self.grammars.start(params.grammar), len(prompt_ids)) for _ in range(params.rows)]
 
     def set_public_prefixes(self, prefixes: Sequence[Sequence[int]]) -> None:
         """Token prefixes whose KV is pinned under PUBLIC_NAMESPACE (demo.task_prompts)."""

@@ -78,19 +78,43 @@ def encode_piece(tokenizer, piece: str, plain: bool) -> list[int]:
     return ids[len(newline) :] if ids[: len(newline)] == newline else encode(piece)
 
 
-def chat_ids(tokenizer, messages: Sequence[dict], template: str | None) -> list[int]:
-    """Token ids of `messages` ({"role", "content": str}) rendered with `template` (None: the
-    tokenizer's own) plus the assistant's generation prompt.
+def _mark_all(value, tokens: tuple[str, ...]):
+    """``value`` (JSON-like: str, list, dict) with every string, dict keys included, marked."""
+    if isinstance(value, str):
+        return mark(value, tokens)
+    if isinstance(value, list):
+        return [_mark_all(v, tokens) for v in value]
+    if isinstance(value, dict):
+        return {mark(k, tokens) if isinstance(k, str) else k: _mark_all(v, tokens) for k, v in value.items()}
+    return value
+
+
+def chat_ids(
+    tokenizer,
+    messages: Sequence[dict],
+    template: str | None,
+    tools: Sequence[dict] | None = None,
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """Token ids of `messages` ({"role", "content": str, and for agents "tool_calls" /
+    "tool_call_id"}) rendered with `template` (None: the tokenizer's own) plus the assistant's
+    generation prompt. ``tools``: function specs ({"name", "description", "parameters"}) passed
+    to the template as transformers does (``{"type": "function", "function": spec}``);
+    ``template_kwargs``: extra template variables (``enable_thinking``). Every string a client
+    sent (tool definitions and call arguments too) is marked, so none can forge a turn.
 
     Raises ValueError if the template rejects the messages, or if the tokenizer produces a
     control token from plain text (then no encoding could keep it out).
     """
     source = template or tokenizer.chat_template
     tokens = control_tokens(tokenizer, source if isinstance(source, str) else "")
-    marked = [{**m, "content": mark(m["content"], tokens)} for m in messages]
+    marked = _mark_all(list(messages), tokens)
+    extra = _mark_all(dict(template_kwargs or {}), tokens)
+    if tools:
+        extra["tools"] = _mark_all([{"type": "function", "function": t} for t in tools], tokens)
     try:
         text = tokenizer.apply_chat_template(
-            marked, chat_template=template, add_generation_prompt=True, tokenize=False
+            marked, chat_template=template, add_generation_prompt=True, tokenize=False, **extra
         )
     except Exception as e:  # jinja TemplateError: the model's template refused the messages
         raise ValueError(f"the chat template rejected the messages: {e}") from None

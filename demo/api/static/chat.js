@@ -1,7 +1,9 @@
 // Chat page: keeps the conversation, streams replies from /v1/chat/completions (SSE),
 // and shows under each reply its time to first token and the prompt tokens from the cache.
 // With adapters served, a picker chooses the request's model; a vision model takes an image
-// attached to a message (sent as an image_url content part with a data: URL).
+// attached to a message (sent as an image_url content part with a data: URL). A reasoning
+// model's reasoning_content shows in a folded block above the reply, and tool calls (from
+// requests with tools) as name(arguments) lines under it.
 "use strict";
 const $ = (id) => document.getElementById(id);
 const history = [];
@@ -23,6 +25,26 @@ function addMessage(role, text, image) {
   $("log").appendChild(el);
   el.scrollIntoView({ block: "end" });
   return el;
+}
+
+// The element of a reply part (reasoning or tool calls), made on first use above/below the text.
+function partEl(el, kind) {
+  let part = el.querySelector("." + kind);
+  if (part) return part;
+  if (kind === "reasoning") {
+    const box = document.createElement("details");
+    box.open = true;
+    box.innerHTML = "<summary>reasoning</summary>";
+    part = document.createElement("div");
+    part.className = "reasoning";
+    box.appendChild(part);
+    el.insertBefore(box, el.querySelector(".text"));
+  } else {
+    part = document.createElement("div");
+    part.className = "tool-calls";
+    el.insertBefore(part, el.querySelector(".text").nextSibling);
+  }
+  return part;
 }
 
 // Yields the JSON payload of each `data:` event until `data: [DONE]`.
@@ -93,21 +115,35 @@ async function send(text) {
     temperature: Number.isFinite(temperature) ? temperature : 1,
   };
   const t0 = performance.now();
-  let ttft = null, usage = null, reply = "";
+  let ttft = null, usage = null, reply = "", reasoning = "";
+  const calls = []; // OpenAI streamed tool calls, by index: {id, type, function: {name, arguments}}
   try {
     const response = await fetch("/v1/chat/completions", { method: "POST", headers, body: JSON.stringify(request) });
     if (!response.ok) throw new Error((await response.json()).error.message);
     for await (const chunk of sseEvents(response)) {
       if (chunk.error) throw new Error(chunk.error.message);
       if (chunk.usage) usage = chunk.usage;
-      const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta.content;
-      if (delta) {
-        if (ttft === null) ttft = performance.now() - t0;
-        reply += delta;
+      const d = (chunk.choices && chunk.choices[0] && chunk.choices[0].delta) || {};
+      if ((d.content || d.reasoning_content || d.tool_calls) && ttft === null) ttft = performance.now() - t0;
+      if (d.reasoning_content) {
+        reasoning += d.reasoning_content;
+        partEl(el, "reasoning").textContent = reasoning;
+      }
+      for (const c of d.tool_calls || []) {
+        const call = calls[c.index] || (calls[c.index] = { id: c.id, type: "function", function: { name: "", arguments: "" } });
+        if (c.function && c.function.name) call.function.name += c.function.name;
+        if (c.function && c.function.arguments) call.function.arguments += c.function.arguments;
+        partEl(el, "tool-calls").textContent = calls.map((x) => `${x.function.name}(${x.function.arguments})`).join("\n");
+      }
+      if (d.content) {
+        reply += d.content;
         body.textContent = reply;
       }
     }
-    history.push({ role: "assistant", content: reply });
+    const turn = { role: "assistant", content: calls.length && !reply ? null : reply };
+    if (calls.length) turn.tool_calls = calls;
+    if (reasoning) turn.reasoning_content = reasoning;
+    history.push(turn);
     const total = performance.now() - t0;
     showStats(el, ttft === null ? total : ttft, total, usage);
   } catch (err) {

@@ -1,0 +1,57 @@
+"""The grammar a chat request's reply must match: a forced tool call or a response_format.
+
+    grammar = structured.grammar(agent, tool_format, engine.runner.grammars)   # None: free text
+
+- ``tool_choice: "required"`` or a named function: the calls block of the model's tool-call
+  format (demo.api.tool_parsers), each call naming a forced tool with arguments matching its
+  ``parameters`` schema; several calls only with ``parallel_tool_calls`` and ``required``.
+- ``response_format`` ``json_object`` (any JSON object) or ``json_schema`` (that schema; OpenAI's
+  ``strict`` is what constrained decoding gives anyway).
+
+A forced call wins over response_format (the reply is the call). Anything the grammar library
+cannot enforce (an unsupported keyword, a bad pattern, a dangling $ref) is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from demo.api.agent_options import AgentOptions
+from demo.api.tool_parsers import ToolFormat
+from demo.engine.constrained import JSON_OPTIONS, Grammars, json_lark
+from demo.errors import ApiError
+
+
+def _lark(agent: AgentOptions, fmt: ToolFormat | None, grammars: Grammars) -> tuple[str, str] | None:
+    """(Lark grammar, the request field it comes from), or None."""
+    forced = agent.forced_tools
+    if forced:
+        if fmt is None:
+            raise ApiError(
+                400,
+                "tool_choice 'required' or a named function needs a tool-call format: this model's chat "
+                "template writes none the server knows; start it with --tool-call-parser",
+                "tool_choice",
+            )
+        schema = {**fmt.call_schema(list(forced)), "x-guidance": JSON_OPTIONS}
+        parallel = agent.parallel_tool_calls and agent.tool_choice == "required"
+        return fmt.grammar(schema, parallel, grammars.literal), "tool_choice"
+    rf = agent.response_format
+    if rf is None:
+        return None
+    if rf["type"] == "json_object":
+        return json_lark(None), "response_format"
+    return json_lark(rf["schema"]), "response_format.json_schema.schema"
+
+
+def grammar(agent: AgentOptions, fmt: ToolFormat | None, grammars: Grammars) -> str | None:
+    """The checked grammar of the request, or None; ApiError 400 naming what cannot be enforced."""
+    lark = _lark(agent, fmt, grammars)
+    if lark is None:
+        return None
+    text, param = lark
+    try:
+        return grammars.check(text)
+    except ValueError as e:
+        where = "tools[].function.parameters" if param == "tool_choice" else param
+        raise ApiError(
+            400, f"{where}: this schema cannot be enforced: {str(e)[:500]}", param, "unsupported_schema"
+        ) from None
