@@ -28,16 +28,8 @@ def save_store_of(
     cancel: threading.Event | None = None,
     max_rate: float | None = None,
 ) -> SaveResult:
-    """Write ``model``'s prefixes in ``store`` (default: its default store) to ``path``, atomically.
-
-    ``namespaces``: a list/set of RadixCache namespaces to save; None saves all of this
-    model's. Another model's prefixes in a shared store are never written. KV cached under
-    weights that have changed since is flushed first, never saved under the new identity.
-    Raises RuntimeError, writing nothing, if the weights change (the store is flushed) while
-    their identity is computed. ``max_bytes``, ``deadline``, ``cancel``, ``max_rate``: see
-    ``KVStore.save`` (the most recent prefixes that fit; radixkv.SaveAborted once the deadline
-    passes; a bandwidth cap for saves in the background of requests).
-    """
+    """``hf_patch.save_cache`` on a given ``store`` (its docstring has the contract); here so the
+    store builder and the cache files share ``hf_patch.identity`` without importing each other."""
     flush_if_weights_changed(store, model)
     epoch = store.epoch  # a flush while the identity is computed: the tree may hold other weights' KV
     scope = model_scope(model)
