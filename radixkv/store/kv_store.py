@@ -217,13 +217,12 @@ class KVStore:
         not hold one row of KV for every whole-block token: a shorter source would leave the
         end of a cached block unwritten (garbage served as a hit).
         """
+        whole = num_tokens_of(tokens) // self.block_size * self.block_size
+        if whole:  # packed once: _commit_local and the remote push share it
+            tokens = pack_tokens(head_of(tokens, whole))
         added = self._commit_local(tokens, k_src, v_src, namespace, epoch)
-        if self.remote is not None and num_tokens_of(tokens) >= self.block_size:
-            if epoch is None or epoch == self.epoch:
-                self.remote.push(
-                    pack_tokens(head_of(tokens, num_tokens_of(tokens) // self.block_size * self.block_size)),
-                    namespace,
-                )
+        if self.remote is not None and whole and (epoch is None or epoch == self.epoch):
+            self.remote.push(tokens, namespace)
         return added
 
     def _commit_local(
