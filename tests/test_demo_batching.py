@@ -18,6 +18,7 @@ from demo.api.app import build_engine, create_app
 from demo.config import Config
 from demo.engine import batching
 from demo.engine.engine import Engine, Params
+from tests.engine_gate import Held, collect_all
 
 TABLE = "\n".join(f"| Chen {i} | {20 + i} | Osaka | nurse |" for i in range(12))
 
@@ -28,28 +29,6 @@ def engine():
     cfg = e.model.generation_config
     cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e.runner.eos]  # rows end only where we say
     return e
-
-
-class Held:
-    """Holds the worker in a blocker request's generate() until released."""
-
-    def __init__(self, engine, monkeypatch):
-        self.entered, self.release = threading.Event(), threading.Event()
-        generate = engine.model.generate
-
-        def held(*args, **kwargs):
-            if not self.release.is_set():
-                self.entered.set()
-                assert self.release.wait(60)
-            return generate(*args, **kwargs)
-
-        monkeypatch.setattr(engine.model, "generate", held)
-        self.blocker = engine.submit(engine.text_ids("blocker"), Params(1, temperature=0.0))
-        assert self.entered.wait(30)
-
-    def go(self):
-        self.release.set()
-        self.blocker.collect()
 
 
 def spy_batches(monkeypatch) -> list[int]:
@@ -64,20 +43,6 @@ def spy_batches(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(batching, "run_batch", spy)
     return sizes
-
-
-def collect_all(gens) -> list:
-    out = [None] * len(gens)
-
-    def run(i):
-        out[i] = gens[i].collect()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(gens))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return out
 
 
 def stock(engine, ids: list[int], max_new: int) -> str:

@@ -17,6 +17,7 @@ from demo.api.app import build_engine, create_app
 from demo.config import Config
 from demo.engine import batching
 from demo.engine.engine import Params
+from tests.engine_gate import Held, collect_all
 
 TEXT = "\n".join(f"| Ines {i} | {40 + i} | Porto | pilot |" for i in range(6))
 
@@ -58,40 +59,6 @@ def stock(engine, ids: list[int], p: Params) -> list[str]:
     out = engine.model.generate(t, attention_mask=torch.ones_like(t), generation_config=cfg)
     texts = [engine.decode(row[len(ids) :].tolist()) for row in out]
     return texts * (p.n // len(texts))
-
-
-def collect_all(gens) -> list:
-    out = [None] * len(gens)
-    threads = [
-        threading.Thread(target=lambda i=i: out.__setitem__(i, gens[i].collect())) for i in range(len(gens))
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return out
-
-
-class Held:
-    """Holds the worker inside a blocker's generate() while the requests under test queue."""
-
-    def __init__(self, engine, monkeypatch):
-        self.entered, self.release = threading.Event(), threading.Event()
-        generate = engine.model.generate
-
-        def held(*args, **kwargs):
-            if not self.release.is_set():
-                self.entered.set()
-                assert self.release.wait(60)
-            return generate(*args, **kwargs)
-
-        monkeypatch.setattr(engine.model, "generate", held)
-        self.blocker = engine.submit(engine.text_ids("blocker"), Params(1, temperature=0.0))
-        assert self.entered.wait(30)
-
-    def go(self):
-        self.release.set()
-        self.blocker.collect()
 
 
 def spy_batches(monkeypatch) -> list[int]:
