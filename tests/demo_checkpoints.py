@@ -140,6 +140,17 @@ AGENT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and enable_thinking %}<think>\n{% endif %}{% endif %}"
 )
+# The parameters of an `add` tool, as the agent tests declare it (chat and Responses shapes).
+ADD = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 99},
+        "b": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+
 AGENT_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
 

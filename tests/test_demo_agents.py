@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from demo.api.app import create_app
 from demo.api.server import serving
 from demo.config import Config
-from tests.demo_checkpoints import save_agent_model, stock_reply
+from tests.demo_checkpoints import ADD, save_agent_model, stock_reply
 
 WEATHER = {
     "type": "object",
@@ -26,15 +26,6 @@ WEATHER = {
         "days": {"type": "integer", "minimum": 1, "maximum": 7},
     },
     "required": ["city", "days"],
-    "additionalProperties": False,
-}
-ADD = {
-    "type": "object",
-    "properties": {
-        "a": {"type": "integer", "minimum": 0, "maximum": 99},
-        "b": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["a", "b"],
     "additionalProperties": False,
 }
 TOOLS = [

@@ -14,17 +14,8 @@ from demo.api.app import create_app
 from demo.api.conversations import ResponseStore, StoredResponse
 from demo.api.server import serving
 from demo.config import Config
-from tests.demo_checkpoints import save_agent_model
+from tests.demo_checkpoints import ADD, save_agent_model
 
-ADD = {
-    "type": "object",
-    "properties": {
-        "a": {"type": "integer", "minimum": 0, "maximum": 99},
-        "b": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["a", "b"],
-    "additionalProperties": False,
-}
 TOOLS = [{"type": "function", "name": "add", "description": "Sum of two numbers", "parameters": ADD}]
 
 
