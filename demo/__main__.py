@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from demo.cache_files import CacheFileConflict
     from demo.model.adapters import AdapterError
     from demo.model.loading import BUILTIN, ModelNotFound
+    from demo.shutdown_sidecar import flush_sidecar
     from demo.task_prompts import TaskPromptError
 
     try:
@@ -100,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the save kills
         stopped = _signalled[0] if _signalled else time.monotonic()  # Ctrl-C: from now
+        # The running batch has stopped (stopping()), its KV committed: what the sidecar writer
+        # still holds goes out first (bounded), then the cache file gets the time left.
+        flush_sidecar(engine.store, stopped + config.cache_save_timeout)
         app.extensions["radixkv"]["cache_files"].save_at_exit(stopped + config.cache_save_timeout)
     return 0
 

@@ -294,6 +294,21 @@ class SidecarTier:
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
 
+    def drain(self, timeout: float) -> tuple[int, int]:
+        """Flush for at most ``timeout`` seconds, then drop what still waits: for a process about
+        to exit without running its ``atexit`` hooks (the demo's ``os._exit``). Returns (commits
+        written to the sidecar meanwhile, commits lost: dropped here, failed, or still being
+        written at the timeout). A dead sidecar fails every write at once (connection refused);
+        a hung one costs at most ``timeout``."""
+        before = self.counters["written_commits"], self.counters["failed_writes"]
+        done = self.flush(timeout)
+        with self._cond:
+            lost = len(self._queue) + (0 if done else int(self._busy))
+            self.counters["dropped_writes"] += len(self._queue)
+            self._queue.clear()
+        written = self.counters["written_commits"] - before[0]
+        return written, lost + self.counters["failed_writes"] - before[1]
+
     def _write_loop(self) -> None:
         while True:
             with self._cond:
@@ -303,6 +318,7 @@ class SidecarTier:
             try:
                 self._write(*item)
             except Exception as e:  # never let a bug here stop later writes; reads are unaffected
+                self.counters["failed_writes"] += 1
                 logger.warning("radixkv: sidecar write failed: %s", e)
             finally:
                 with self._cond:
@@ -320,9 +336,12 @@ class SidecarTier:
                     {"op": "alloc", "ident": key[0].hex(), "ns": key[1].decode()}, bytes(held)
                 )
             except (SidecarDown, ValueError):
+                self.counters["failed_writes"] += 1
                 return
             slots, start, txn = answer["slots"], answer["start"], answer["txn"]
-            if not slots:
+            if not slots:  # the sidecar holds it all already, or its pool is pinned full
+                full = start * self.layout["block_size"] >= held.num_tokens
+                self.counters["written_commits" if full else "failed_writes"] += 1
                 return
             try:
                 ids = list(lease.block_ids)
@@ -340,8 +359,9 @@ class SidecarTier:
         try:
             self._call({"op": "commit", "txn": txn})
             self.counters["written_blocks"] += len(slots)
+            self.counters["written_commits"] += 1
         except (SidecarDown, ValueError):
-            pass
+            self.counters["failed_writes"] += 1
 
     def _send_quiet(self, header: dict) -> None:
         with self._lock:
