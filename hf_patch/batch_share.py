@@ -161,10 +161,17 @@ class SharedPrefixes:
 
 
 def _any_row_cached(store: KVStore, rows: Sequence[tuple[PackedTokens, Hashable]]) -> bool:
-    """Whether the store holds a whole block of any row (a lookup, not a request: no counts)."""
+    """Whether the store holds a whole block of any row (a lookup, not a request: no counts).
+
+    ``claim``, as the rows' own lookups: with a sidecar that has processes wait for a prefix
+    another one is computing (``RADIXKV_SIDECAR_WAIT_S``), a row whose prefix is in flight is
+    waited for here and counts as cached. Asked without it, a batch of rows that are all cold
+    *now* was left to generate() whole, and a row the wait then served from the sidecar lost
+    its hit to the batch's common column count (its cold neighbour's 0): ranks computed such
+    documents twice."""
     for tokens, namespace in rows:
         if tokens.num_tokens >= store.block_size:
-            with store.acquire(tokens, namespace, count=False) as lease:
+            with store.acquire(tokens, namespace, count=False, claim=True) as lease:
                 if lease.num_tokens:
                     return True
     return False

@@ -200,6 +200,45 @@ def test_a_prefix_another_process_is_computing_is_waited_for(sock, monkeypatch):
     assert b.stats()["sidecar_waited"] == 1
 
 
+def test_a_batch_waits_for_a_prefix_in_flight_and_keeps_it_beside_a_cold_row(sock, monkeypatch):
+    """B's batch: a row over the document A is computing, and a cold row. The wait must happen
+    before the batch decides it is cold (in-batch sharing's look-up): a row served from the
+    sidecar after that lost its hit to the batch's common column count (its cold neighbour's 0),
+    and two ranks computed the document twice (batchrun: 1.14-1.21x one process's tokens)."""
+    monkeypatch.setenv("RADIXKV_SIDECAR_WAIT_S", "60")
+    model = build("llama-sdpa")
+    a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=sock)
+    b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=sock)
+    ns = (model_scope(model), None)
+    doc = document(12)
+    a.acquire(doc + tokens(6, 90), ns).release()  # A missed the document: it claims it
+    input_ids, mask = left_pad([doc + tokens(6, 91), tokens(30, 92)])
+    stock = model.generate(input_ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    result = {}
+
+    def replica_b():
+        cache = hf_patch.RadixCache(b)
+        result["out"] = model.generate(
+            input_ids,
+            attention_mask=mask,
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=0,
+            past_key_values=cache,
+        )
+        result["cached"] = cache.cached_tokens
+
+    thread = threading.Thread(target=replica_b)
+    thread.start()
+    time.sleep(0.5)  # B is polling for A's document now
+    assert_same_as_stock(model, ids(doc + tokens(6, 90)), a, max_new_tokens=3, do_sample=False)
+    thread.join(120)
+    assert torch.equal(result["out"], stock)
+    assert result["cached"] == [DOC_BLOCKS_TOKENS, 0] and b.stats()["sidecar_waited"] == 1
+    # In-batch sharing read the document from the sidecar (then extended it locally for the row).
+    assert b.stats()["bytes_from_remote"] == DOC_BLOCKS_TOKENS * b.pool.bytes_per_token
+
+
 def test_host_tier_blocks_are_written_through_and_a_padded_batch_reads_the_sidecar(sock):
     model = build("llama-sdpa")
     a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, host_cache_tokens=2048, sidecar=sock)

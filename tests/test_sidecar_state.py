@@ -282,8 +282,11 @@ def test_a_prefix_in_flight_is_claimed_waited_for_and_released():
     other_question = toks(1, 2, 3, 4, 5, 6, 9, 9)
     assert state.match(2, NS, other_question, 0, claim_s=5)["wait"] == 6 // 2 * 2  # 3 common blocks
     assert state.match(2, (b"\x03" * 32, b"null"), doc, 0, claim_s=5)["wait"] == 0  # other identity
-    # Client 2 holds a claim of its own now: it never waits (no two clients wait for each other).
-    assert state.match(2, NS, doc, 0, claim_s=5)["wait"] == 0
+    # Client 2 holds a claim of its own now (other identity): it still waits for client 1, which
+    # waits for nobody; client 1 is then never told to wait for client 2 (they would wait for
+    # each other), and computes.
+    assert state.match(2, NS, doc, 0, claim_s=5)["wait"] == 8
+    assert state.match(1, (b"\x03" * 32, b"null"), doc, 0, claim_s=5)["wait"] == 0
     assert write(state, 1, doc) == 8  # the commit fulfils client 1's claim
     hit = state.match(3, NS, other_question, 0, claim_s=5)
     assert hit["wait"] == 0 and hit["num_tokens"] == 6
@@ -316,3 +319,30 @@ def test_a_stale_socket_is_replaced_and_the_lock_goes_with_the_server(tmp_path):
     second = Server(Sidecar(1 << 16), path)
     second._listen().close()  # the lock was free again
     os.close(second._lock_fd)
+
+
+def test_no_cycle_of_clients_waiting_for_each_other_and_marks_expire(monkeypatch):
+    """Who waits for whom: a match that would close a cycle (directly or through a third client)
+    computes instead; a waiter's mark goes with its client, with its next match that does not
+    wait, or WAIT_MARK_S after its last poll (a waiter that gave up)."""
+    from radixkv.sidecar import claims
+
+    state = Sidecar(32 * 64)
+    for c in (1, 2, 3):
+        state.add_client(c)
+        state.hello(c, SMALL)
+    x, y, z = toks(1, 1, 1, 1, 1), toks(2, 2, 2, 2, 2), toks(3, 3, 3, 3, 3)  # two whole blocks each
+    for cid, prompt in ((1, x), (2, y), (3, z)):
+        assert state.match(cid, NS, prompt, 0, claim_s=5)["wait"] == 0  # each claims its own
+    assert state.match(1, NS, y, 0, claim_s=5)["wait"] == 4  # 1 waits for 2
+    assert state.match(2, NS, z, 0, claim_s=5)["wait"] == 4  # 2 waits for 3
+    assert state.match(3, NS, x, 0, claim_s=5)["wait"] == 0  # 3 -> 1 -> 2 -> 3: refused
+    assert state.match(2, NS, x, 0, claim_s=5)["wait"] == 0  # 2 -> 1 -> 2: refused
+    assert state.claims.waiting == {1: (2, state.claims.waiting[1][1])}  # 2 stopped waiting
+    state.drop_client(1)
+    assert 1 not in state.claims.waiting
+    # A waiter that gave up: its mark is forgotten WAIT_MARK_S after its last poll.
+    monkeypatch.setattr(claims, "WAIT_MARK_S", 0.0)
+    assert state.match(3, NS, y, 0, claim_s=5)["wait"] == 4  # 3 waits for 2 (mark expires at once)
+    assert state.match(2, NS, z, 0, claim_s=5)["wait"] == 4  # not a cycle any more
+    state.check_invariants()
