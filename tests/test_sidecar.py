@@ -287,3 +287,49 @@ def test_kv_of_a_call_whose_weights_changed_meanwhile_is_not_cached():
     assert store.stats()["inserted_tokens"] == 0
     assert_same_as_stock(model, ids(document(40)), store, max_new_tokens=2, do_sample=False)
     assert store.stats()["inserted_tokens"] > 0  # unchanged weights: cached as ever
+
+
+def test_drain_reports_commits_written_and_lost_and_never_hangs_on_a_hung_sidecar(tmp_path, caplog):
+    """``SidecarTier.drain`` (the demo's shutdown, demo.shutdown_sidecar): a live sidecar takes
+    every queued commit; a hung one (SIGSTOP) costs the bound, and what was queued or being
+    written then is reported lost; a missing one fails every write at once."""
+    from demo.shutdown_sidecar import flush_sidecar
+    from radixkv import pack_tokens
+
+    model = build("llama-sdpa")
+    path = tmp_path / "s.sock"
+    proc = start_sidecar(path)
+    try:
+        live = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        missing = hf_patch.build_store(
+            model, block_size=BS, budget_tokens=2048, sidecar=tmp_path / "none.sock"
+        )
+        prompts = [document(seed) + tokens(6, 1000) for seed in (21, 22)]
+        for store in (live, missing):
+            for prompt in prompts:
+                assert_same_as_stock(model, ids(prompt), store, max_new_tokens=2, do_sample=False)
+        assert live.stats()["sidecar_written_commits"] == 2 and live.remote.drain(30)[1] == 0
+        assert missing.stats()["sidecar_failed_writes"] == 2  # at once, before any drain
+        started = time.monotonic()
+        assert flush_sidecar(missing, time.monotonic() + 30) == (0, 0)
+        assert time.monotonic() - started < 1.0
+
+        # The sidecar hangs while two commits wait: one being written (blocked on its reply), one queued.
+        proc.send_signal(signal.SIGSTOP)
+        ns = (model_scope(model), None)
+        for prompt in prompts:  # their blocks are in the local pool: the writer asks the sidecar
+            live.remote.push(pack_tokens(prompt), ns)
+        started = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="demo.shutdown_sidecar"):
+            assert flush_sidecar(live, time.monotonic() + 4) == (0, 2)  # bound: a quarter of 4 s
+        assert time.monotonic() - started < 1.0 + 1.0  # the socket's own timeout is 2 s
+        assert "2 commits queued for the sidecar" in caplog.text and "were dropped" in caplog.text
+        assert live.stats()["sidecar_queued_writes"] == 0
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+    assert flush_sidecar(None, time.monotonic() + 30) is None
+    assert (
+        flush_sidecar(hf_patch.build_store(model, block_size=BS, budget_tokens=64), time.monotonic()) is None
+    )
