@@ -42,6 +42,8 @@ def test_two_ranks_route_by_prefix_and_match_stock(tmp_path):
 
 @pytest.mark.slow
 def test_two_round_robin_ranks_through_one_sidecar_match_stock(tmp_path):
+    """With the wait (ranks wait for a prefix the other is computing, docs/sidecar.md); the
+    sidecar without it: tests/test_evalrun.py (two ranks) and tests/test_sidecar.py."""
     from tests.sidecar_process import sidecar_stats, start_sidecar
 
     model_dir = save_tiny_model(tmp_path / "model")
@@ -50,7 +52,8 @@ def test_two_round_robin_ranks_through_one_sidecar_match_stock(tmp_path):
     path = tmp_path / "s.sock"
     sidecar = start_sidecar(path)
     try:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RADIXKV_SIDECAR": str(path)}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RADIXKV_SIDECAR": str(path),
+               "RADIXKV_SIDECAR_WAIT_S": "10"}  # fmt: skip
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "batchrun", "--model", str(model_dir), "--input", str(tmp_path / "requests.jsonl"),
                "--output", str(output), "--cpu", "--no-progress", "--routing", "round-robin"]  # fmt: skip
@@ -63,3 +66,4 @@ def test_two_round_robin_ranks_through_one_sidecar_match_stock(tmp_path):
         sidecar.wait()
     assert stats["clients_total"] >= 2 and stats["inserted_tokens"] > 0, stats
     assert stats["open_leases"] == stats["open_txns"] == stats["pinned_blocks"] == 0, stats
+    assert stats["claims"] == 0, stats  # fulfilled by the ranks' commits or gone with them
