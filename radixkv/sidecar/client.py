@@ -340,8 +340,8 @@ class SidecarTier:
                 return
             slots, start, txn = answer["slots"], answer["start"], answer["txn"]
             if not slots:  # the sidecar holds it all already, or its pool is pinned full
-                full = start * self.layout["block_size"] >= held.num_tokens
-                self.counters["written_commits" if full else "failed_writes"] += 1
+                has_all = start * self.layout["block_size"] >= held.num_tokens
+                self.counters["written_commits" if has_all else "failed_writes"] += 1
                 return
             try:
                 ids = list(lease.block_ids)
