@@ -179,11 +179,11 @@ def test_sigterm_hands_queued_commits_to_the_sidecar_and_a_hung_sidecar_costs_a_
 ):
     """Writer W is cut by SIGTERM mid-reply while the sidecar is paused (SIGSTOP), so the
     commit of what W computed is still queued when W starts to exit: W waits for the sidecar
-    (resumed 0.6 s later) and a fresh replica reads the document from it. Then the same with a
-    sidecar that never resumes: W exits within its bound, saying the commits were dropped."""
+    (resumed 0.6 s later) and replica R reads the document from it. Then the same for R with a
+    sidecar that never resumes: R exits within its bound, saying the commits were dropped."""
     sock, sidecar_proc = sidecar
     secret = tmp_path / "tenants.secret"
-    logs = [str(tmp_path / f"{n}.log") for n in ("w", "r", "w2")]
+    logs = [str(tmp_path / f"{n}.log") for n in ("w", "r")]
     procs = []
     try:
         (w, url_w), (r, url_r) = start_replicas(sock, secret, logs[:2])
@@ -210,19 +210,16 @@ def test_sigterm_hands_queued_commits_to_the_sidecar_and_a_hung_sidecar_costs_a_
         assert cached == shared > 300 and sidecar_hits(url_r) == shared
         assert text == stock(oracle, DOC2 + Q1)
 
-        # A sidecar that stops answering for good: the exit waits at most FLUSH_S for it.
-        ((w2, url_w2),) = start_replicas(sock, secret, logs[2:])
-        procs.append(w2)
-
+        # A sidecar that stops answering for good: R's exit waits at most FLUSH_S for it.
         def pause_for_good_and_stop():
             os.kill(sidecar_proc.pid, signal.SIGSTOP)
-            w2.send_signal(signal.SIGTERM)
+            r.send_signal(signal.SIGTERM)
             pause_for_good_and_stop.at = time.monotonic()
 
-        first_chunk_then(url_w2, DOC + Q3, pause_for_good_and_stop)
-        assert w2.wait(timeout=60) == 0, open(logs[2]).read()[-3000:]
+        first_chunk_then(url_r, DOC + Q3, pause_for_good_and_stop)
+        assert r.wait(timeout=60) == 0, open(logs[1]).read()[-3000:]
         assert time.monotonic() - pause_for_good_and_stop.at < FLUSH_S + 15  # bounded, not hung
-        log = open(logs[2]).read()
+        log = open(logs[1]).read()
         assert "queued for the sidecar" in log and "were dropped" in log, log[-3000:]
     finally:
         for p in procs:
