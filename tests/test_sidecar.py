@@ -174,6 +174,14 @@ def test_a_sidecar_full_of_pinned_blocks_degrades(tmp_path_factory):
         proc.wait()
 
 
+def until_told_to_wait(path, thread: threading.Thread) -> None:
+    """Until the sidecar has told a client to wait (B polls for A's prefix), not a fixed sleep."""
+    deadline = time.monotonic() + 60
+    while sidecar_stats(path)["waits"] == 0:
+        assert thread.is_alive() and time.monotonic() < deadline, "B never waited"
+        time.sleep(0.02)
+
+
 def test_a_prefix_another_process_is_computing_is_waited_for(sock, monkeypatch):
     monkeypatch.setenv("RADIXKV_SIDECAR_WAIT_S", "60")
     model = build("llama-sdpa")
@@ -193,7 +201,7 @@ def test_a_prefix_another_process_is_computing_is_waited_for(sock, monkeypatch):
 
     thread = threading.Thread(target=replica_b)
     thread.start()
-    time.sleep(0.5)  # B is polling for A's document now
+    until_told_to_wait(sock, thread)  # B is polling for A's document now
     assert_same_as_stock(model, ids(doc + tokens(6, 90)), a, max_new_tokens=3, do_sample=False)
     thread.join(120)
     assert torch.equal(result["out"], stock) and result["cached"] == [DOC_BLOCKS_TOKENS]
@@ -230,7 +238,7 @@ def test_a_batch_waits_for_a_prefix_in_flight_and_keeps_it_beside_a_cold_row(soc
 
     thread = threading.Thread(target=replica_b)
     thread.start()
-    time.sleep(0.5)  # B is polling for A's document now
+    until_told_to_wait(sock, thread)  # B is polling for A's document now
     assert_same_as_stock(model, ids(doc + tokens(6, 90)), a, max_new_tokens=3, do_sample=False)
     thread.join(120)
     assert torch.equal(result["out"], stock)
