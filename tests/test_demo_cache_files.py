@@ -172,6 +172,30 @@ def test_secret_file_with_loose_permissions_is_tightened(tmp_path):
         load_or_create_secret(str(p))
 
 
+def test_a_secret_file_another_server_is_writing_is_waited_for(tmp_path, monkeypatch):
+    """Two servers starting at once on one --tenant-secret-file: the second finds the file the
+    first created with O_EXCL still empty, and reads it once written (not a 'no secret' error);
+    a file that stays empty is an error after EMPTY_WAIT_S."""
+    import threading
+
+    from demo.api import auth
+
+    p = tmp_path / "s"
+    p.touch(mode=0o600)  # created, not yet written
+    secret = os.urandom(32)
+    writer = threading.Timer(0.2, lambda: p.write_text(secret.hex() + "\n"))
+    writer.start()
+    try:
+        assert auth.load_or_create_secret(str(p)) == secret
+    finally:
+        writer.cancel()
+    empty = tmp_path / "empty"
+    empty.touch(mode=0o600)
+    monkeypatch.setattr(auth, "EMPTY_WAIT_S", 0.1)
+    with pytest.raises(ValueError, match="hex secret"):
+        auth.load_or_create_secret(str(empty))
+
+
 def test_cache_flags_and_environment():
     from demo.config import from_args
 

@@ -17,12 +17,14 @@ import hmac
 import logging
 import os
 import stat
+import time
 from collections.abc import Hashable, Iterable, Mapping
 
 from demo.errors import ApiError
 
 log = logging.getLogger(__name__)
 SECRET_BYTES = 32
+EMPTY_WAIT_S = 2.0  # an empty secret file: another server is writing it (load_or_create_secret)
 
 
 class TenantSecretError(ValueError):
@@ -104,7 +106,9 @@ def tenant_secret(config) -> bytes:
 def load_or_create_secret(path: str) -> bytes:
     """The secret in ``path`` (hex), or a new random one written there with mode 0600.
 
-    Created with O_EXCL, so two servers starting at once agree on one secret. A file that
+    Created with O_EXCL, so two servers starting at once agree on one secret; the file is
+    empty between the winner's create and its write, so an empty file is read again for up to
+    ``EMPTY_WAIT_S`` (replicas started together on one ``--tenant-secret-file``). A file that
     others may read is tightened to 0600 with a warning (the secret maps keys to tenants).
     Raises TenantSecretError (a ValueError) for a file that holds no valid secret: a new one
     would orphan every tenant's saved prefixes silently.
@@ -116,8 +120,13 @@ def load_or_create_secret(path: str) -> bytes:
         if mode & 0o077:
             log.warning("tenant secret %s had mode %o; restricting it to the owner (0600)", path, mode)
             os.chmod(path, 0o600)
-        with open(path, encoding="ascii", errors="replace") as f:
-            text = f.read().strip()
+        deadline = time.monotonic() + EMPTY_WAIT_S
+        while True:
+            with open(path, encoding="ascii", errors="replace") as f:
+                text = f.read().strip()
+            if text or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)  # another server created it and is writing it now
         try:
             secret = bytes.fromhex(text)
         except ValueError:
