@@ -95,3 +95,85 @@ def save_llava_next(path, seed: int = 0) -> str:
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config).eval()
     return _finish(model, tokenizer, processor, path, [image])
+
+
+def _video_template(image: str, video: str) -> str:
+    return _template(image).replace(
+        "{% elif p['type'] == 'text' %}",
+        f"{{% elif p['type'] == 'video' %}}{video}{{% elif p['type'] == 'text' %}}",
+    )
+
+
+def _write_json(path, name: str, data: dict) -> None:
+    import json
+    import os
+
+    os.makedirs(str(path), exist_ok=True)
+    with open(os.path.join(str(path), name), "w") as f:
+        json.dump(data, f, indent=2)
+
+
+def _save_parts(model, tokenizer, image_processor, path, placeholders, processor: dict, video: dict) -> str:
+    """A checkpoint whose processor is written part by part, as ``processor.save_pretrained``
+    writes it: transformers cannot build a processor with a video processor without torchvision
+    (not installed here), so the video processor's config is written as its JSON file."""
+    image_processor.save_pretrained(str(path))
+    _write_json(path, "processor_config.json", processor)
+    _write_json(path, "video_preprocessor_config.json", video)
+    return _finish(model, tokenizer, tokenizer, path, placeholders)
+
+
+def save_qwen2_5_vl(path, seed: int = 0) -> str:
+    """Qwen2.5-VL: patches of 4 merged 2x2 (one token per 8x8 pixels), images of 256 to 4,096
+    pixels, videos sampled at 2 frames per second (4 to 8 frames), frames of 256 to 1,024 pixels."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, Qwen2VLImageProcessor
+
+    tokens = ["<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>"]
+    tokenizer = _tokenizer(tokens)
+    start, image, video, end = tokenizer.convert_tokens_to_ids(tokens)
+    tokenizer.chat_template = _video_template(
+        "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>"
+    )
+    grid = dict(patch_size=4, merge_size=2, temporal_patch_size=2)
+    image_processor = Qwen2VLImageProcessor(size={"shortest_edge": 256, "longest_edge": 4096}, **grid)
+    videos = dict(video_processor_type="Qwen2VLVideoProcessor", size={"shortest_edge": 256, "longest_edge": 1024},
+                  do_sample_frames=True, fps=2.0, min_frames=4, max_frames=8, **grid)  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, window_size=16,
+                  fullatt_block_indexes=[0], patch_size=4, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = _text(tokenizer, model_type="qwen2_5_vl_text", rope_parameters=rope)
+    config = AutoConfig.for_model("qwen2_5_vl", text_config=text, vision_config=vision, image_token_id=image,
+                                  video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config).eval()
+    processor = {"processor_class": "Qwen2_5_VLProcessor"}
+    return _save_parts(model, tokenizer, image_processor, path, [start, image, video, end], processor, videos)
+
+
+def save_llava_onevision(path, seed: int = 0) -> str:
+    """LLaVA-OneVision: a SigLIP tower at 32x32 in patches of 8 (all features kept, as the real ones), any-resolution tiles up to 64x64;
+    videos of 4 frames sampled uniformly, each pooled to 4 tokens."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, LlavaOnevisionImageProcessor
+
+    tokenizer = _tokenizer(["<image>", "<video>"])
+    image, video = tokenizer.convert_tokens_to_ids(["<image>", "<video>"])
+    tokenizer.chat_template = _video_template("<image>", "<video>")
+    pinpoints = [[32, 32], [32, 64], [64, 32], [64, 64]]
+    image_processor = LlavaOnevisionImageProcessor(
+        size={"height": 32, "width": 32}, image_grid_pinpoints=pinpoints
+    )
+    videos = dict(video_processor_type="LlavaOnevisionVideoProcessor", size={"height": 32, "width": 32},
+                  do_sample_frames=True, num_frames=4)  # fmt: skip
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    config = AutoConfig.for_model("llava_onevision", text_config=_text(tokenizer, model_type="qwen2"),
+                                  vision_config=vision, image_token_id=image, video_token_id=video,
+                                  image_grid_pinpoints=pinpoints, vision_feature_select_strategy="full",
+                                  vision_feature_layer=-1)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config).eval()
+    processor = {"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 16,
+                 "vision_feature_select_strategy": "full", "vision_aspect_ratio": "anyres_max_9"}  # fmt: skip
+    return _save_parts(model, tokenizer, image_processor, path, [image, video], processor, videos)

@@ -1,11 +1,11 @@
-"""Gemma 3- and LLaVA-NeXT-style checkpoints served over HTTP (waitress in this process), asked
+"""Gemma 3-, LLaVA-NeXT-, LLaVA-OneVision- and Qwen2.5-VL-style checkpoints served over HTTP (waitress in this process), asked
 with the openai client: each reply equals offline stock generate() of the processor's own
 inputs; a second question about an image reads it from the store and never runs the vision
 tower; another image with the same text reads only the text before it; an image request and a
 text request sent at once both answer as stock.
 
-(Qwen2.5-VL and LLaVA-OneVision processors need a video processor, which needs torchvision,
-not installed here: their keys are tested through generate() in tests/test_hf_vlm_families.py.)"""
+Without torchvision the Qwen2.5-VL and LLaVA-OneVision processors are built without their video
+processor (demo.model.processors), here and in the server alike."""
 
 from __future__ import annotations
 
@@ -13,17 +13,23 @@ import concurrent.futures
 import uuid
 
 import pytest
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoConfig, AutoModelForImageTextToText
 
 from demo.api.app import build_engine, create_app
 from demo.api.server import serving
 from demo.config import Config
+from demo.model.processors import load_processor
 from tests.demo_checkpoints import data_url, pil, png
-from tests.demo_vlm_checkpoints import save_gemma3, save_llava_next
+from tests.demo_vlm_checkpoints import save_gemma3, save_llava_next, save_llava_onevision, save_qwen2_5_vl
 
 BLOCK = 4
 MAX_NEW = 5
-SAVERS = {"gemma3": save_gemma3, "llava_next": save_llava_next}
+SAVERS = {
+    "gemma3": save_gemma3,
+    "llava_next": save_llava_next,
+    "llava_onevision": save_llava_onevision,
+    "qwen2_5_vl": save_qwen2_5_vl,
+}
 
 
 @pytest.fixture(scope="module", params=sorted(SAVERS))
@@ -34,7 +40,9 @@ def served(request, tmp_path_factory):
     path = SAVERS[request.param](tmp_path_factory.mktemp("vlm") / request.param)
     config = Config(model=path, block_size=BLOCK, cache_tokens=1 << 13, limit_images=2, served_name="m")
     engine = build_engine(config)
-    reference = AutoModelForImageTextToText.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path)
+    # AutoProcessor's, or without its video processor where torchvision is missing (as the server)
+    processor = load_processor(path, AutoConfig.from_pretrained(path), {})
+    reference = AutoModelForImageTextToText.from_pretrained(path).eval(), processor
     with serving(create_app(config, engine)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         yield client, engine, reference
@@ -43,7 +51,8 @@ def served(request, tmp_path_factory):
 class Tower:
     def __init__(self, model) -> None:
         self.calls = 0
-        model.model.vision_tower.register_forward_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+        tower = getattr(model.model, "vision_tower", None) or model.model.visual  # Qwen-VL: visual
+        tower.register_forward_hook(lambda *_: setattr(self, "calls", self.calls + 1))
 
 
 def user(*parts) -> list[dict]:

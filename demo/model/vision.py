@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from demo.errors import ApiError
+from demo.model import processors
 from demo.model.chat_tokens import control_tokens
 
 _TEXT_INPUTS = ("input_ids", "attention_mask")
@@ -38,11 +39,12 @@ def is_vision_config(config) -> bool:
     )
 
 
-def load(name_or_path: str, kwargs: dict, model_kwargs: dict):
-    """``(model, processor)`` of a vision-language checkpoint (from_pretrained's own loading)."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+def load(name_or_path: str, config, kwargs: dict, model_kwargs: dict):
+    """``(model, processor)`` of a vision-language checkpoint (from_pretrained's own loading; the
+    processor without its video processor where torchvision is missing, demo.model.processors)."""
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(name_or_path, **kwargs)
+    processor = processors.load_processor(name_or_path, config, kwargs)
     if getattr(processor, "image_processor", None) is None or getattr(processor, "tokenizer", None) is None:
         raise OSError(f"{name_or_path}: its processor has no image processor and tokenizer")
     model = AutoModelForImageTextToText.from_pretrained(name_or_path, **model_kwargs)
