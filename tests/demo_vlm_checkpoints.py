@@ -177,3 +177,42 @@ def save_llava_onevision(path, seed: int = 0) -> str:
     processor = {"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 16,
                  "vision_feature_select_strategy": "full", "vision_aspect_ratio": "anyres_max_9"}  # fmt: skip
     return _save_parts(model, tokenizer, image_processor, path, [image, video], processor, videos)
+
+
+def mp4(
+    seed: int, frames: int = 12, size: tuple[int, int] = (48, 40), fps: int = 10, container: str = "mp4"
+) -> bytes:
+    """An H.264 video (``container``: mp4, matroska, avi) of ``frames`` frames of random pixels
+    (width x height ``size``) drawn from ``seed``, written by PyAV."""
+    import io
+
+    import av
+
+    g = torch.Generator().manual_seed(seed)
+    out = io.BytesIO()
+    with av.open(out, mode="w", format=container) as box:
+        stream = box.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        for _ in range(frames):
+            pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy()
+            box.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        box.mux(stream.encode())
+    return out.getvalue()
+
+
+def decoded(raw: bytes):
+    """Every frame of a video (uint8 ``[frames, height, width, 3]``) and its transformers
+    VideoMetadata, read as transformers' own PyAV reader reads them (the reference)."""
+    import io
+
+    import av
+    import numpy as np
+    from transformers.video_utils import VideoMetadata
+
+    with av.open(io.BytesIO(raw)) as box:
+        stream = box.streams.video[0]
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in box.decode(video=0)])
+        fps = float(stream.average_rate)
+        meta = VideoMetadata(total_num_frames=int(stream.frames), fps=fps, width=stream.width, height=stream.height,
+                             duration=stream.frames / fps, video_backend="pyav")  # fmt: skip
+    return frames, meta

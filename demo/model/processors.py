@@ -31,6 +31,11 @@ def has_videos(processor) -> bool:
     return getattr(processor, _VIDEO, None) is not None
 
 
+def videos_dropped(processor) -> bool:
+    """Whether ``processor`` was built without the video processor its class has (``without_videos``)."""
+    return getattr(type(processor), "_radixkv_without_videos", False)
+
+
 def _torchvision_missing() -> bool:
     from transformers.utils import is_torchvision_available
 
@@ -41,11 +46,8 @@ def without_videos(cls):
     """A subclass of the processor class ``cls`` whose sub-processors exclude its video processors
     (same name and module, so its messages and saved configs read as the original's)."""
     attributes = [a for a in cls.get_attributes() if "video" not in a]
-    return type(
-        cls.__name__,
-        (cls,),
-        {"__module__": cls.__module__, "get_attributes": classmethod(lambda _: attributes)},
-    )
+    names = {"__module__": cls.__module__, "_radixkv_without_videos": True}
+    return type(cls.__name__, (cls,), {**names, "get_attributes": classmethod(lambda _: attributes)})
 
 
 def load_processor(name_or_path: str, config, kwargs: dict):

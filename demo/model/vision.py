@@ -98,9 +98,35 @@ def _sanitizes(processor) -> bool:
     return "sanitize_control_tokens" in inspect.signature(processor.apply_chat_template).parameters
 
 
-def _conversation(processor, messages: list[dict], images: list) -> list[dict]:
-    """Messages in the processor's form: text parts, and image parts holding the PIL images."""
-    pending = iter(images)
+def video_refusal(processor) -> str | None:
+    """Why this processor takes no videos (words for a 400), or None when it does."""
+    if processors.has_videos(processor):
+        return None
+    if processors.videos_dropped(processor):
+        return "its video processor needs torchvision, which is not installed on this server"
+    return "it takes no videos"
+
+
+def frame_sampler(processor):
+    """``sample(metadata) -> frame indices``: the frames of a video (transformers' VideoMetadata
+    fields) that the processor hands the model: its own ``sample_frames`` (with its configured
+    ``fps`` / ``num_frames``) where it samples (``do_sample_frames``), else every frame."""
+    from transformers.video_utils import VideoMetadata
+
+    videos = processor.video_processor
+
+    def sample(metadata: dict) -> list[int]:
+        if not getattr(videos, "do_sample_frames", False):
+            return list(range(metadata["total_num_frames"]))
+        return [int(i) for i in videos.sample_frames(VideoMetadata(**metadata))]
+
+    return sample
+
+
+def _conversation(processor, messages: list[dict], images: list, videos: list = ()) -> list[dict]:
+    """Messages in the processor's form: text parts, image parts holding the PIL images and video
+    parts holding the sampled frames (demo.api.videos.Video)."""
+    pending, clips = iter(images), iter(videos)
     tokens = (
         None if _sanitizes(processor) else control_tokens(processor.tokenizer, processor.chat_template or "")
     )
@@ -111,6 +137,9 @@ def _conversation(processor, messages: list[dict], images: list) -> list[dict]:
         for part in parts:
             if part["type"] == "image_url":
                 content.append({"type": "image", "image": next(pending)})
+                continue
+            if part["type"] == "video_url":
+                content.append({"type": "video", "video": next(clips).frames})
                 continue
             if tokens and any(t in part["text"] for t in tokens):
                 raise ApiError(
@@ -124,13 +153,20 @@ def _conversation(processor, messages: list[dict], images: list) -> list[dict]:
     return out
 
 
-def render(processor, messages: list[dict], images: list) -> Prompt:
+def render(processor, messages: list[dict], images: list, videos: list = ()) -> Prompt:
     """The prompt of checked chat ``messages`` (demo.api.schema) with ``images`` (PIL, one per image
-    part in order), ending with the assistant's turn. ApiError 400 when the processor refuses."""
+    part in order) and ``videos`` (demo.api.videos.Video, frames already sampled as the processor
+    samples them: handed over with their metadata and ``do_sample_frames=False``), ending with the
+    assistant's turn. ApiError 400 when the processor refuses."""
     extra = {"sanitize_control_tokens": True} if _sanitizes(processor) else {}
+    if videos:
+        from transformers.video_utils import VideoMetadata
+
+        metadata = [VideoMetadata(**v.metadata) for v in videos]
+        extra["processor_kwargs"] = {"video_metadata": metadata, "do_sample_frames": False}
     try:
         out = processor.apply_chat_template(
-            _conversation(processor, messages, images),
+            _conversation(processor, messages, images, videos),
             add_generation_prompt=True,
             tokenize=True,
             return_dict=True,
@@ -141,7 +177,7 @@ def render(processor, messages: list[dict], images: list) -> Prompt:
         raise
     except Exception as e:  # a template or processor that refuses these messages / images
         raise ApiError(400, f"the model's processor refused the messages: {e}", "messages") from None
-    inputs = {k: v for k, v in out.items() if k not in _TEXT_INPUTS} if images else {}
+    inputs = {k: v for k, v in out.items() if k not in _TEXT_INPUTS} if images or videos else {}
     return Prompt(out["input_ids"][0].tolist(), inputs)
 
 
