@@ -137,7 +137,7 @@ def save_qwen2_5_vl(path, seed: int = 0) -> str:
     grid = dict(patch_size=4, merge_size=2, temporal_patch_size=2)
     image_processor = Qwen2VLImageProcessor(size={"shortest_edge": 256, "longest_edge": 4096}, **grid)
     videos = dict(video_processor_type="Qwen2VLVideoProcessor", size={"shortest_edge": 256, "longest_edge": 1024},
-                  do_sample_frames=True, fps=2.0, min_frames=4, max_frames=8, **grid)  # fmt: skip
+                  do_sample_frames=True, fps=2.0, min_frames=4, max_frames=8, cap_pixels_per_frame=True, **grid)  # fmt: skip
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, window_size=16,
                   fullatt_block_indexes=[0], patch_size=4, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}

@@ -192,7 +192,7 @@ def test_a_second_question_about_a_video(served_videos):
     assert ask(client, both)[0] == stock(reference, both)[1]
     with pytest.raises(openai.BadRequestError, match="cannot be decoded"):
         ask(client, user(data_url(b"\x00" * 512, "video/mp4"), "what is this?"))
-    assert ask(client, second) == (reply2, len(ids2) // BLOCK * BLOCK)
+    assert ask(client, second) == (reply2, (len(ids2) - 1) // BLOCK * BLOCK)  # all but the last token
 
 
 def test_a_video_part_where_the_model_cannot_take_it(served):
