@@ -123,11 +123,25 @@ def _save_parts(model, tokenizer, image_processor, path, placeholders, processor
     return _finish(model, tokenizer, tokenizer, path, placeholders)
 
 
-def save_qwen2_5_vl(path, seed: int = 0) -> str:
-    """Qwen2.5-VL: patches of 4 merged 2x2 (one token per 8x8 pixels), images of 256 to 4,096
-    pixels, videos sampled at 2 frames per second (4 to 8 frames), frames of 256 to 1,024 pixels."""
+_QWEN = {  # model type -> (processor class, video processor class, vision config)
+    "qwen2_vl": ("Qwen2VLProcessor", "Qwen2VLVideoProcessor",
+                 dict(depth=1, embed_dim=32, num_heads=2, hidden_size=64, mlp_ratio=2)),
+    "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor",
+                   dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                        window_size=16, fullatt_block_indexes=[0])),
+    "qwen3_vl": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor",
+                 dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0])),
+}  # fmt: skip
+
+
+def save_qwen_vl(path, seed: int = 0, model_type: str = "qwen2_5_vl") -> str:
+    """Qwen2-VL, Qwen2.5-VL or Qwen3-VL (``model_type``): patches of 4 merged 2x2 (one token per
+    8x8 pixels), images of 256 to 4,096 pixels, videos sampled at 2 frames per second (4 to 8
+    frames), frames of 256 to 1,024 pixels."""
     from transformers import AutoConfig, AutoModelForImageTextToText, Qwen2VLImageProcessor
 
+    processor_class, video_class, vision = _QWEN[model_type]
     tokens = ["<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>"]
     tokenizer = _tokenizer(tokens)
     start, image, video, end = tokenizer.convert_tokens_to_ids(tokens)
@@ -136,18 +150,21 @@ def save_qwen2_5_vl(path, seed: int = 0) -> str:
     )
     grid = dict(patch_size=4, merge_size=2, temporal_patch_size=2)
     image_processor = Qwen2VLImageProcessor(size={"shortest_edge": 256, "longest_edge": 4096}, **grid)
-    videos = dict(video_processor_type="Qwen2VLVideoProcessor", size={"shortest_edge": 256, "longest_edge": 1024},
-                  do_sample_frames=True, fps=2.0, min_frames=4, max_frames=8, cap_pixels_per_frame=True, **grid)  # fmt: skip
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, window_size=16,
-                  fullatt_block_indexes=[0], patch_size=4, spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+    videos = dict(video_processor_type=video_class, size={"shortest_edge": 256, "longest_edge": 1024},
+                  do_sample_frames=True, fps=2.0, min_frames=4, max_frames=8, **grid)  # fmt: skip
+    if video_class == "Qwen2VLVideoProcessor":
+        videos["cap_pixels_per_frame"] = True  # the reference behaviour (silences transformers' warning)
+    vision = {**vision, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-    text = _text(tokenizer, model_type="qwen2_5_vl_text", rope_parameters=rope)
-    config = AutoConfig.for_model("qwen2_5_vl", text_config=text, vision_config=vision, image_token_id=image,
+    if model_type == "qwen3_vl":
+        rope["mrope_interleaved"] = True
+    text = _text(tokenizer, model_type=f"{model_type}_text", rope_parameters=rope)
+    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, image_token_id=image,
                                   video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)  # fmt: skip
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config).eval()
-    processor = {"processor_class": "Qwen2_5_VLProcessor"}
+    processor = {"processor_class": processor_class}
     return _save_parts(model, tokenizer, image_processor, path, [start, image, video, end], processor, videos)
 
 

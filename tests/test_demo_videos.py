@@ -81,6 +81,14 @@ def test_frame_and_video_limits_are_400s():
 
 
 def test_decoding_cost_is_bounded_before_decoding(monkeypatch):
+    part = ImagePart(data_url(mp4(4, frames=12), "video/mp4"), PART.param)
+    upscaled = lambda w, h: 1_000_000  # noqa: E731  (a processor that makes 1 M pixels of each frame)
+    with pytest.raises(
+        ApiError, match=r"would make 12000000 pixels of this video's 12 frames of 48x40, more than"
+    ):
+        monkeypatch.setattr(videos, "MAX_VIDEO_PROCESSED_PIXELS", 11_000_000)
+        videos.load_videos([part], MediaPolicy(), every, upscaled)
+    assert len(videos.load_videos([part], MediaPolicy(), uniform(10), upscaled)[0].frames) == 10
     monkeypatch.setattr(videos, "MAX_DECODED_PIXELS", 48 * 40 * 9)
     refused(r"too costly to decode: 12 frames of 48x40 to read, 12 to keep", mp4(4, frames=12))
     assert load(mp4(4, frames=12), lambda m: [0, 8]).metadata["frames_indices"] == [0, 8]  # stops at frame 9

@@ -1,15 +1,20 @@
-"""Gemma 3-, LLaVA-NeXT-, LLaVA-OneVision- and Qwen2.5-VL-style checkpoints served over HTTP (waitress in this process), asked
-with the openai client: each reply equals offline stock generate() of the processor's own
-inputs; a second question about an image reads it from the store and never runs the vision
-tower; another image with the same text reads only the text before it; an image request and a
-text request sent at once both answer as stock.
+"""Gemma 3-, LLaVA-NeXT-, LLaVA-OneVision-, Qwen2-VL-, Qwen2.5-VL- and Qwen3-VL-style checkpoints
+served over HTTP (waitress in this process), asked with the openai client: each reply equals
+offline stock generate() of the processor's own inputs; a second question about an image reads
+it from the store and never runs the vision tower; another image with the same text reads only
+the text before it; an image request and a text request sent at once both answer as stock.
 
-Without torchvision the Qwen2.5-VL and LLaVA-OneVision processors are built without their video
-processor (demo.model.processors), here and in the server alike."""
+Videos (``video_url`` parts, written by PyAV here): without torchvision the OneVision and Qwen-VL
+processors are built without their video processor (demo.model.processors), here and in the
+server alike, and a video part is a 400 naming torchvision (Gemma 3 and LLaVA-NeXT: a 400, they
+take no videos). With torchvision (by hand: docs/vlm.md) the video test runs: the server's frames
+(sampled before decoding, demo.api.videos) give the same reply as the processor sampling every
+decoded frame itself, and a second question reads the video from the store."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import importlib.util
 import uuid
 
@@ -28,7 +33,7 @@ from tests.demo_vlm_checkpoints import (
     save_gemma3,
     save_llava_next,
     save_llava_onevision,
-    save_qwen2_5_vl,
+    save_qwen_vl,
 )
 
 BLOCK = 4
@@ -37,11 +42,18 @@ SAVERS = {
     "gemma3": save_gemma3,
     "llava_next": save_llava_next,
     "llava_onevision": save_llava_onevision,
-    "qwen2_5_vl": save_qwen2_5_vl,
+    "qwen2_5_vl": save_qwen_vl,
+    "qwen2_vl": functools.partial(save_qwen_vl, model_type="qwen2_vl"),
+    "qwen3_vl": functools.partial(save_qwen_vl, model_type="qwen3_vl"),
 }
 
 
-VIDEOS = ["llava_onevision", "qwen2_5_vl"]  # the families here whose processors take videos
+VIDEOS = [
+    "llava_onevision",
+    "qwen2_5_vl",
+    "qwen2_vl",
+    "qwen3_vl",
+]  # the families here whose processors take videos
 TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 

@@ -305,7 +305,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         clips = []
         if clip_parts:
             sample = vision.frame_sampler(engine.processor)
-            clips = videos.load_videos(clip_parts, media, sample, processed, image_slots)
+            per_frame = functools.partial(vision.processed_pixels, engine.processor, part="video_processor")
+            clips = videos.load_videos(clip_parts, media, sample, per_frame, image_slots)
         with reserve() as slot:
             inputs = None
             if media is not None and agent.tools:

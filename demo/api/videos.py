@@ -16,7 +16,8 @@ The URL rules are the images' (demo.api.images: data: URLs, http(s) only from
   ``--max-video-frames`` of them is a 400;
 - decoding stops after the last frame wanted, and is bounded beforehand: the frames decoded up
   to it times their pixels at most ``MAX_DECODED_PIXELS``, the frames kept at most
-  ``MAX_VIDEO_PIXELS`` (memory: uint8 RGB);
+  ``MAX_VIDEO_PIXELS`` (memory: uint8 RGB), and at most ``MAX_VIDEO_PROCESSED_PIXELS`` once the
+  processor has resized them (``processed(width, height)`` per frame: float32 RGB);
 - a stream whose frames change size, or that ends before the frames its header promised, is
   refused.
 
@@ -41,6 +42,7 @@ from demo.errors import ApiError
 CONTAINERS = ("mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "avi")
 MAX_DECODED_PIXELS = 2_000_000_000  # frames decoded x pixels: ~1,000 frames of 1920x1080
 MAX_VIDEO_PIXELS = 150_000_000  # frames kept x pixels: ~450 MB of uint8 RGB
+MAX_VIDEO_PROCESSED_PIXELS = 64_000_000  # frames kept x pixels after the resize: ~770 MB of float32 RGB
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,13 @@ def _frames(container, stream, part: ImagePart, policy: MediaPolicy, sample, pro
             f"the model would be handed {len(wanted)} frames of this video ({meta['total_num_frames']} "
             f"frames at {meta['fps']:g} fps), more than {policy.max_video_frames} (--max-video-frames): "
             "send a shorter video or one of a lower frame rate",
+        )
+    after = (processed(width, height) if processed is not None else width * height) * len(wanted)
+    if after > MAX_VIDEO_PROCESSED_PIXELS:
+        raise _bad(
+            part,
+            f"the model's processor would make {after} pixels of this video's {len(wanted)} frames of "
+            f"{width}x{height}, more than {MAX_VIDEO_PROCESSED_PIXELS}: send a shorter or smaller video",
         )
     if (wanted[-1] + 1) * width * height > MAX_DECODED_PIXELS or len(
         wanted

@@ -51,7 +51,7 @@ def load(name_or_path: str, config, kwargs: dict, model_kwargs: dict):
     return model, processor
 
 
-def processed_pixels(processor, width: int, height: int) -> int:
+def processed_pixels(processor, width: int, height: int, part: str = "image_processor") -> int:
     """Pixels per image the processor's resize makes of a ``width`` x ``height`` image, computed
     from its ``size`` rule before anything is allocated (demo.api.images bounds it): a short
     side scaled to ``shortest_edge`` (within ``longest_edge``), a long side to ``longest_edge``,
@@ -59,8 +59,9 @@ def processed_pixels(processor, width: int, height: int) -> int:
     ``shortest_edge`` and ``longest_edge`` are pixel counts. The image's own pixels where the
     processor does not resize or names no rule this knows. The resize's pixels, an upper bound
     within a few percent; processors that then tile (Idefics3, SmolVLM, InternVL) add a bounded
-    number of fixed-size tiles or a global view (at most ~13 x 384 x 384), not a multiple of it."""
-    ip = getattr(processor, "image_processor", None)
+    number of fixed-size tiles or a global view (at most ~13 x 384 x 384), not a multiple of it.
+    ``part="video_processor"``: the same for one frame of a video (its video processor's rule)."""
+    ip = getattr(processor, part, None)
     size = getattr(ip, "size", None)
     if ip is None or size is None or getattr(ip, "do_resize", True) is False:
         return width * height
