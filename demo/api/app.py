@@ -18,6 +18,7 @@ generation routes' answers (JSON or an SSE stream) in demo.api.completions.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -114,7 +115,10 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     media = config.media_policy if engine.processor is not None else None  # images taken
     # Decoding and processing images: at most this many requests at once (memory, not speed)
     image_slots = threading.BoundedSemaphore(media.processing_slots if media is not None else 1)
-    max_body = max(MAX_BODY_BYTES, media.body_bytes) if media is not None else MAX_BODY_BYTES
+    # Bodies as large as the images (and videos, where the model takes them) allowed per request
+    takes_videos = media is not None and vision.video_refusal(engine.processor) is None
+    body_media = media if takes_videos or media is None else dataclasses.replace(media, max_videos=0)
+    max_body = max(MAX_BODY_BYTES, body_media.body_bytes) if media is not None else MAX_BODY_BYTES
     # One byte over the limit: werkzeug refuses a too-long Content-Length itself, but silently
     # truncates a chunked body at the limit; reading one byte more lets body() tell (413).
     app.config["MAX_CONTENT_LENGTH"] = max_body + 1

@@ -131,8 +131,9 @@ def _frames(container, stream, part: ImagePart, policy: MediaPolicy, sample, pro
     images.check_size(width, height, part, policy, processed, "video")
     try:
         wanted = sorted({int(i) for i in sample(dict(meta))})
-    except ValueError as e:  # the processor's sampling refuses this video (too short for it...)
-        raise _bad(part, f"the model's frame sampling refuses this video: {e}") from None
+    except Exception as e:  # the processor's sampling refuses this video (too short for it: a
+        # ValueError, or Qwen2-VL's ZeroDivisionError for a single frame)
+        raise _bad(part, f"the model's frame sampling refuses this video ({type(e).__name__}: {e})") from None
     if not wanted or wanted[0] < 0 or wanted[-1] >= meta["total_num_frames"]:
         raise _bad(part, f"the model's frame sampling gave no usable frames of {meta['total_num_frames']}")
     if len(wanted) > policy.max_video_frames:
