@@ -150,10 +150,9 @@ def save_qwen_vl(path, seed: int = 0, model_type: str = "qwen2_5_vl") -> str:
     )
     grid = dict(patch_size=4, merge_size=2, temporal_patch_size=2)
     image_processor = Qwen2VLImageProcessor(size={"shortest_edge": 256, "longest_edge": 4096}, **grid)
+    # cap_pixels_per_frame: the reference behaviour (and no warning from transformers)
     videos = dict(video_processor_type=video_class, size={"shortest_edge": 256, "longest_edge": 1024},
-                  do_sample_frames=True, fps=2.0, min_frames=4, max_frames=8, **grid)  # fmt: skip
-    if video_class == "Qwen2VLVideoProcessor":
-        videos["cap_pixels_per_frame"] = True  # the reference behaviour (silences transformers' warning)
+                  do_sample_frames=True, fps=2.0, min_frames=4, max_frames=8, cap_pixels_per_frame=True, **grid)  # fmt: skip
     vision = {**vision, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     if model_type == "qwen3_vl":

@@ -72,7 +72,9 @@ def test_frame_and_video_limits_are_400s():
     refused(r"larger than 1000 bytes \(--max-video-bytes\)", raw, max_video_bytes=1000)
     refused(r"the video's frames are 48x40 pixels, more than 1000", raw, max_pixels=1000)
     refused(r"aspect ratio over 4:1", mp4(3, frames=2, size=(64, 8)), max_aspect_ratio=4.0)
-    refused(r"frame sampling refuses this video \(ValueError: .*exceeds total_num_frames=12", raw, uniform(20))
+    refused(
+        r"frame sampling refuses this video \(ValueError: .*exceeds total_num_frames=12", raw, uniform(20)
+    )
     parts = [ImagePart(data_url(raw, "video/mp4"), f"messages[0].content[{i}]") for i in range(2)]
     with pytest.raises(ApiError, match=r"content\[1\]: at most 1 videos per request") as e:
         videos.load_videos(parts, MediaPolicy(), every)
