@@ -62,7 +62,14 @@ def _serve(family: str, tmp_path_factory):
     import openai
 
     path = SAVERS[family](tmp_path_factory.mktemp("vlm") / family)
-    config = Config(model=path, block_size=BLOCK, cache_tokens=1 << 13, limit_images=2, served_name="m")
+    config = Config(
+        model=path,
+        block_size=BLOCK,
+        cache_tokens=1 << 13,
+        limit_images=2,
+        max_video_frames=6,
+        served_name="m",
+    )
     engine = build_engine(config)
     # AutoProcessor's, or without its video processor where torchvision is missing (as the server)
     processor = load_processor(path, AutoConfig.from_pretrained(path), {})
@@ -207,21 +214,34 @@ def test_a_second_question_about_a_video(served_videos):
     # One frame: Qwen2-VL's and OneVision's sampling refuse it, Qwen3-VL's processor after it.
     with pytest.raises(openai.BadRequestError, match="frame sampling refuses this video|processor refused"):
         ask(client, user(data_url(mp4(45, frames=1), "video/mp4"), "what is this?"))
+    # 4 s at 10 fps: Qwen-VL samples 2 per second (8 frames: over --max-video-frames 6), OneVision 4.
+    long = user(data_url(mp4(46, frames=40), "video/mp4"), "and this one?")
+    if model_type(engine) == "llava_onevision":
+        assert ask(client, long)[0] == stock(reference, long)[1]
+    else:
+        with pytest.raises(
+            openai.BadRequestError, match=r"handed 8 frames .* more than 6 \(--max-video-frames\)"
+        ):
+            ask(client, long)
     assert ask(client, second) == (reply2, (len(ids2) - 1) // BLOCK * BLOCK)  # all but the last token
 
 
-def test_a_video_part_where_the_model_cannot_take_it(served):
-    """Gemma 3 and LLaVA-NeXT take no videos; Qwen2.5-VL and OneVision none without torchvision:
-    a 400 naming why, before the video is read, and the server goes on serving."""
+def test_hostile_parts_are_400s_and_the_server_goes_on(served):
+    """A broken image; a video to Gemma 3 and LLaVA-NeXT (they take no videos) and, without
+    torchvision, to Qwen-VL and OneVision (no video processor): each a 400 naming why, before the
+    video is read; then the server answers as stock."""
     client, engine, reference = served
-    if has_videos(engine.processor):  # torchvision installed: test_a_second_question_about_a_video
-        assert model_type(engine) in VIDEOS
-        return
-    why = "needs torchvision" if videos_dropped(engine.processor) else "takes no videos"
-    assert videos_dropped(engine.processor) == (model_type(engine) in VIDEOS)
-    with pytest.raises(openai.BadRequestError, match=why) as e:
-        ask(client, user(video_url(43), "what happens?"))
-    error = e.value.body
-    assert error["param"] == "messages[0].content[0]" and error["code"] == "invalid_video"
+    with pytest.raises(openai.BadRequestError, match="cannot be decoded") as e:
+        ask(client, user(data_url(png(44)[:100]), "what is this?"))
+    assert e.value.body["param"] == "messages[0].content[0]" and e.value.body["code"] == "invalid_image"
+    assert has_videos(engine.processor) == (TORCHVISION and model_type(engine) in VIDEOS)
+    if not has_videos(engine.processor):  # else: test_a_second_question_about_a_video
+        why = "needs torchvision" if videos_dropped(engine.processor) else "takes no videos"
+        assert videos_dropped(engine.processor) == (model_type(engine) in VIDEOS)
+        with pytest.raises(
+            openai.BadRequestError, match=f"the model m cannot take videos here: .*{why}"
+        ) as e:
+            ask(client, user(f"[{uuid.uuid4().hex}] what happens?", video_url(43)))
+        assert e.value.body["param"] == "messages[0].content[1]" and e.value.body["code"] == "invalid_video"
     question = user(data_url(png(44)), f"[{uuid.uuid4().hex}] what is this?")
     assert ask(client, question)[0] == stock(reference, question)[1]

@@ -93,8 +93,9 @@ def fetch(
     accept: str = "image/*",
 ) -> bytes:
     """GET ``url_path`` (path and query) from ``scheme://host:port``, done by ``deadline``
-    (``time.monotonic()``), asking for ``accept`` (a media type). Raises TimeoutError past the deadline, TooLarge past ``max_bytes``,
-    FetchError for anything the remote side did wrong (status other than 200 included)."""
+    (``time.monotonic()``), asking for ``accept`` (a media type). Raises TimeoutError past the
+    deadline, TooLarge past ``max_bytes``, FetchError for anything the remote side did wrong
+    (status other than 200 included)."""
     tls = scheme == "https"
     port = port or (443 if tls else 80)
     sock = _connect(_resolve(host, port, deadline), deadline)
