@@ -91,9 +91,20 @@ def test_decoding_cost_is_bounded_before_decoding(monkeypatch):
         monkeypatch.setattr(videos, "MAX_VIDEO_PROCESSED_PIXELS", 11_000_000)
         videos.load_videos([part], MediaPolicy(), every, upscaled)
     assert len(videos.load_videos([part], MediaPolicy(), uniform(10), upscaled)[0].frames) == 10
-    monkeypatch.setattr(videos, "MAX_DECODED_PIXELS", 48 * 40 * 9)
-    refused(r"too costly to decode: 12 frames of 48x40 to read, 12 to keep", mp4(4, frames=12))
-    assert load(mp4(4, frames=12), lambda m: [0, 8]).metadata["frames_indices"] == [0, 8]  # stops at frame 9
+    monkeypatch.setattr(videos, "MAX_VIDEO_PIXELS", 48 * 40 * 3)
+    refused(r"the video's 4 frames of 48x40 to keep are more than 5760 pixels", mp4(4, frames=12), uniform(4))
+    assert len(load(mp4(4, frames=12), uniform(3)).frames) == 3
+    monkeypatch.setattr(videos, "MAX_DECODED_PIXELS", 48 * 40 * 11)
+    refused(
+        r"too long to decode: 12 frames of 48x40 \(at most 100000 frames and 21120 pixels\)",
+        mp4(4, frames=12),
+    )
+    # A hostile header: a billion 1x1 frames is refused before the sampling lists them.
+    real = videos._metadata
+    monkeypatch.setattr(videos, "_metadata", lambda *a: {**real(*a), "total_num_frames": 10**9})
+    sampled = []
+    refused(r"too long to decode: 1000000000 frames", mp4(4, frames=12), lambda m: sampled.append(m) or [0])
+    assert sampled == []
 
 
 def test_hostile_bytes_are_400s():

@@ -14,10 +14,12 @@ The URL rules are the images' (demo.api.images: data: URLs, http(s) only from
   indices from the stream's frame count and rate (the processor's ``sample_frames`` where it
   samples, every frame where it does not: demo.model.vision.frame_sampler); more than
   ``--max-video-frames`` of them is a 400;
-- decoding stops after the last frame wanted, and is bounded beforehand: the frames decoded up
-  to it times their pixels at most ``MAX_DECODED_PIXELS``, the frames kept at most
-  ``MAX_VIDEO_PIXELS`` (memory: uint8 RGB), and at most ``MAX_VIDEO_PROCESSED_PIXELS`` once the
-  processor has resized them (``processed(width, height)`` per frame: float32 RGB);
+- decoding stops after the last frame wanted, and is bounded before anything is sampled or read,
+  from the header: at most ``MAX_SOURCE_FRAMES`` frames in the stream and ``MAX_DECODED_PIXELS``
+  frames x pixels (a processor's sampling spreads over the whole video, so all of it may be
+  decoded); the frames kept at most ``MAX_VIDEO_PIXELS`` (memory: uint8 RGB), and at most
+  ``MAX_VIDEO_PROCESSED_PIXELS`` once the processor has resized them (``processed(width,
+  height)`` per frame: float32 RGB);
 - a stream whose frames change size, or that ends before the frames its header promised, is
   refused.
 
@@ -40,7 +42,8 @@ from demo.errors import ApiError
 
 # av's names of the demuxers allowed (FFmpeg has hundreds: each one more parser of hostile bytes)
 CONTAINERS = ("mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "avi")
-MAX_DECODED_PIXELS = 2_000_000_000  # frames decoded x pixels: ~1,000 frames of 1920x1080
+MAX_SOURCE_FRAMES = 100_000  # frames in the stream (55 min at 30 fps): all may have to be decoded
+MAX_DECODED_PIXELS = 2_000_000_000  # frames in the stream x pixels: ~1,000 frames of 1920x1080
 MAX_VIDEO_PIXELS = 150_000_000  # frames kept x pixels: ~450 MB of uint8 RGB
 MAX_VIDEO_PROCESSED_PIXELS = 64_000_000  # frames kept x pixels after the resize: ~770 MB of float32 RGB
 
@@ -121,6 +124,8 @@ def _metadata(container, stream, part: ImagePart) -> dict:
     if total <= 0 or fps <= 0:
         raise _bad(part, "the video's header gives no frame count and rate")
     width, height = stream.codec_context.width, stream.codec_context.height
+    if width < 1 or height < 1:
+        raise _bad(part, "the video's header gives no frame size")
     return dict(total_num_frames=total, fps=fps, width=width, height=height, duration=total / fps,
                 video_backend="pyav")  # fmt: skip
 
@@ -129,6 +134,13 @@ def _frames(container, stream, part: ImagePart, policy: MediaPolicy, sample, pro
     meta = _metadata(container, stream, part)
     width, height = meta["width"], meta["height"]
     images.check_size(width, height, part, policy, processed, "video")
+    total = meta["total_num_frames"]  # from the header: bounded before anything is sampled or read
+    if total > MAX_SOURCE_FRAMES or total * width * height > MAX_DECODED_PIXELS:
+        raise _bad(
+            part,
+            f"the video is too long to decode: {total} frames of {width}x{height} (at most "
+            f"{MAX_SOURCE_FRAMES} frames and {MAX_DECODED_PIXELS} pixels)",
+        )
     try:
         wanted = sorted({int(i) for i in sample(dict(meta))})
     except Exception as e:  # the processor's sampling refuses this video (too short for it: a
@@ -150,13 +162,11 @@ def _frames(container, stream, part: ImagePart, policy: MediaPolicy, sample, pro
             f"the model's processor would make {after} pixels of this video's {len(wanted)} frames of "
             f"{width}x{height}, more than {MAX_VIDEO_PROCESSED_PIXELS}: send a shorter or smaller video",
         )
-    if (wanted[-1] + 1) * width * height > MAX_DECODED_PIXELS or len(
-        wanted
-    ) * width * height > MAX_VIDEO_PIXELS:
+    if len(wanted) * width * height > MAX_VIDEO_PIXELS:
         raise _bad(
             part,
-            f"the video is too costly to decode: {wanted[-1] + 1} frames of {width}x{height} to read, "
-            f"{len(wanted)} to keep (at most {MAX_DECODED_PIXELS} pixels read, {MAX_VIDEO_PIXELS} kept)",
+            f"the video's {len(wanted)} frames of {width}x{height} to keep are more than "
+            f"{MAX_VIDEO_PIXELS} pixels: send a shorter or smaller video",
         )
     keep, frames, read = set(wanted), [], 0
     for frame in container.decode(stream):
