@@ -416,10 +416,16 @@ def test_the_engine_moves_pixels_to_the_models_dtype(engine):
     from demo.model.vision import on_model
 
     moved = on_model(
-        {"pixel_values": torch.zeros(1, 3, dtype=torch.float64), "ids": torch.zeros(1, dtype=torch.long)},
+        {
+            "pixel_values": torch.zeros(1, 3, dtype=torch.float64),
+            "pixel_values_videos": torch.zeros(1, 3, dtype=torch.float16),
+            "second_per_grid_ts": torch.tensor([1 / 3], dtype=torch.float64),  # positions: not rounded
+            "ids": torch.zeros(1, dtype=torch.long),
+        },
         engine.model,
     )
-    assert moved["pixel_values"].dtype == engine.model.dtype and moved["ids"].dtype == torch.long
+    assert moved["pixel_values"].dtype == moved["pixel_values_videos"].dtype == engine.model.dtype
+    assert moved["second_per_grid_ts"].dtype == torch.float64 and moved["ids"].dtype == torch.long
 
 
 def test_a_lora_adapter_on_the_vision_model_keys_its_images_apart(checkpoint, tmp_path, reference):

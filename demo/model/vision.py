@@ -183,12 +183,14 @@ def render(processor, messages: list[dict], images: list, videos: list = ()) -> 
 
 
 def on_model(inputs: dict, model) -> dict:
-    """``inputs`` on the model's device, floating tensors (pixels) in its dtype."""
+    """``inputs`` on the model's device, pixels (``pixel_values``, ``pixel_values_videos``) in its
+    dtype. Other floating inputs keep theirs: Qwen2.5-VL's ``second_per_grid_ts`` sets temporal
+    positions (``int(t * seconds * tokens_per_second)``), which bfloat16's rounding would move
+    off what the processor's float32 gives."""
     out = {}
     for name, value in inputs.items():
         if isinstance(value, torch.Tensor):
-            value = value.to(
-                device=model.device, dtype=model.dtype if value.is_floating_point() else value.dtype
-            )
+            pixels = name.startswith("pixel_values") and value.is_floating_point()
+            value = value.to(device=model.device, dtype=model.dtype if pixels else value.dtype)
         out[name] = value
     return out
