@@ -161,6 +161,13 @@ def test_a_video_whose_frames_change_size_or_run_short_is_refused(monkeypatch):
     refused(r"the video ends after 12 frames, its header says 20", mp4(6, frames=12))
 
 
+def test_a_server_without_pyav_says_so(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "av", None)  # import av: ImportError
+    refused(r"cannot decode videos: PyAV is not installed \(pip install av\)", b"\x00" * 64)
+
+
 def test_schema_takes_video_url_parts_in_user_messages():
     url = "data:video/mp4;base64," + base64.b64encode(b"x").decode()
     content = [{"type": "text", "text": "what happens?"}, {"type": "video_url", "video_url": {"url": url}}]

@@ -97,7 +97,10 @@ def load_videos(
 
 def decode(raw: bytes, part: ImagePart, policy: MediaPolicy, sample, processed=None) -> Video:
     """The sampled frames of an encoded video; ApiError 400 when it cannot be decoded or is over a limit."""
-    import av
+    try:
+        import av
+    except ImportError:  # installed without the demo extra
+        raise _bad(part, "this server cannot decode videos: PyAV is not installed (pip install av)") from None
 
     try:
         with av.open(io.BytesIO(raw), mode="r") as container:
