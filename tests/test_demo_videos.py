@@ -66,7 +66,9 @@ def test_sampled_frames_are_the_decoded_frames_at_the_models_indices(container):
 
 def test_frame_and_video_limits_are_400s():
     raw = mp4(2, frames=12)
-    refused(r"handed 12 frames of this video \(12 frames at 10 fps\), more than 8 \(--max-video-frames\)", raw,
+    refused(r"handed 12 frames of this video \(12 frames at 10 fps\), more than 8 \(--max-video-frames\): its "
+            "processor samples none, it takes every frame: send a shorter video", raw, max_video_frames=8)  # fmt: skip
+    refused(r"handed 10 frames .* more than 8 \(--max-video-frames\): send a shorter", raw, uniform(10),
             max_video_frames=8)  # fmt: skip
     assert load(raw, uniform(8), max_video_frames=8).frames.shape[0] == 8  # sampled down: taken
     refused(r"larger than 1000 bytes \(--max-video-bytes\)", raw, max_video_bytes=1000)

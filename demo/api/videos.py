@@ -155,8 +155,9 @@ def _frames(container, stream, part: ImagePart, policy: MediaPolicy, sample, pro
         raise _bad(
             part,
             f"the model would be handed {len(wanted)} frames of this video ({meta['total_num_frames']} "
-            f"frames at {meta['fps']:g} fps), more than {policy.max_video_frames} (--max-video-frames): "
-            "send a shorter video or one of a lower frame rate",
+            f"frames at {meta['fps']:g} fps), more than {policy.max_video_frames} (--max-video-frames)"
+            + (": its processor samples none, it takes every frame" if len(wanted) == total else "")
+            + ": send a shorter video or one of a lower frame rate",
         )
     after = (processed(width, height) if processed is not None else width * height) * len(wanted)
     if after > MAX_VIDEO_PROCESSED_PIXELS:
