@@ -60,8 +60,12 @@ def test_sampled_frames_are_the_decoded_frames_at_the_models_indices(container):
     assert {k: video.metadata[k] for k in want} == want
     if container != "matroska":
         assert meta.total_num_frames == 12
-    # Every frame where the model does not sample.
+    # Every frame where the model does not sample; a sampling's order and repeats are kept.
     assert np.array_equal(load(raw).frames, reference)
+    video = load(raw, lambda metadata: [5, 1, 5])
+    assert video.metadata["frames_indices"] == [5, 1, 5] and np.array_equal(
+        video.frames, reference[[5, 1, 5]]
+    )
 
 
 def test_frame_and_video_limits_are_400s():

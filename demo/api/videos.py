@@ -145,44 +145,45 @@ def _frames(container, stream, part: ImagePart, policy: MediaPolicy, sample, pro
             f"{MAX_SOURCE_FRAMES} frames and {MAX_DECODED_PIXELS} pixels)",
         )
     try:
-        wanted = sorted({int(i) for i in sample(dict(meta))})
+        indices = [int(i) for i in sample(dict(meta))]  # in the processor's order (repeats kept)
     except Exception as e:  # the processor's sampling refuses this video (too short for it: a
         # ValueError, or Qwen2-VL's ZeroDivisionError for a single frame)
         raise _bad(part, f"the model's frame sampling refuses this video ({type(e).__name__}: {e})") from None
+    wanted = sorted(set(indices))  # what is decoded
     if not wanted or wanted[0] < 0 or wanted[-1] >= meta["total_num_frames"]:
         raise _bad(part, f"the model's frame sampling gave no usable frames of {meta['total_num_frames']}")
-    if len(wanted) > policy.max_video_frames:
+    if len(indices) > policy.max_video_frames:
         raise _bad(
             part,
-            f"the model would be handed {len(wanted)} frames of this video ({meta['total_num_frames']} "
+            f"the model would be handed {len(indices)} frames of this video ({meta['total_num_frames']} "
             f"frames at {meta['fps']:g} fps), more than {policy.max_video_frames} (--max-video-frames)"
-            + (": its processor samples none, it takes every frame" if len(wanted) == total else "")
+            + (": its processor samples none, it takes every frame" if indices == list(range(total)) else "")
             + ": send a shorter video or one of a lower frame rate",
         )
-    after = (processed(width, height) if processed is not None else width * height) * len(wanted)
+    after = (processed(width, height) if processed is not None else width * height) * len(indices)
     if after > MAX_VIDEO_PROCESSED_PIXELS:
         raise _bad(
             part,
-            f"the model's processor would make {after} pixels of this video's {len(wanted)} frames of "
+            f"the model's processor would make {after} pixels of this video's {len(indices)} frames of "
             f"{width}x{height}, more than {MAX_VIDEO_PROCESSED_PIXELS}: send a shorter or smaller video",
         )
-    if len(wanted) * width * height > MAX_VIDEO_PIXELS:
+    if len(indices) * width * height > MAX_VIDEO_PIXELS:
         raise _bad(
             part,
-            f"the video's {len(wanted)} frames of {width}x{height} to keep are more than "
+            f"the video's {len(indices)} frames of {width}x{height} to keep are more than "
             f"{MAX_VIDEO_PIXELS} pixels: send a shorter or smaller video",
         )
-    keep, frames, read = set(wanted), [], 0
+    keep, frames, read = set(wanted), {}, 0
     for frame in container.decode(stream):
         if (frame.width, frame.height) != (width, height):
             raise _bad(
                 part, f"frame {read} is {frame.width}x{frame.height}, the stream says {width}x{height}"
             )
         if read in keep:
-            frames.append(frame.to_ndarray(format="rgb24"))
+            frames[read] = frame.to_ndarray(format="rgb24")
         read += 1
         if read > wanted[-1]:
             break
     if len(frames) < len(wanted):
         raise _bad(part, f"the video ends after {read} frames, its header says {meta['total_num_frames']}")
-    return Video(np.stack(frames), {**meta, "frames_indices": wanted})
+    return Video(np.stack([frames[i] for i in indices]), {**meta, "frames_indices": indices})
