@@ -74,6 +74,10 @@ class Config:
     # hosts http(s) images may be fetched from (none: data: URLs only) and the fetch's time limit
     limit_images: int = 4
     max_image_bytes: int = 8 << 20
+    # Videos (demo.api.videos): per request, encoded bytes per video, frames handed to the model
+    limit_videos: int = 1
+    max_video_bytes: int = 32 << 20
+    max_video_frames: int = 64
     allowed_media_domains: tuple[str, ...] = ()
     media_fetch_timeout: float = 5.0
     # Origins a browser app may call the API from (CORS, demo.api.conventions); () = none, "*" = any
@@ -160,9 +164,15 @@ class Config:
 
     @property
     def media_policy(self) -> MediaPolicy:
-        """The image limits and URL policy of demo.api.images."""
+        """The image and video limits and URL policy of demo.api.images and demo.api.videos."""
         return MediaPolicy(
-            self.limit_images, self.max_image_bytes, self.allowed_media_domains, self.media_fetch_timeout
+            self.limit_images,
+            self.max_image_bytes,
+            self.allowed_media_domains,
+            self.media_fetch_timeout,
+            max_videos=self.limit_videos,
+            max_video_bytes=self.max_video_bytes,
+            max_video_frames=self.max_video_frames,
         )
 
     @property
@@ -258,8 +268,10 @@ _ENV = {
     "prefill_chunk": ("RADIXKV_PREFILL_CHUNK", int),
     "lora_modules": ("RADIXKV_LORA_MODULES", _lora_env),
     "lora_download_timeout": ("RADIXKV_LORA_DOWNLOAD_TIMEOUT", float),
-    "limit_images": ("RADIXKV_LIMIT_MM_PER_PROMPT", parse_limit_mm),
+    "limit_mm": ("RADIXKV_LIMIT_MM_PER_PROMPT", parse_limit_mm),  # -> limit_images, limit_videos
     "max_image_bytes": ("RADIXKV_MAX_IMAGE_BYTES", int),
+    "max_video_bytes": ("RADIXKV_MAX_VIDEO_BYTES", int),
+    "max_video_frames": ("RADIXKV_MAX_VIDEO_FRAMES", int),
     "allowed_media_domains": ("RADIXKV_ALLOWED_MEDIA_DOMAINS", _domains),
     "media_fetch_timeout": ("RADIXKV_MEDIA_FETCH_TIMEOUT", float),
     "allowed_origins": ("RADIXKV_ALLOWED_ORIGINS", _keys),
@@ -409,11 +421,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--limit-mm-per-prompt",
-        dest="limit_images",
+        dest="limit_mm",
         type=parse_limit_mm,
-        metavar="image=N",
-        help='images per request for a vision-language model: image=N or {"image": N} (default 4; '
-        "env RADIXKV_LIMIT_MM_PER_PROMPT)",
+        metavar="image=N,video=M",
+        help="images and videos per request for a vision-language model: image=N,video=M or "
+        '{"image": N, "video": M}, either alone (default image=4,video=1; env RADIXKV_LIMIT_MM_PER_PROMPT)',
     )
     p.add_argument(
         "--max-image-bytes",
@@ -421,16 +433,27 @@ def parser() -> argparse.ArgumentParser:
         help="encoded bytes of one image (default 8 MiB; env RADIXKV_MAX_IMAGE_BYTES)",
     )
     p.add_argument(
+        "--max-video-bytes",
+        type=int,
+        help="encoded bytes of one video (default 32 MiB; env RADIXKV_MAX_VIDEO_BYTES)",
+    )
+    p.add_argument(
+        "--max-video-frames",
+        type=int,
+        help="frames of one video handed to the model, after the processor's frame sampling "
+        "(default 64; env RADIXKV_MAX_VIDEO_FRAMES)",
+    )
+    p.add_argument(
         "--allowed-media-domains",
         nargs="+",
         metavar="HOST",
-        help="hosts http(s) image URLs may be fetched from; default none: data: URLs only "
+        help="hosts http(s) image and video URLs may be fetched from; default none: data: URLs only "
         "(env RADIXKV_ALLOWED_MEDIA_DOMAINS, comma-separated)",
     )
     p.add_argument(
         "--media-fetch-timeout",
         type=float,
-        help="seconds for fetching one image URL, name lookup to last byte (default 5; "
+        help="seconds for fetching one image or video URL, name lookup to last byte (default 5; "
         "env RADIXKV_MEDIA_FETCH_TIMEOUT)",
     )
     p.add_argument(
@@ -485,6 +508,8 @@ def from_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None =
             except ValueError as e:
                 raise ValueError(f"{var}: {e}") from None
     args = parser().parse_args(argv)
+    limits = {**values.pop("limit_mm", {}), **(args.limit_mm or {})}
+    values.update({f"limit_{medium}s": n for medium, n in limits.items()})
     if args.lora_modules is not None:
         args.lora_modules = parse_lora_modules(args.lora_modules)
     if args.allowed_media_domains is not None:

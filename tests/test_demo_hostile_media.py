@@ -156,13 +156,13 @@ def test_images_are_processed_by_a_bounded_number_of_requests_at_once(engine, ch
     lock, now, most = threading.Lock(), [0], [0]
     real_render = vision.render
 
-    def slow_render(processor, messages, pictures):
+    def slow_render(processor, messages, pictures, *videos):
         with lock:
             now[0] += 1
             most[0] = max(most[0], now[0])
         try:
             time.sleep(0.3)
-            return real_render(processor, messages, pictures)
+            return real_render(processor, messages, pictures, *videos)
         finally:
             with lock:
                 now[0] -= 1

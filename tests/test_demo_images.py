@@ -370,15 +370,40 @@ def test_a_remote_image_download_holds_no_queue_slot(
 
 
 def test_image_flags_and_environment():
-    assert parse_limit_mm("image=3") == 3 and parse_limit_mm('{"image": 0}') == 0
-    for bad in ("video=2", "image=-1", "image=x", '{"image": 1, "audio": 1}', "3"):
+    assert parse_limit_mm("image=3") == {"image": 3} and parse_limit_mm('{"image": 0}') == {"image": 0}
+    assert (
+        parse_limit_mm("image=2,video=0")
+        == {"image": 2, "video": 0}
+        == parse_limit_mm('{"video": 0, "image": 2}')
+    )
+    for bad in (
+        "audio=2",
+        "image=-1",
+        "video=-1",
+        "image=x",
+        '{"image": 1, "audio": 1}',
+        "3",
+        "{}",
+        "image=1,,",
+    ):
         with pytest.raises(ValueError, match="limit-mm-per-prompt"):
             parse_limit_mm(bad)
     c = from_args(
         ["--limit-mm-per-prompt", "image=1", "--allowed-media-domains", "Img.Example.com", "cdn.example.org"],
-        env={},
+        env={"RADIXKV_LIMIT_MM_PER_PROMPT": "image=5,video=3"},
     )
     assert c.limit_images == 1 and c.allowed_media_domains == ("img.example.com", "cdn.example.org")
+    assert c.limit_videos == 3  # the environment's, the flag naming only images
+    c = from_args(
+        ["--limit-mm-per-prompt", '{"video": 2}', "--max-video-bytes", "1000", "--max-video-frames", "8"], {}
+    )
+    assert (c.limit_images, c.limit_videos, c.max_video_bytes, c.max_video_frames) == (4, 2, 1000, 8)
+    policy = c.media_policy
+    assert (policy.max_videos, policy.max_video_bytes, policy.max_video_frames) == (2, 1000, 8)
+    c = from_args([], {"RADIXKV_MAX_VIDEO_BYTES": "77", "RADIXKV_MAX_VIDEO_FRAMES": "5"})
+    assert (c.max_video_bytes, c.max_video_frames) == (77, 5)
+    with pytest.raises(ValueError, match="max-video-frames"):
+        Config(max_video_frames=0)
     c = from_args(
         [], env={"RADIXKV_ALLOWED_MEDIA_DOMAINS": "a.com,b.com", "RADIXKV_MEDIA_FETCH_TIMEOUT": "2.5"}
     )
@@ -391,10 +416,16 @@ def test_the_engine_moves_pixels_to_the_models_dtype(engine):
     from demo.model.vision import on_model
 
     moved = on_model(
-        {"pixel_values": torch.zeros(1, 3, dtype=torch.float64), "ids": torch.zeros(1, dtype=torch.long)},
+        {
+            "pixel_values": torch.zeros(1, 3, dtype=torch.float64),
+            "pixel_values_videos": torch.zeros(1, 3, dtype=torch.float16),
+            "second_per_grid_ts": torch.tensor([1 / 3], dtype=torch.float64),  # positions: not rounded
+            "ids": torch.zeros(1, dtype=torch.long),
+        },
         engine.model,
     )
-    assert moved["pixel_values"].dtype == engine.model.dtype and moved["ids"].dtype == torch.long
+    assert moved["pixel_values"].dtype == moved["pixel_values_videos"].dtype == engine.model.dtype
+    assert moved["second_per_grid_ts"].dtype == torch.float64 and moved["ids"].dtype == torch.long
 
 
 def test_a_lora_adapter_on_the_vision_model_keys_its_images_apart(checkpoint, tmp_path, reference):

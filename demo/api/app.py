@@ -8,7 +8,8 @@ Routes: GET / (chat page), GET /health, GET /v1/models, POST /v1/chat/completion
 POST /v1/completions, POST /v1/responses and GET|DELETE /v1/responses/<id> (demo.api.responses_route), POST /v1/cache/flush (admin token), GET /metrics (Prometheus), and
 POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin token; demo.model.adapters). A request's
 ``model`` picks the base model or a LoRA adapter; a vision-language model takes image_url
-content parts (demo.api.images, demo.model.vision).
+(and, with a video processor, video_url) content parts (demo.api.images, demo.api.videos,
+demo.model.vision).
 Every error is JSON: {"error": {"message", "type", "param", "code"}}. Request fields are
 checked in demo.api.schema and demo.api.options; response shapes are built in demo.api.responses; the
 generation routes' answers (JSON or an SSE stream) in demo.api.completions.
@@ -17,6 +18,7 @@ generation routes' answers (JSON or an SSE stream) in demo.api.completions.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -38,6 +40,7 @@ from demo.api import (
     schema,
     structured,
     tool_parsers,
+    videos,
 )
 from demo.api.auth import Auth, tenant_secret
 from demo.api.auth_throttle import Throttle
@@ -112,7 +115,10 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     media = config.media_policy if engine.processor is not None else None  # images taken
     # Decoding and processing images: at most this many requests at once (memory, not speed)
     image_slots = threading.BoundedSemaphore(media.processing_slots if media is not None else 1)
-    max_body = max(MAX_BODY_BYTES, media.body_bytes) if media is not None else MAX_BODY_BYTES
+    # Bodies as large as the images (and videos, where the model takes them) allowed per request
+    takes_videos = media is not None and vision.video_refusal(engine.processor) is None
+    body_media = media if takes_videos or media is None else dataclasses.replace(media, max_videos=0)
+    max_body = max(MAX_BODY_BYTES, body_media.body_bytes) if media is not None else MAX_BODY_BYTES
     # One byte over the limit: werkzeug refuses a too-long Content-Length itself, but silently
     # truncates a chunked body at the limit; reading one byte more lets body() tell (413).
     app.config["MAX_CONTENT_LENGTH"] = max_body + 1
@@ -282,15 +288,29 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         grammar = structured.grammar(agent, tool_format, engine.runner.grammars)
         task_prompt = tasks.lookup(data)
         messages = tasks.chat(task_prompt, req.messages) if task_prompt else req.messages
-        parts = images.image_parts(messages)
+        parts, clip_parts = images.image_parts(messages), videos.video_parts(messages)
         if parts and media is None:
             raise ApiError(
                 400, f"{parts[0].param}: the model {model_id} does not take images", parts[0].param
+            )
+        refusal = vision.video_refusal(engine.processor) if media is not None else "it takes no videos"
+        if clip_parts and refusal:
+            where = clip_parts[0].param
+            raise ApiError(
+                400,
+                f"{where}: the model {model_id} cannot take videos here: {refusal}",
+                where,
+                "invalid_video",
             )
         # Images are fetched (maybe from a remote host, for seconds) before a queue place is
         # taken: a request still downloading is not queued, so it must not hold a place.
         processed = functools.partial(vision.processed_pixels, engine.processor)
         pictures = images.load_images(parts, media, processed, image_slots) if media is not None else []
+        clips = []
+        if clip_parts:
+            sample = vision.frame_sampler(engine.processor)
+            per_frame = functools.partial(vision.processed_pixels, engine.processor, part="video_processor")
+            clips = videos.load_videos(clip_parts, media, sample, per_frame, image_slots)
         with reserve() as slot:
             inputs = None
             if media is not None and agent.tools:
@@ -298,8 +318,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                     400, f"the model {model_id} (vision-language) does not take tools here", "tools"
                 )
             if media is not None:  # a vision-language model: its processor renders every chat
-                with image_slots if pictures else contextlib.nullcontext():
-                    prompt = vision.render(engine.processor, messages, pictures)
+                with image_slots if pictures or clips else contextlib.nullcontext():
+                    prompt = vision.render(engine.processor, messages, pictures, clips)
                 ids, inputs = prompt.ids, prompt.inputs
             else:
                 try:

@@ -63,9 +63,18 @@ class MediaPolicy:
     max_pixels: int = MAX_PIXELS
     max_aspect_ratio: float = MAX_ASPECT_RATIO
     max_processed_pixels: int = MAX_PROCESSED_PIXELS
-    processing_slots: int = 2  # requests decoding or processing images at once
+    processing_slots: int = 2  # requests decoding or processing images (or videos) at once
+    # Videos (demo.api.videos): per request, encoded bytes of one, frames handed to the model
+    max_videos: int = 1
+    max_video_bytes: int = 32 << 20
+    max_video_frames: int = 64
 
     def __post_init__(self) -> None:
+        if self.max_videos < 0 or self.max_video_bytes < 1 or self.max_video_frames < 1:
+            raise ValueError(
+                "the video limit of --limit-mm-per-prompt must be >= 0, --max-video-bytes and "
+                f"--max-video-frames >= 1, got {self.max_videos}, {self.max_video_bytes}, {self.max_video_frames}"
+            )
         if self.processing_slots < 1 or self.max_processed_pixels < 1 or not self.max_aspect_ratio >= 1:
             raise ValueError(
                 "processing_slots and max_processed_pixels must be >= 1 and max_aspect_ratio >= 1, got "
@@ -79,26 +88,35 @@ class MediaPolicy:
 
     @property
     def body_bytes(self) -> int:
-        """A request body limit that fits ``max_images`` images as base64 data: URLs plus text."""
-        return (1 << 20) + self.max_images * (4 * -(-self.max_image_bytes // 3) + 1024)
+        """A request body limit that fits ``max_images`` images and ``max_videos`` videos as
+        base64 data: URLs plus text."""
+        images = self.max_images * (4 * -(-self.max_image_bytes // 3) + 1024)
+        return (1 << 20) + images + self.max_videos * (4 * -(-self.max_video_bytes // 3) + 1024)
 
 
-def parse_limit_mm(text: str) -> int:
-    """Images per request from ``image=N`` or ``{"image": N}`` (vLLM's forms); ValueError else."""
+def parse_limit_mm(text: str) -> dict[str, int]:
+    """Items per request by medium from ``image=N``, ``image=N,video=M`` or ``{"image": N, "video": M}``
+    (vLLM's forms); only the media named; ValueError else."""
     text = text.strip()
     try:
-        limits = json.loads(text) if text.startswith("{") else dict([text.split("=", 1)])
+        limits = json.loads(text) if text.startswith("{") else dict(p.split("=", 1) for p in text.split(","))
     except ValueError:
         limits = None
-    if not isinstance(limits, dict) or set(limits) != {"image"}:
-        raise ValueError(f'--limit-mm-per-prompt takes image=N or {{"image": N}}, got {text!r}')
-    try:
-        value = int(limits["image"])
-    except (TypeError, ValueError):
-        raise ValueError(f"--limit-mm-per-prompt: the image limit must be an integer, got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"--limit-mm-per-prompt: the image limit must be >= 0, got {value}")
-    return value
+    if not isinstance(limits, dict) or not limits or not set(limits) <= {"image", "video"}:
+        raise ValueError(
+            f'--limit-mm-per-prompt takes image=N,video=M or {{"image": N, "video": M}}, got {text!r}'
+        )
+    out = {}
+    for medium, value in limits.items():
+        try:
+            out[medium] = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"--limit-mm-per-prompt: the {medium} limit must be an integer, got {text!r}"
+            ) from None
+        if out[medium] < 0:
+            raise ValueError(f"--limit-mm-per-prompt: the {medium} limit must be >= 0, got {out[medium]}")
+    return out
 
 
 def image_parts(messages: list[dict]) -> list[ImagePart]:
@@ -112,8 +130,8 @@ def image_parts(messages: list[dict]) -> list[ImagePart]:
     ]
 
 
-def _bad(part: ImagePart, message: str) -> ApiError:
-    return ApiError(400, f"{part.param}: {message}", part.param, "invalid_image")
+def _bad(part: ImagePart, message: str, noun: str = "image") -> ApiError:
+    return ApiError(400, f"{part.param}: {message}", part.param, f"invalid_{noun}")
 
 
 def load_images(
@@ -135,45 +153,58 @@ def load_images(
         return [decode(data, part, policy, processed) for data, part in zip(raw, parts)]
 
 
-def fetch_bytes(part: ImagePart, policy: MediaPolicy) -> bytes:
-    """The image's encoded bytes, from a data: URL or an allowed http(s) host."""
+def fetch_bytes(
+    part: ImagePart, policy: MediaPolicy, max_bytes: int | None = None, noun: str = "image"
+) -> bytes:
+    """The part's encoded bytes, from a data: URL or an allowed http(s) host, at most ``max_bytes``
+    (default the policy's ``max_image_bytes``); ``noun`` names the medium in errors ("video")."""
     url = part.url
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if max_bytes is None:
+        max_bytes = policy.max_image_bytes
     if scheme == "data":
-        return _data_url(part, policy)
+        return _data_url(part, max_bytes, noun)
     if scheme not in ("http", "https"):
-        raise _bad(part, "the image URL must be a data: URL (base64) or http(s)")
+        raise _bad(part, f"the {noun} URL must be a data: URL (base64) or http(s)", noun)
     try:  # a bracketed host that is no IP address, a netloc changed by NFKC, a bad port...
         split = urllib.parse.urlsplit(url)
         host, _ = (split.hostname or "").lower(), split.port
     except ValueError as e:
-        raise _bad(part, f"the image URL is malformed: {e}") from None
+        raise _bad(part, f"the {noun} URL is malformed: {e}", noun) from None
     if host not in policy.allowed_domains:
         raise _bad(
             part,
-            f"fetching images from {host or 'that URL'!r} is not allowed on this server: send the image "
+            f"fetching {noun}s from {host or 'that URL'!r} is not allowed on this server: send the {noun} "
             "as a data: URL (operators allow hosts with --allowed-media-domains)",
+            noun,
         )
-    return _download(part, policy, split)
+    return _download(part, policy, split, max_bytes, noun)
 
 
-def _data_url(part: ImagePart, policy: MediaPolicy) -> bytes:
+def _too_large(part: ImagePart, max_bytes: int, noun: str) -> ApiError:
+    return _bad(part, f"the {noun} is larger than {max_bytes} bytes (--max-{noun}-bytes)", noun)
+
+
+def _data_url(part: ImagePart, max_bytes: int, noun: str) -> bytes:
     head, comma, data = part.url.partition(",")
     if not comma or not head.lower().endswith(";base64"):
-        raise _bad(part, "a data: URL must look like data:image/png;base64,<data>")
-    if len(data) > 4 * -(-policy.max_image_bytes // 3) + 4:
-        raise _bad(part, f"the image is larger than {policy.max_image_bytes} bytes (--max-image-bytes)")
+        example = "data:image/png;base64,<data>" if noun == "image" else "data:video/mp4;base64,<data>"
+        raise _bad(part, f"a data: URL must look like {example}", noun)
+    if len(data) > 4 * -(-max_bytes // 3) + 4:
+        raise _too_large(part, max_bytes, noun)
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        raise _bad(part, "the data: URL is not valid base64") from None
-    if len(raw) > policy.max_image_bytes:
-        raise _bad(part, f"the image is larger than {policy.max_image_bytes} bytes (--max-image-bytes)")
+        raise _bad(part, "the data: URL is not valid base64", noun) from None
+    if len(raw) > max_bytes:
+        raise _too_large(part, max_bytes, noun)
     return raw
 
 
-def _download(part: ImagePart, policy: MediaPolicy, split: urllib.parse.SplitResult) -> bytes:
-    """GET the part's URL within the policy's one deadline and size limit (demo.api.media_fetch)."""
+def _download(
+    part: ImagePart, policy: MediaPolicy, split: urllib.parse.SplitResult, max_bytes: int, noun: str
+) -> bytes:
+    """GET the part's URL within the policy's one deadline and ``max_bytes`` (demo.api.media_fetch)."""
     path = split.path + (f"?{split.query}" if split.query else "")
     try:
         return media_fetch.fetch(
@@ -182,16 +213,15 @@ def _download(part: ImagePart, policy: MediaPolicy, split: urllib.parse.SplitRes
             split.hostname,
             split.port,
             time.monotonic() + policy.fetch_timeout,
-            policy.max_image_bytes,
+            max_bytes,
+            f"{noun}/*",
         )
     except TimeoutError:
-        raise _bad(part, f"fetching the image took longer than {policy.fetch_timeout} s") from None
+        raise _bad(part, f"fetching the {noun} took longer than {policy.fetch_timeout} s", noun) from None
     except media_fetch.TooLarge:
-        raise _bad(
-            part, f"the image is larger than {policy.max_image_bytes} bytes (--max-image-bytes)"
-        ) from None
+        raise _too_large(part, max_bytes, noun) from None
     except media_fetch.FetchError as e:
-        raise _bad(part, f"fetching the image failed: {e}") from None
+        raise _bad(part, f"fetching the {noun} failed: {e}", noun) from None
 
 
 def _rgb(image):
@@ -206,22 +236,28 @@ def _rgb(image):
     return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
-def check_size(width: int, height: int, part: ImagePart, policy: MediaPolicy, processed=None) -> None:
-    """ApiError 400 unless a ``width`` x ``height`` image is within the policy's bounds: pixels,
-    aspect ratio, and pixels after the processor's resize (``processed(width, height)``)."""
+def check_size(
+    width: int, height: int, part: ImagePart, policy: MediaPolicy, processed=None, noun: str = "image"
+) -> None:
+    """ApiError 400 unless a ``width`` x ``height`` image (or a video's frames: ``noun="video"``)
+    is within the policy's bounds: pixels, aspect ratio, and pixels after the processor's resize
+    (``processed(width, height)``)."""
+    subject = "the image is" if noun == "image" else f"the {noun}'s frames are"
     if width * height > policy.max_pixels:
-        raise _bad(part, f"the image is {width}x{height} pixels, more than {policy.max_pixels}")
+        raise _bad(part, f"{subject} {width}x{height} pixels, more than {policy.max_pixels}", noun)
     if max(width, height) > policy.max_aspect_ratio * max(1, min(width, height)):
         raise _bad(
             part,
-            f"the image is {width}x{height} pixels, an aspect ratio over {policy.max_aspect_ratio:g}:1",
+            f"{subject} {width}x{height} pixels, an aspect ratio over {policy.max_aspect_ratio:g}:1",
+            noun,
         )
     after = processed(width, height) if processed is not None else width * height
     if after > policy.max_processed_pixels:
         raise _bad(
             part,
-            f"the image is {width}x{height} pixels: the model's processor would make {after} pixels of it, "
-            f"more than {policy.max_processed_pixels}",
+            f"{subject} {width}x{height} pixels: the model's processor would make {after} pixels of "
+            f"{'it' if noun == 'image' else 'each'}, more than {policy.max_processed_pixels}",
+            noun,
         )
 
 

@@ -1,4 +1,4 @@
-"""One remote image download under one deadline, from the name lookup to the last byte.
+"""One remote image (or video) download under one deadline, from the name lookup to the last byte.
 
     raw = fetch(url, host, port, deadline, max_bytes)   # bytes; FetchError / TimeoutError
 
@@ -83,10 +83,19 @@ class _Connection(http.client.HTTPConnection):
         self.sock = sock
 
 
-def fetch(url_path: str, scheme: str, host: str, port: int | None, deadline: float, max_bytes: int) -> bytes:
+def fetch(
+    url_path: str,
+    scheme: str,
+    host: str,
+    port: int | None,
+    deadline: float,
+    max_bytes: int,
+    accept: str = "image/*",
+) -> bytes:
     """GET ``url_path`` (path and query) from ``scheme://host:port``, done by ``deadline``
-    (``time.monotonic()``). Raises TimeoutError past the deadline, TooLarge past ``max_bytes``,
-    FetchError for anything the remote side did wrong (status other than 200 included)."""
+    (``time.monotonic()``), asking for ``accept`` (a media type). Raises TimeoutError past the
+    deadline, TooLarge past ``max_bytes``, FetchError for anything the remote side did wrong
+    (status other than 200 included)."""
     tls = scheme == "https"
     port = port or (443 if tls else 80)
     sock = _connect(_resolve(host, port, deadline), deadline)
@@ -104,7 +113,7 @@ def fetch(url_path: str, scheme: str, host: str, port: int | None, deadline: flo
     timer.start()
     conn = _Connection(host, port, sock, tls, max(0.001, deadline - time.monotonic()))
     try:
-        conn.request("GET", url_path or "/", headers={"User-Agent": "radixkv-demo", "Accept": "image/*"})
+        conn.request("GET", url_path or "/", headers={"User-Agent": "radixkv-demo", "Accept": accept})
         resp = conn.getresponse()
         if resp.status != 200:
             where = resp.getheader("Location")

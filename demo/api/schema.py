@@ -82,8 +82,9 @@ def _utf8_json(v: Any, param: str) -> None:
 
 def _content(v: Any, param: str) -> str | list[dict]:
     """A message's content: a string, or content parts. Text-only parts are joined into one string;
-    with an image part, the parts as ``[{"type": "text", "text"}, {"type": "image_url", "url",
-    "param"}]`` (demo.api.images loads them; ``param`` names the part in errors)."""
+    with an image or video part, the parts as ``[{"type": "text", "text"}, {"type": "image_url" or
+    "video_url", "url", "param"}]`` (demo.api.images and demo.api.videos load them; ``param`` names
+    the part in errors)."""
     if isinstance(v, str):
         return _utf8(v, param)
     if not isinstance(v, list):
@@ -94,17 +95,17 @@ def _content(v: Any, param: str) -> str | list[dict]:
         kind = p.get("type") if isinstance(p, dict) else None
         if kind == "text" and isinstance(p.get("text"), str):
             parts.append({"type": "text", "text": _utf8(p["text"], param)})
-        elif kind == "image_url":
-            image = p.get("image_url")
-            if not isinstance(image, dict) or not isinstance(image.get("url"), str) or not image["url"]:
+        elif kind in ("image_url", "video_url"):
+            media = p.get(kind)
+            if not isinstance(media, dict) or not isinstance(media.get("url"), str) or not media["url"]:
                 raise _bad(
-                    f"{where}: an image_url part must be {{'type': 'image_url', 'image_url': {{'url': ...}}}}",
-                    where,
+                    f"{where}: a {kind} part must be {{'type': '{kind}', '{kind}': {{'url': ...}}}}", where
                 )
-            parts.append({"type": "image_url", "url": image["url"], "param": where})
+            parts.append({"type": kind, "url": media["url"], "param": where})
         else:
             raise _bad(
-                f"{where}: content parts must be {{'type': 'text', 'text': ...}} or image_url parts", where
+                f"{where}: content parts must be {{'type': 'text', 'text': ...}}, image_url or video_url parts",
+                where,
             )
     if all(p["type"] == "text" for p in parts):
         return "".join(p["text"] for p in parts)
@@ -211,8 +212,8 @@ def chat(body: Any, context: int) -> ChatRequest:
         else:
             content = _content(m.get("content"), f"{param}.content")
         if isinstance(content, list) and ROLES[role] != "user":
-            image = next(p for p in content if p["type"] == "image_url")
-            raise _bad(f"{image['param']}: images are taken in user messages only", image["param"])
+            media = next(p for p in content if p["type"] != "text")
+            raise _bad(f"{media['param']}: images and videos are taken in user messages only", media["param"])
         message = {"role": ROLES[role], "content": content}
         if calls:
             message["tool_calls"] = calls

@@ -193,7 +193,7 @@ def load_pretrained(name_or_path: str, device: str, dtype: torch.dtype, options:
     try:
         config = AutoConfig.from_pretrained(name_or_path, **kwargs)
         if vision.is_vision_config(config):
-            model, processor = vision.load(name_or_path, kwargs, model_kwargs)
+            model, processor = vision.load(name_or_path, config, kwargs, model_kwargs)
             tokenizer = processor.tokenizer
         else:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from demo.errors import ApiError
+from demo.model import processors
 from demo.model.chat_tokens import control_tokens
 
 _TEXT_INPUTS = ("input_ids", "attention_mask")
@@ -38,18 +39,19 @@ def is_vision_config(config) -> bool:
     )
 
 
-def load(name_or_path: str, kwargs: dict, model_kwargs: dict):
-    """``(model, processor)`` of a vision-language checkpoint (from_pretrained's own loading)."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+def load(name_or_path: str, config, kwargs: dict, model_kwargs: dict):
+    """``(model, processor)`` of a vision-language checkpoint (from_pretrained's own loading; the
+    processor without its video processor where torchvision is missing, demo.model.processors)."""
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(name_or_path, **kwargs)
+    processor = processors.load_processor(name_or_path, config, kwargs)
     if getattr(processor, "image_processor", None) is None or getattr(processor, "tokenizer", None) is None:
         raise OSError(f"{name_or_path}: its processor has no image processor and tokenizer")
     model = AutoModelForImageTextToText.from_pretrained(name_or_path, **model_kwargs)
     return model, processor
 
 
-def processed_pixels(processor, width: int, height: int) -> int:
+def processed_pixels(processor, width: int, height: int, part: str = "image_processor") -> int:
     """Pixels per image the processor's resize makes of a ``width`` x ``height`` image, computed
     from its ``size`` rule before anything is allocated (demo.api.images bounds it): a short
     side scaled to ``shortest_edge`` (within ``longest_edge``), a long side to ``longest_edge``,
@@ -57,8 +59,9 @@ def processed_pixels(processor, width: int, height: int) -> int:
     ``shortest_edge`` and ``longest_edge`` are pixel counts. The image's own pixels where the
     processor does not resize or names no rule this knows. The resize's pixels, an upper bound
     within a few percent; processors that then tile (Idefics3, SmolVLM, InternVL) add a bounded
-    number of fixed-size tiles or a global view (at most ~13 x 384 x 384), not a multiple of it."""
-    ip = getattr(processor, "image_processor", None)
+    number of fixed-size tiles or a global view (at most ~13 x 384 x 384), not a multiple of it.
+    ``part="video_processor"``: the same for one frame of a video (its video processor's rule)."""
+    ip = getattr(processor, part, None)
     size = getattr(ip, "size", None)
     if ip is None or size is None or getattr(ip, "do_resize", True) is False:
         return width * height
@@ -96,9 +99,35 @@ def _sanitizes(processor) -> bool:
     return "sanitize_control_tokens" in inspect.signature(processor.apply_chat_template).parameters
 
 
-def _conversation(processor, messages: list[dict], images: list) -> list[dict]:
-    """Messages in the processor's form: text parts, and image parts holding the PIL images."""
-    pending = iter(images)
+def video_refusal(processor) -> str | None:
+    """Why this processor takes no videos (words for a 400), or None when it does."""
+    if processors.has_videos(processor):
+        return None
+    if processors.videos_dropped(processor):
+        return "its video processor needs torchvision, which is not installed on this server"
+    return "it takes no videos"
+
+
+def frame_sampler(processor):
+    """``sample(metadata) -> frame indices``: the frames of a video (transformers' VideoMetadata
+    fields) that the processor hands the model: its own ``sample_frames`` (with its configured
+    ``fps`` / ``num_frames``) where it samples (``do_sample_frames``), else every frame."""
+    from transformers.video_utils import VideoMetadata
+
+    videos = processor.video_processor
+
+    def sample(metadata: dict) -> list[int]:
+        if not getattr(videos, "do_sample_frames", False):
+            return list(range(metadata["total_num_frames"]))
+        return [int(i) for i in videos.sample_frames(VideoMetadata(**metadata))]
+
+    return sample
+
+
+def _conversation(processor, messages: list[dict], images: list, videos: list = ()) -> list[dict]:
+    """Messages in the processor's form: text parts, image parts holding the PIL images and video
+    parts holding the sampled frames (demo.api.videos.Video)."""
+    pending, clips = iter(images), iter(videos)
     tokens = (
         None if _sanitizes(processor) else control_tokens(processor.tokenizer, processor.chat_template or "")
     )
@@ -109,6 +138,9 @@ def _conversation(processor, messages: list[dict], images: list) -> list[dict]:
         for part in parts:
             if part["type"] == "image_url":
                 content.append({"type": "image", "image": next(pending)})
+                continue
+            if part["type"] == "video_url":
+                content.append({"type": "video", "video": next(clips).frames})
                 continue
             if tokens and any(t in part["text"] for t in tokens):
                 raise ApiError(
@@ -122,13 +154,20 @@ def _conversation(processor, messages: list[dict], images: list) -> list[dict]:
     return out
 
 
-def render(processor, messages: list[dict], images: list) -> Prompt:
+def render(processor, messages: list[dict], images: list, videos: list = ()) -> Prompt:
     """The prompt of checked chat ``messages`` (demo.api.schema) with ``images`` (PIL, one per image
-    part in order), ending with the assistant's turn. ApiError 400 when the processor refuses."""
+    part in order) and ``videos`` (demo.api.videos.Video, frames already sampled as the processor
+    samples them: handed over with their metadata and ``do_sample_frames=False``), ending with the
+    assistant's turn. ApiError 400 when the processor refuses."""
     extra = {"sanitize_control_tokens": True} if _sanitizes(processor) else {}
+    if videos:
+        from transformers.video_utils import VideoMetadata
+
+        metadata = [VideoMetadata(**v.metadata) for v in videos]
+        extra["processor_kwargs"] = {"video_metadata": metadata, "do_sample_frames": False}
     try:
         out = processor.apply_chat_template(
-            _conversation(processor, messages, images),
+            _conversation(processor, messages, images, videos),
             add_generation_prompt=True,
             tokenize=True,
             return_dict=True,
@@ -139,17 +178,19 @@ def render(processor, messages: list[dict], images: list) -> Prompt:
         raise
     except Exception as e:  # a template or processor that refuses these messages / images
         raise ApiError(400, f"the model's processor refused the messages: {e}", "messages") from None
-    inputs = {k: v for k, v in out.items() if k not in _TEXT_INPUTS} if images else {}
+    inputs = {k: v for k, v in out.items() if k not in _TEXT_INPUTS} if images or videos else {}
     return Prompt(out["input_ids"][0].tolist(), inputs)
 
 
 def on_model(inputs: dict, model) -> dict:
-    """``inputs`` on the model's device, floating tensors (pixels) in its dtype."""
+    """``inputs`` on the model's device, pixels (``pixel_values``, ``pixel_values_videos``) in its
+    dtype. Other floating inputs keep theirs: Qwen2.5-VL's ``second_per_grid_ts`` sets temporal
+    positions (``int(t * seconds * tokens_per_second)``), which bfloat16's rounding would move
+    off what the processor's float32 gives."""
     out = {}
     for name, value in inputs.items():
         if isinstance(value, torch.Tensor):
-            value = value.to(
-                device=model.device, dtype=model.dtype if value.is_floating_point() else value.dtype
-            )
+            pixels = name.startswith("pixel_values") and value.is_floating_point()
+            value = value.to(device=model.device, dtype=model.dtype if pixels else value.dtype)
         out[name] = value
     return out
