@@ -1,0 +1,168 @@
+"""Image requests are ordinary rows of the demo engine's batches (demo.model.vision_batch): an
+image request shares one generate() call with text requests and with image requests of other
+sizes / grids, pauses and resumes between decode chunks, and n sampled image choices are n rows;
+every reply equals the request alone and stock generate() of its own inputs, and cached_tokens
+is what it is alone. Tiny models per family built from configs (tests/vlm_models.py), each
+request's inputs laid out as its processor lays out one prompt."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from demo.engine.engine import Engine, Params
+from tests.engine_gate import Held, collect_all
+from tests.hf_models import EOS, expected_full_hit, one_torch_thread, tokenizer  # noqa: F401
+from tests.vlm_models import IMAGE, Item, build_vlm, family_inputs, token_types
+
+BS = 4
+MAX_NEW = 6
+FAMILIES = ["gemma3", "llava", "llava_next", "mistral3", "qwen2_5_vl"]
+
+
+def text(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, IMAGE - 5, (n,), generator=g).tolist()  # never a placeholder or delimiter
+
+
+@functools.cache
+def model_of(name: str):
+    model = build_vlm(name)
+    # rows end at max_tokens; a reply never holds a placeholder or delimiter (real checkpoints
+    # suppress them: demo.model.loading and tests/demo_vlm_checkpoints.py)
+    model.generation_config.suppress_tokens = [EOS, *range(IMAGE - 5, IMAGE + 1)]
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def engine_of(name: str, **kw) -> Engine:
+    return Engine(model_of(name), tokenizer(), 512, block_size=BS, cache_tokens=4096, **kw)
+
+
+def request(name: str, parts: list) -> tuple[list[int], dict]:
+    """Prompt ids and inputs of one prompt (text token lists and Items), as its processor gives."""
+    model = model_of(name)
+    items = [p for p in parts if isinstance(p, Item)]
+    if not items:  # a text request: the server's processor gives no model inputs beside the ids
+        return [t for p in parts for t in p], {}
+    item_tokens, inputs = family_inputs(name, model, [items])
+    it = iter(item_tokens[0])
+    ids = [t for p in parts for t in (next(it) if isinstance(p, Item) else p)]
+    inputs.update(token_types(name, torch.tensor([ids])))
+    return ids, inputs
+
+
+def stock(name: str, ids: list[int], inputs: dict, max_new: int = MAX_NEW) -> list[int]:
+    model = model_of(name)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), **inputs, max_new_tokens=max_new, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def words(engine, ids: list[int]) -> str:
+    return engine.decode(ids)
+
+
+class Calls:
+    """Rows and whether pixels were given, per generate() call of the engine's model."""
+
+    def __init__(self, engine, monkeypatch):
+        self.rows: list[tuple[int, bool]] = []
+        generate = engine.model.generate
+
+        def spy(input_ids, *args, **kwargs):
+            self.rows.append((input_ids.shape[0], "pixel_values" in kwargs))
+            return generate(input_ids, *args, **kwargs)
+
+        monkeypatch.setattr(engine.model, "generate", spy)
+
+
+def asks(name: str, tag: int) -> list[tuple[list[int], dict]]:
+    """Two image requests of different sizes / grids and two text requests."""
+    return [
+        request(name, [text(6, tag), Item(tag, 1), text(5, tag + 1)]),
+        request(name, [text(9, tag + 2)]),
+        request(name, [Item(tag + 3, 2), text(3, tag + 4)]),
+        request(name, [text(4, tag + 5)]),
+    ]
+
+
+def batch(engine, monkeypatch, prompts, maxes) -> tuple[list, list]:
+    """``prompts`` submitted while the worker is held, so they are taken together: (results,
+    rows and pixels of each generate() call they ran in)."""
+    held = Held(engine, monkeypatch)
+    calls = Calls(engine, monkeypatch)
+    gens = [engine.submit(ids, Params(m, temperature=0.0), inputs=kw) for (ids, kw), m in zip(prompts, maxes)]
+    held.go()
+    results = collect_all(gens)
+    monkeypatch.undo()
+    return results, calls.rows
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_image_and_text_requests_share_one_call_equal_alone_and_stock(name, monkeypatch):
+    engine = engine_of(name, max_batch_size=8)
+    prompts = asks(name, 3100)
+    maxes = [MAX_NEW, 4, MAX_NEW - 1, 3]
+    batched, calls = batch(engine, monkeypatch, prompts, maxes)
+    assert calls == [(4, True)]  # the four requests were rows of one call, with the pixels
+    for (ids, kw), m, r in zip(prompts, maxes, batched):
+        assert r.text == words(engine, stock(name, ids, kw, m))
+        assert (r.completion_tokens, r.cached_tokens) == (m, 0)  # nothing of them was stored
+    # Again: each row reads its prompt from the store, through its image, as a text row of a
+    # padded batch does: the batch preloads min(padding + match) columns (demo.engine.batching),
+    # so a row reads its whole prompt, as alone, unless a row with less to read is far shorter.
+    hits_before = engine.stats()["hit_tokens"]
+    again, calls = batch(engine, monkeypatch, prompts, maxes)
+    assert calls == [(4, True)]
+    width = max(len(ids) for ids, _ in prompts)
+    full = [expected_full_hit(len(ids), BS) for ids, _ in prompts]
+    pads = [width - len(ids) for ids, _ in prompts]
+    common = min(p + h for p, h in zip(pads, full))
+    assert [r.cached_tokens for r in again] == [min(h, max(0, common - p)) for p, h in zip(pads, full)]
+    assert sum(r.cached_tokens for r in again) == engine.stats()["hit_tokens"] - hits_before
+    assert [r.text for r in again] == [r.text for r in batched]
+    for (ids, kw), m, r, h in zip(prompts, maxes, again, full):
+        alone = engine.submit(ids, Params(m, temperature=0.0), inputs=kw).collect()
+        assert (alone.text, alone.cached_tokens) == (r.text, h)
+    assert again[0].cached_tokens > prompts[0][0].index(IMAGE)  # into (or through) its image
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen2_5_vl", "llava_next"])
+def test_image_requests_pause_and_resume_equal_alone(name):
+    """Two rows at a time, decode chunks of 2: every request pauses (its context prompt + reply,
+    its images sent again) and resumes in a re-formed batch; the replies equal stock."""
+    engine = engine_of(name, max_batch_size=2, decode_chunk=2)
+    prompts = asks(name, 3200)
+    gens = [engine.submit(ids, Params(8, temperature=0.0), inputs=kw) for ids, kw in prompts]
+    batched = collect_all(gens)
+    assert engine.scheduler.pauses >= 2 and engine.scheduler.resumes >= 2
+    for (ids, kw), r in zip(prompts, batched):
+        assert r.text == words(engine, stock(name, ids, kw, 8))
+        assert r.cached_tokens == 0  # the prompt's reuse, fixed by its first chunk
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen2_5_vl"])
+def test_sampled_choices_of_an_image_request_are_rows(name, monkeypatch):
+    """n=2 seeded: two rows carrying the image each, beside a text request; equal to the same
+    seeded request alone."""
+    engine = engine_of(name, max_batch_size=8)
+    (ids, kw), (tids, _), *_ = asks(name, 3300)
+    params = Params(MAX_NEW, temperature=1.0, seed=7, n=2)
+    held = Held(engine, monkeypatch)
+    calls = Calls(engine, monkeypatch)
+    gens = [engine.submit(ids, params, inputs=kw), engine.submit(tids, Params(3, temperature=0.0))]
+    held.go()
+    batched = collect_all(gens)
+    monkeypatch.undo()
+    assert calls.rows == [(3, True)]
+    alone = engine.submit(ids, params, inputs=kw).collect()
+    assert [c.text for c in batched[0].choices] == [c.text for c in alone.choices]
+    assert batched[1].text == words(engine, stock(name, tids, {}, 3))
