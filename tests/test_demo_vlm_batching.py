@@ -15,11 +15,24 @@ import torch
 from demo.engine.engine import Engine, Params
 from tests.engine_gate import Held, collect_all
 from tests.hf_models import EOS, expected_full_hit, one_torch_thread, tokenizer  # noqa: F401
-from tests.vlm_models import IMAGE, Item, build_vlm, family_inputs, token_types
+from tests.vlm_models import IMAGE, VLMS, Item, build_vlm, family_inputs, image, pixels, token_types
 
 BS = 4
 MAX_NEW = 6
-FAMILIES = ["gemma3", "llava", "llava_next", "mistral3", "qwen2_5_vl"]
+# One family per merge rule: token types (Gemma 3; Qwen with patches and grids), items of one
+# shape (LLaVA), zero-padded tiles (LLaVA-NeXT), zero-padded H x W (Mistral 3), a per-row input
+# (LLaVA-OneVision's batch_num_images), flat tiles (Llama 4), rows of images (Idefics3). (All 18
+# families of demo.model.vision_batch.RULES passed this test when it was written.)
+FAMILIES = [
+    "gemma3",
+    "llava",
+    "llava_next",
+    "mistral3",
+    "qwen2_5_vl",
+    "llava_onevision",
+    "llama4",
+    "idefics3",
+]
 
 
 def text(n: int, seed: int) -> list[int]:
@@ -48,10 +61,16 @@ def request(name: str, parts: list) -> tuple[list[int], dict]:
     items = [p for p in parts if isinstance(p, Item)]
     if not items:  # a text request: the server's processor gives no model inputs beside the ids
         return [t for p in parts for t in p], {}
-    item_tokens, inputs = family_inputs(name, model, [items])
+    if VLMS[name][1] == "rows":  # Idefics3 / SmolVLM: [1, images, C, H, W], fixed-size images
+        inputs = pixels(name, [[image(it.seed) for it in items]])
+        item_tokens = [[[IMAGE] * VLMS[name][2] for _ in items]]
+    else:
+        item_tokens, inputs = family_inputs(name, model, [items])
     it = iter(item_tokens[0])
     ids = [t for p in parts for t in (next(it) if isinstance(p, Item) else p)]
     inputs.update(token_types(name, torch.tensor([ids])))
+    if name == "llava_onevision":  # its processor gives each prompt's image count
+        inputs["batch_num_images"] = torch.tensor([len(items)])
     return ids, inputs
 
 
@@ -166,3 +185,29 @@ def test_sampled_choices_of_an_image_request_are_rows(name, monkeypatch):
     alone = engine.submit(ids, params, inputs=kw).collect()
     assert [c.text for c in batched[0].choices] == [c.text for c in alone.choices]
     assert batched[1].text == words(engine, stock(name, tids, {}, 3))
+
+
+def test_a_family_without_a_batch_rule_runs_image_requests_alone(monkeypatch, caplog):
+    """PaliGemma (not keyed, no rule): its image request runs alone, unpaused, with one log line
+    saying why; the text request beside it still runs; both equal stock."""
+    name = "paligemma"
+    model = model_of(name)
+    engine = engine_of(name, max_batch_size=8)
+    ids = [IMAGE] * VLMS[name][2] + text(5, 3400)
+    kw = pixels(name, [[image(3400)]])
+    tids = text(7, 3401)
+    with caplog.at_level("INFO", logger="demo.engine.runner"):
+        held = Held(engine, monkeypatch)
+        calls = Calls(engine, monkeypatch)
+        gens = [engine.submit(ids, Params(4, temperature=0.0), inputs=kw) for _ in range(2)]
+        gens.append(engine.submit(tids, Params(4, temperature=0.0)))
+        held.go()
+        results = collect_all(gens)
+        monkeypatch.undo()
+    assert sorted(calls.rows) == [(1, False), (1, True), (1, True)]
+    lines = [r.getMessage() for r in caplog.records if "run alone" in r.getMessage()]
+    assert len(lines) == 1 and "paligemma" in lines[0]
+    assert engine.runner.image_rule is None and model.config.model_type == name
+    assert [r.text for r in results] == [words(engine, stock(name, ids, kw, 4))] * 2 + [
+        words(engine, stock(name, tids, {}, 4))
+    ]
