@@ -211,3 +211,45 @@ def test_a_family_without_a_batch_rule_runs_image_requests_alone(monkeypatch, ca
     assert [r.text for r in results] == [words(engine, stock(name, ids, kw, 4))] * 2 + [
         words(engine, stock(name, tids, {}, 4))
     ]
+
+
+def test_placeholder_ids_in_a_text_prompt_or_a_reply(monkeypatch, caplog):
+    """A text request whose prompt holds the image placeholder id runs alone (beside image rows
+    the model would count it as an image's token and fail the whole call); a row whose reply
+    holds one is not paused (resumed, its context would). Everyone answers as alone."""
+    name = "gemma3"
+    model = build_vlm(name)  # no placeholder suppressed: a logit_bias can make the reply one
+    model.generation_config.suppress_tokens = [EOS]
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = EOS, 0
+    engine = Engine(
+        model, tokenizer(), 512, block_size=BS, cache_tokens=4096, max_batch_size=2, decode_chunk=2
+    )
+    (ids, kw), _, (ids2, kw2), _ = asks(name, 3500)
+    odd = text(5, 3501) + [IMAGE, IMAGE] + text(3, 3502)
+    biased = Params(8, temperature=0.0, logit_bias=((IMAGE, 100.0),))
+    caplog.set_level("INFO", logger="demo.engine.runner")
+    alone = [
+        engine.submit(odd, Params(5, temperature=0.0)).collect(),
+        engine.submit(ids, biased, inputs=kw).collect(),
+        engine.submit(ids2, Params(8, temperature=0.0), inputs=kw2).collect(),
+    ]
+    assert alone[1].text == words(engine, [IMAGE] * 8)
+    pauses = engine.scheduler.pauses
+    held = Held(engine, monkeypatch)
+    calls = Calls(engine, monkeypatch)
+    gens = [
+        engine.submit(ids, biased, inputs=kw),
+        engine.submit(ids2, Params(8, temperature=0.0), inputs=kw2),
+        engine.submit(odd, Params(5, temperature=0.0)),
+    ]
+    held.go()
+    results = collect_all(gens)
+    monkeypatch.undo()
+    # the image requests share a call while the odd text request waits (alone); at the chunk's
+    # end the unbiased image row pauses, the biased one runs on to its end, then the odd one
+    # runs, then the paused row resumes
+    assert calls.rows == [(2, True), (1, False), (1, True)]
+    assert [r.text for r in results] == [alone[1].text, alone[2].text, alone[0].text]
+    assert engine.scheduler.pauses == pauses + 1
+    # one log line for the odd prompt, at its first submit
+    assert sum("image placeholder id" in r.getMessage() for r in caplog.records) == 1

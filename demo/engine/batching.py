@@ -59,8 +59,13 @@ def chunkable(gen: Generation) -> bool:
 class Rows:
     """The batch's rows (``rows[i]``: a `Row`, input row i) and which are still generating."""
 
-    def __init__(self, rows: list[Row], width: int, eos: set[int], cache, pause=None):
+    def __init__(
+        self, rows: list[Row], width: int, eos: set[int], cache, pause=None, placeholders=frozenset()
+    ):
         self.rows, self.width, self.eos, self.cache = rows, width, eos, cache
+        # A row whose reply holds one of these ids (an image placeholder) is not paused: resumed,
+        # its context would count as an image's token without pixels (demo.model.vision_batch).
+        self.placeholders = placeholders
         self.gens: list[Generation] = list(dict.fromkeys(r.gen for r in rows))  # in row order
         self.of_gen = {id(g): [i for i, r in enumerate(rows) if r.gen is g] for g in self.gens}
         self.pause = pause  # pause(generated) -> True: every open row pauses at this step
@@ -179,7 +184,8 @@ class RowStreamer(BaseStreamer):
 class RowStop(StoppingCriteria):
     """Per row: True once the row reached its max_tokens, emitted EOS, hit its stop string
     or lost its client (asked here, between steps: a gone client's row costs a step or two,
-    not the request thread's next poll), or pauses. Closing a row here tells its request it
+    not the request thread's next poll), or pauses (unless its reply holds a placeholder id:
+    it then runs on to its end). Closing a row here tells its request it
     is done right away."""
 
     def __init__(self, rows: Rows):
@@ -202,7 +208,9 @@ class RowStop(StoppingCriteria):
             ):
                 rows.ended[i] = length
                 rows.settle(i)
-            elif pause:
+            elif pause and (
+                not rows.placeholders or rows.placeholders.isdisjoint(input_ids[i, rows.width :].tolist())
+            ):
                 rows.ended[i], rows.paused[i] = length, True
                 rows.settle(i)
         return torch.tensor([e is not None for e in rows.ended], dtype=torch.bool, device=input_ids.device)
@@ -250,7 +258,7 @@ def run_batch(runner, gens: list[Generation], pause=None, on_step=None) -> list[
         ids[i, width - len(context) :] = torch.tensor(context)
         mask[i, width - len(context) :] = 1
     cache = runner.cache(gens, [r.gen for r in rows])
-    state = Rows(rows, width, runner.eos, cache, pause)
+    state = Rows(rows, width, runner.eos, cache, pause, runner.placeholders)
     sampler = RowSampler(rows, state.closed, state.fail)
     try:
         inputs = image_inputs(runner.image_rule, rows, width)

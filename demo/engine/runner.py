@@ -50,6 +50,9 @@ class Runner:
         self.grammars = Grammars(tokenizer, logits, self.eos)  # constrained decoding
         # How the rows' image inputs merge into one call's (None: image requests run alone)
         self.image_rule = vision_batch.rule_for(model)
+        self.placeholders = (
+            vision_batch.placeholder_ids(model) if self.image_rule is not None else frozenset()
+        )
         self._alone_logged: set[str] = set()
         # Token prefixes pinned under PUBLIC_NAMESPACE (the operator's task prompts, longest
         # first): a request starting with one reads it there, whatever its tenant.
@@ -141,12 +144,15 @@ class Runner:
 
     def runs_alone(self, prompt_ids: Sequence[int], inputs: dict | None) -> bool:
         """Whether a request with model ``inputs`` must run alone and unpaused: its family has
-        no batch rule, or the rule does not cover one of its inputs (logged once per reason)."""
+        no batch rule, the rule does not cover one of its inputs, or it is a text request whose
+        prompt holds a placeholder id (logged once per reason: demo.model.vision_batch)."""
         family = getattr(self.model.config, "model_type", None)
-        reason = vision_batch.alone_reason(self.image_rule, family, inputs or {}, len(prompt_ids))
+        reason = vision_batch.alone_reason(
+            self.image_rule, family, inputs or {}, prompt_ids, self.placeholders
+        )
         if reason is not None and reason not in self._alone_logged:
             self._alone_logged.add(reason)
-            log.info("image requests run alone, one per generate() call, never paused: %s", reason)
+            log.info("such requests run alone, one per generate() call, never paused: %s", reason)
         return reason is not None
 
     # -- what every call needs ----------------------------------------------------------------

@@ -20,7 +20,10 @@ whose inputs are what the checkpoint's processor returns for the batch of prompt
   rows without images get zeros.
 
 Families not in ``RULES`` (and requests holding an input their family's rule does not name) run
-alone, as before: `alone_reason` says why, for the engine's one log line. The rules are the
+alone, as before: `alone_reason` says why, for the engine's one log line. So does a text request
+whose prompt holds a placeholder id (`placeholder_ids`): beside image rows the model would count
+it as an image's token and fail the whole call. (A row whose reply holds one is not paused:
+demo.engine.batching.) The rules are the
 layouts hf_patch keys (hf_patch.keys.vlm_families), which makes every such batch exact through the
 prefix cache too (tested per family against the request alone in tests/test_demo_vlm_batching.py).
 """
@@ -91,11 +94,25 @@ def rule_for(model) -> Rule | None:
     return Rule(family, kinds) if kinds is not None else None
 
 
-def alone_reason(rule: Rule | None, model_type: str | None, inputs: dict, prompt_len: int) -> str | None:
-    """Why a request with ``inputs`` (for a ``prompt_len``-token prompt) cannot be a row of a
-    batch, or None when it can. The reason names the family or input (for one log line)."""
+_PLACEHOLDERS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+
+
+def placeholder_ids(model) -> frozenset[int]:
+    """The ids the model reads as an image's or video's placeholders (its config's)."""
+    ids = (getattr(model.config, name, None) for name in _PLACEHOLDERS)
+    return frozenset(i for i in ids if isinstance(i, int))
+
+
+def alone_reason(
+    rule: Rule | None, model_type: str | None, inputs: dict, prompt: list[int], placeholders: frozenset[int]
+) -> str | None:
+    """Why a request with ``inputs`` for ``prompt`` cannot be a row of a batch, or None when it
+    can. The reason names the family, input or token (for one log line). O(prompt)."""
     if not inputs:
+        if rule is not None and placeholders and not placeholders.isdisjoint(prompt):
+            return f"a text request's prompt holds a {model_type} image placeholder id {sorted(placeholders)}"
         return None
+    prompt_len = len(prompt)
     if rule is None:
         return f"no rule merges {model_type!r} image inputs of several requests (demo.model.vision_batch)"
     for name, value in inputs.items():
