@@ -185,8 +185,7 @@ class RowStop(StoppingCriteria):
     """Per row: True once the row reached its max_tokens, emitted EOS, hit its stop string
     or lost its client (asked here, between steps: a gone client's row costs a step or two,
     not the request thread's next poll), or pauses (unless its reply holds a placeholder id:
-    it then runs on to its end). Closing a row here tells its request it
-    is done right away."""
+    it then runs on to its end). Closing a row here tells its request it is done right away."""
 
     def __init__(self, rows: Rows):
         self.rows = rows

@@ -8,7 +8,8 @@ generate() at a time. The engine is a scheduler plus a runner, as serving engine
   request can join (continuous batching in decode chunks); it never touches the model.
 - demo.engine.runner.Runner executes a batch: generate() with the request options' config, a
   RadixCache over the store (one namespace per row), PEFT adapters per row, the rows' image
-  inputs merged as the family's processor batches them (demo.model.vision_batch), under the model lock (adapters load and unload between calls).
+  inputs merged as the family's processor batches them (demo.model.vision_batch), under the
+  model lock (adapters load and unload between calls).
 
 The worker loop (`_serve`) is the only place the two meet: take a batch, run it, queue what
 paused again. A request's own thread reads token ids from the worker through its Generation

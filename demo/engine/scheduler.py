@@ -3,8 +3,9 @@
 Every request becomes a `Generation` (demo.engine.generation) in a FIFO queue of at most `max_queue`.
 `next_batch()` takes the oldest and the queued requests that can share its generate() call
 (demo.engine.batching.batch_key: the same adapter group and cache_prompt; sampling options and
-images never keep a request out, except images of a family without a batch rule), oldest first, within `max_batch_size` rows (n sampled choices are n rows)
-and `max_batch_tokens` (rows x padded width). After `decode_chunk` steps a batch pauses if any
+images never keep a request out, except images of a family without a batch rule), oldest
+first, within `max_batch_size` rows (n sampled choices are n rows) and `max_batch_tokens`
+(rows x padded width: pixels are not counted). After `decode_chunk` steps a batch pauses if any
 request waits (`pause_for`): its requests queue again behind the waiting ones, carrying what
 they generated (and their random generator, per-row hooks), and resume from their committed KV
 (continuous batching in chunks). The scheduler never touches the model: demo.engine.runner

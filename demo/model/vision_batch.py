@@ -23,9 +23,9 @@ Families not in ``RULES`` (and requests holding an input their family's rule doe
 alone, as before: `alone_reason` says why, for the engine's one log line. So does a text request
 whose prompt holds a placeholder id (`placeholder_ids`): beside image rows the model would count
 it as an image's token and fail the whole call. (A row whose reply holds one is not paused:
-demo.engine.batching.) The rules are the
-layouts hf_patch keys (hf_patch.keys.vlm_families), which makes every such batch exact through the
-prefix cache too (tested per family against the request alone in tests/test_demo_vlm_batching.py).
+demo.engine.batching.) The rules are the layouts hf_patch keys (hf_patch.keys.vlm_families),
+so such a batch is exact through the prefix cache too (tested per rule against the request
+alone and against the processor's own batch in tests/test_demo_vlm_batching.py).
 """
 
 from __future__ import annotations
