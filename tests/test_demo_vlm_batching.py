@@ -335,3 +335,27 @@ def test_inputs_no_rule_covers_run_alone_with_the_reason():
     assert "placeholder" in vision_batch.alone_reason(rule, "gemma3", {}, [*prompt, IMAGE], none)
     with pytest.raises(ValueError, match="must be one of"):
         vision_batch.Rule("x", {"pixel_values": "stacked"})
+
+
+@pytest.mark.parametrize("mode", ["cache_prompt_false", "reuse_off"])
+def test_image_rows_without_the_prefix_cache(mode, monkeypatch):
+    """cache_prompt=false (no store read or write: a paused row recomputes its context, images
+    encoded again) and a server with reuse off: image and text rows still share calls, as stock."""
+    name = "gemma3"
+    reuse = mode != "reuse_off"
+    engine = Engine(model_of(name), tokenizer(), 512, reuse=reuse, block_size=BS, cache_tokens=4096,
+                    max_batch_size=2, decode_chunk=2)  # fmt: skip
+    prompts = asks(name, 3600)
+    params = Params(6, temperature=0.0, cache_prompt=not reuse)
+    held = Held(engine, monkeypatch)
+    calls = Calls(engine, monkeypatch)
+    gens = [engine.submit(ids, params, inputs=kw) for ids, kw in prompts]
+    held.go()
+    results = collect_all(gens)
+    monkeypatch.undo()
+    assert (2, True) in calls.rows  # image rows shared calls (two rows at a time)
+    assert (engine.scheduler.pauses > 0) == reuse  # cache_prompt=false pauses; reuse off never does
+    for (ids, kw), r in zip(prompts, results):
+        assert (r.text, r.cached_tokens) == (words(engine, stock(name, ids, kw, 6)), 0)
+    if reuse:
+        assert engine.stats()["hit_tokens"] == 0 and engine.stats()["pinned_blocks"] == 0
