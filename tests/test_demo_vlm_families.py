@@ -1,9 +1,8 @@
-"""Gemma 3-, LLaVA-NeXT- and LLaVA-style checkpoints served over HTTP (waitress in this process),
-asked with the openai client: each reply equals offline stock generate() of the processor's own
+"""Gemma 3- and LLaVA-NeXT-style checkpoints served over HTTP (waitress in this process), asked
+with the openai client: each reply equals offline stock generate() of the processor's own
 inputs; a second question about an image reads it from the store and never runs the vision
-tower; another image with the same text reads only the text before it; image requests (of
-other sizes) and a text request queued together are rows of one generate() call, each
-answering as stock.
+tower; another image with the same text reads only the text before it; an image request and a
+text request sent at once both answer as stock.
 
 (Qwen2.5-VL and LLaVA-OneVision processors need a video processor, which needs torchvision,
 not installed here: their keys are tested through generate() in tests/test_hf_vlm_families.py.)"""
@@ -11,7 +10,6 @@ not installed here: their keys are tested through generate() in tests/test_hf_vl
 from __future__ import annotations
 
 import concurrent.futures
-import time
 import uuid
 
 import pytest
@@ -20,13 +18,12 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from demo.api.app import build_engine, create_app
 from demo.api.server import serving
 from demo.config import Config
-from tests.demo_checkpoints import data_url, pil, png, save_vlm
+from tests.demo_checkpoints import data_url, pil, png
 from tests.demo_vlm_checkpoints import save_gemma3, save_llava_next
-from tests.engine_gate import Held
 
 BLOCK = 4
 MAX_NEW = 5
-SAVERS = {"gemma3": save_gemma3, "llava_next": save_llava_next, "llava": save_vlm}
+SAVERS = {"gemma3": save_gemma3, "llava_next": save_llava_next}
 
 
 @pytest.fixture(scope="module", params=sorted(SAVERS))
@@ -121,39 +118,3 @@ def test_an_image_request_and_a_text_request_at_once(served):
     image_at = stocks[0][0].index(reference[0].config.image_token_id)
     shared = next(i for i, (x, y) in enumerate(zip(stocks[0][0], stocks[1][0])) if x != y)
     assert answers[0][1] <= image_at // BLOCK * BLOCK and answers[1][1] <= shared // BLOCK * BLOCK
-
-
-def test_image_requests_of_other_sizes_and_a_text_request_share_one_call(served, monkeypatch):
-    """Queued while the worker is held: the three requests are rows of one generate() call
-    (demo.model.vision_batch merges their processor outputs), each answering as stock alone."""
-    client, engine, reference = served
-    tag = uuid.uuid4().hex
-    asks = [
-        user(data_url(png(41, (40, 48))), f"[{tag}] what is this?"),
-        user(f"[{tag}] tell me a story"),
-        user(f"[{tag}] and this wide one?", data_url(png(42, (96, 40)))),
-    ]
-    stocks = [stock(reference, m) for m in asks]
-    held = Held(engine, monkeypatch)
-    calls, generate = [], engine.model.generate
-
-    def spy(input_ids, *args, **kwargs):
-        calls.append((input_ids.shape[0], "pixel_values" in kwargs))
-        return generate(input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(engine.model, "generate", spy)
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(ask, client, m) for m in asks]
-        deadline = time.monotonic() + 60
-        while engine.queued < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        held.go()
-        answers = [f.result() for f in futures]
-    monkeypatch.undo()
-    assert calls == [(3, True)]
-    assert [reply for reply, _ in answers] == [reply for _, reply in stocks]
-    # New images: at most the text before each image was cached
-    image_id = reference[0].config.image_token_id
-    for (ids, _), (_, cached) in zip(stocks, answers):
-        if image_id in ids:
-            assert cached <= ids.index(image_id) // BLOCK * BLOCK
