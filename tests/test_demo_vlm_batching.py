@@ -188,6 +188,22 @@ def test_image_requests_pause_and_resume_equal_alone(name):
     assert engine.stats()["pinned_blocks"] == 0
 
 
+@pytest.mark.parametrize("name", ["gemma3", "qwen2_5_vl"])
+def test_image_rows_resume_after_the_store_evicted_their_image(name):
+    """A store of 16 tokens: a paused row's image KV is evicted before it resumes, so its pixels
+    (sent again) are encoded again; every reply still equals stock, nothing stays pinned."""
+    engine = Engine(model_of(name), tokenizer(), 512, block_size=BS, cache_tokens=16, max_batch_size=2,
+                    decode_chunk=2)  # fmt: skip
+    prompts = asks(name, 3700)
+    gens = [engine.submit(ids, Params(8, temperature=0.0), inputs=kw) for ids, kw in prompts]
+    results = collect_all(gens)
+    assert engine.scheduler.resumes >= 2 and engine.stats()["evicted_blocks"] > 0
+    for (ids, kw), r in zip(prompts, results):
+        assert r.text == words(engine, stock(name, ids, kw, 8))
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0
+
+
 # Llama 4 and Qwen3-VL: stock generate() fails to expand their image inputs to n sequences (the
 # engine used to ask it to); as n rows each carrying the image they work.
 @pytest.mark.parametrize("name", ["gemma3", "qwen2_5_vl", "llama4", "qwen3_vl"])
