@@ -467,3 +467,26 @@ def test_over_http_image_requests_of_other_sizes_and_a_text_request_share_one_ca
     monkeypatch.undo()
     assert calls.rows == [(3, True)]
     assert got == want
+
+
+def test_merge_kinds_by_hand():
+    """Items concatenated with trailing dims zero-padded (tensors or lists), rows padded and
+    zero for rows without, token types left-padded and 0 over a resumed reply."""
+    rule = vision_batch.Rule("t", {"px": "items", "secs": "items", "mask": "rows", "types": "tokens"})
+    a = {"px": torch.ones(1, 2, 3), "secs": [0.5], "mask": torch.ones(1, 2, 2, dtype=torch.bool),
+         "types": torch.tensor([[0, 1, 0]])}  # fmt: skip
+    b = {"px": torch.full((2, 1, 4), 2.0), "secs": torch.tensor([1.0, 2.0]), "mask": torch.ones(1, 1, 3, dtype=torch.bool),
+         "types": torch.tensor([[1, 0]])}  # fmt: skip
+    rows = [
+        vision_batch.RowInputs(a, 3, 5),
+        vision_batch.RowInputs({}, 2, 2),
+        vision_batch.RowInputs(b, 2, 2),
+    ]
+    out = vision_batch.merge(rule, rows, 6)
+    assert out["px"].shape == (3, 2, 4) and out["px"][0, :, 3].eq(0).all() and out["px"][1:, 1].eq(0).all()
+    assert out["px"][0, :, :3].eq(1).all() and out["px"][1:, 0].eq(2).all()
+    assert out["secs"] == [0.5, 1.0, 2.0]
+    assert out["mask"].dtype == torch.bool and out["mask"].shape == (3, 2, 3)
+    assert out["mask"].sum(dim=(1, 2)).tolist() == [4, 0, 3]
+    assert out["types"].tolist() == [[0, 0, 1, 0, 0, 0], [0] * 6, [0, 0, 0, 0, 1, 0]]
+    assert vision_batch.merge(rule, [vision_batch.RowInputs({}, 2, 2)], 2) == {}
