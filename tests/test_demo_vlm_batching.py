@@ -4,25 +4,17 @@ sizes / grids, pauses and resumes between decode chunks, and n sampled image cho
 every reply equals the request alone and stock generate() of its own inputs, and cached_tokens
 follows the padded-batch rule of text rows (what the row reads alone, unless a row with less to
 read is much shorter). Tiny models per family built from configs (tests/vlm_models.py), each
-request's inputs laid out as its processor lays out one prompt; the merge checked against the
-processor's own batch; and over HTTP with the openai client (Gemma 3- and LLaVA-style
-checkpoints saved with their processors)."""
+request's inputs laid out as its processor lays out one prompt. Over HTTP:
+tests/test_demo_vlm_batching_http.py; the merge itself: tests/test_demo_vlm_merge.py."""
 
 from __future__ import annotations
 
-import base64
-import concurrent.futures
 import functools
-import time
-import uuid
 
 import pytest
 import torch
 
 from demo.engine.engine import Engine, Params
-from demo.model import vision_batch
-from tests.demo_checkpoints import data_url, pil, png, save_vlm
-from tests.demo_vlm_checkpoints import save_gemma3, save_llava_next
 from tests.engine_gate import Held, collect_all
 from tests.hf_models import EOS, expected_full_hit, one_torch_thread, tokenizer  # noqa: F401
 from tests.vlm_models import IMAGE, VLMS, Item, build_vlm, family_inputs, image, pixels, token_types
@@ -299,67 +291,6 @@ def test_placeholder_ids_in_a_text_prompt_or_a_reply(monkeypatch, caplog):
     assert sum("image placeholder id" in r.getMessage() for r in caplog.records) == 1
 
 
-SAVERS = {"gemma3": save_gemma3, "llava_next": save_llava_next, "llava": save_vlm}
-
-
-@pytest.mark.parametrize("family", sorted(SAVERS))
-def test_merged_rows_are_what_the_processor_gives_for_the_batch(family, tmp_path):
-    """Each request's own processor outputs, merged for a left-padded batch (a text-only row,
-    images of other sizes, a resumed row with a reply), equal what the checkpoint's processor
-    returns for the batch of prompts (the resumed row: its prompt + reply, token types 0)."""
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(SAVERS[family](tmp_path / "m"))
-    image_text = processor.boi_token if family == "gemma3" else processor.image_token
-    texts = [f"{image_text}what is it?", "a story, a long one please", f"and this? {image_text}"]
-    images = [[pil(png(1, (40, 48)))], [], [pil(png(2, (96, 40)))]]
-    rows = [
-        processor(text=[t], images=[i] if i else None, return_tensors="pt") for t, i in zip(texts, images)
-    ]
-    contexts = [r["input_ids"][0].tolist() for r in rows]
-    reply = [5, 6, 7]  # row 2 resumes after 3 tokens of reply
-    contexts[2] = contexts[2] + reply
-    texts[2] = texts[2] + processor.tokenizer.decode(reply)
-    width = max(len(c) for c in contexts)
-    batch = processor(text=texts, images=images, padding=True, padding_side="left", return_tensors="pt")
-    left = torch.tensor([[0] * (width - len(c)) + c for c in contexts])
-    assert torch.equal(batch["input_ids"] * batch["attention_mask"], left)  # the same prompts, padded
-    per_row = [
-        vision_batch.RowInputs(
-            {k: v for k, v in r.items() if k not in ("input_ids", "attention_mask")} if i else {},
-            len(r["input_ids"][0]),
-            len(c),
-        )
-        for r, i, c in zip(rows, images, contexts)
-    ]
-    merged = vision_batch.merge(vision_batch.Rule(family, vision_batch.RULES[family]), per_row, width)
-    expected = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
-    assert merged.keys() == expected.keys()
-    for name, value in expected.items():
-        assert torch.equal(merged[name], value), name
-
-
-def test_inputs_no_rule_covers_run_alone_with_the_reason():
-    rule = vision_batch.Rule("gemma3", vision_batch.RULES["gemma3"])
-    px, types = torch.rand(1, 3, 32, 32), torch.zeros(1, 6, dtype=torch.long)
-    prompt, none = [3] * 6, frozenset({IMAGE})
-    assert (
-        vision_batch.alone_reason(rule, "gemma3", {"pixel_values": px, "token_type_ids": types}, prompt, none)
-        is None
-    )
-    assert "'pixel_attention_mask'" in vision_batch.alone_reason(
-        rule, "gemma3", {"pixel_attention_mask": px}, prompt, none
-    )
-    assert "per prompt token" in vision_batch.alone_reason(
-        rule, "gemma3", {"token_type_ids": types[:, :4]}, prompt, none
-    )
-    assert "'paligemma'" in vision_batch.alone_reason(None, "paligemma", {"pixel_values": px}, prompt, none)
-    assert vision_batch.alone_reason(rule, "gemma3", {}, prompt, none) is None  # a text request
-    assert "placeholder" in vision_batch.alone_reason(rule, "gemma3", {}, [*prompt, IMAGE], none)
-    with pytest.raises(ValueError, match="must be one of"):
-        vision_batch.Rule("x", {"pixel_values": "stacked"})
-
-
 @pytest.mark.parametrize("mode", ["cache_prompt_false", "reuse_off"])
 def test_image_rows_without_the_prefix_cache(mode, monkeypatch):
     """cache_prompt=false (no store read or write: a paused row recomputes its context, images
@@ -382,111 +313,3 @@ def test_image_rows_without_the_prefix_cache(mode, monkeypatch):
         assert (r.text, r.cached_tokens) == (words(engine, stock(name, ids, kw, 6)), 0)
     if reuse:
         assert engine.stats()["hit_tokens"] == 0 and engine.stats()["pinned_blocks"] == 0
-
-
-# -- over HTTP, with the openai client ---------------------------------------------------------
-@pytest.fixture(scope="module", params=["gemma3", "llava"])
-def served(request, tmp_path_factory):
-    """(openai client, engine, reference model and processor) for one saved checkpoint."""
-    import openai
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    from demo.api.app import build_engine, create_app
-    from demo.api.server import serving
-    from demo.config import Config
-
-    path = SAVERS[request.param](tmp_path_factory.mktemp("vlm") / request.param)
-    config = Config(model=path, block_size=BS, cache_tokens=1 << 13, limit_images=2, served_name="m")
-    engine = build_engine(config)
-    reference = AutoModelForImageTextToText.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path)
-    with serving(create_app(config, engine)) as url:
-        yield (
-            openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120),
-            engine,
-            reference,
-        )
-
-
-def chat(*parts) -> list[dict]:
-    content = [
-        {"type": "image_url", "image_url": {"url": data_url(png(*p))}}
-        if isinstance(p, tuple)
-        else {"type": "text", "text": p}
-        for p in parts
-    ]
-    return [{"role": "user", "content": content}]
-
-
-def offline(reference, messages) -> str:
-    """Stock greedy reply of the processor's own inputs for ``messages`` (images from the same bytes)."""
-    model, processor = reference
-    conv = [
-        {
-            "role": m["role"],
-            "content": [
-                {"type": "image", "image": pil(base64.b64decode(p["image_url"]["url"].split(",", 1)[1]))}
-                if p["type"] == "image_url"
-                else p
-                for p in m["content"]
-            ],
-        }
-        for m in messages
-    ]
-    inputs = processor.apply_chat_template(
-        conv, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
-    )
-    out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
-    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-
-
-def test_over_http_image_requests_of_other_sizes_and_a_text_request_share_one_call(served, monkeypatch):
-    """Queued while the worker is held: two image requests (images of other sizes) and a text
-    request are rows of one generate() call, each answering as stock alone."""
-    client, engine, reference = served
-    tag = uuid.uuid4().hex
-    asked = [
-        chat((41, (40, 48)), f"[{tag}] what is this?"),
-        chat(f"[{tag}] tell me a story"),
-        chat(f"[{tag}] and this wide one?", (42, (96, 40))),
-    ]
-    want = [offline(reference, m) for m in asked]
-    held = Held(engine, monkeypatch)
-    calls = Calls(engine, monkeypatch)
-
-    def ask(messages):
-        r = client.chat.completions.create(model="m", messages=messages, max_tokens=MAX_NEW, temperature=0)
-        return r.choices[0].message.content
-
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(ask, m) for m in asked]
-        deadline = time.monotonic() + 60
-        while engine.queued < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        held.go()
-        got = [f.result() for f in futures]
-    monkeypatch.undo()
-    assert calls.rows == [(3, True)]
-    assert got == want
-
-
-def test_merge_kinds_by_hand():
-    """Items concatenated with trailing dims zero-padded (tensors or lists), rows padded and
-    zero for rows without, token types left-padded and 0 over a resumed reply."""
-    rule = vision_batch.Rule("t", {"px": "items", "secs": "items", "mask": "rows", "types": "tokens"})
-    a = {"px": torch.ones(1, 2, 3), "secs": [0.5], "mask": torch.ones(1, 2, 2, dtype=torch.bool),
-         "types": torch.tensor([[0, 1, 0]])}  # fmt: skip
-    b = {"px": torch.full((2, 1, 4), 2.0), "secs": torch.tensor([1.0, 2.0]), "mask": torch.ones(1, 1, 3, dtype=torch.bool),
-         "types": torch.tensor([[1, 0]])}  # fmt: skip
-    rows = [
-        vision_batch.RowInputs(a, 3, 5),
-        vision_batch.RowInputs({}, 2, 2),
-        vision_batch.RowInputs(b, 2, 2),
-    ]
-    out = vision_batch.merge(rule, rows, 6)
-    assert out["px"].shape == (3, 2, 4) and out["px"][0, :, 3].eq(0).all() and out["px"][1:, 1].eq(0).all()
-    assert out["px"][0, :, :3].eq(1).all() and out["px"][1:, 0].eq(2).all()
-    assert out["secs"] == [0.5, 1.0, 2.0]
-    assert out["mask"].dtype == torch.bool and out["mask"].shape == (3, 2, 3)
-    assert out["mask"].sum(dim=(1, 2)).tolist() == [4, 0, 3]
-    assert out["types"].tolist() == [[0, 0, 1, 0, 0, 0], [0] * 6, [0, 0, 0, 0, 1, 0]]
-    assert vision_batch.merge(rule, [vision_batch.RowInputs({}, 2, 2)], 2) == {}

@@ -25,7 +25,8 @@ whose prompt holds a placeholder id (`placeholder_ids`): beside image rows the m
 it as an image's token and fail the whole call. (A row whose reply holds one is not paused:
 demo.engine.batching.) The rules are the layouts hf_patch keys (hf_patch.keys.vlm_families),
 so such a batch is exact through the prefix cache too (tested per rule against the request
-alone and against the processor's own batch in tests/test_demo_vlm_batching.py).
+alone in tests/test_demo_vlm_batching.py, against the processor's own batch in
+tests/test_demo_vlm_merge.py).
 """
 
 from __future__ import annotations
