@@ -313,3 +313,38 @@ def test_image_rows_without_the_prefix_cache(mode, monkeypatch):
         assert (r.text, r.cached_tokens) == (words(engine, stock(name, ids, kw, 6)), 0)
     if reuse:
         assert engine.stats()["hit_tokens"] == 0 and engine.stats()["pinned_blocks"] == 0
+
+
+def test_a_request_whose_images_the_model_refuses_fails_alone(monkeypatch, caplog):
+    """Two images' pixels for one image's placeholders: the batched call fails before its first
+    token, its requests then run one by one, and only that request gets the error; the image
+    and text requests beside it answer as stock, the store stays consistent."""
+    name = "gemma3"
+    engine = engine_of(name, max_batch_size=8)
+    (ids, kw), (tids, _), (ids2, kw2), _ = asks(name, 3800)
+    bad = {**kw, "pixel_values": torch.cat([kw["pixel_values"], kw2["pixel_values"]])}
+    held = Held(engine, monkeypatch)
+    calls = Calls(engine, monkeypatch)
+    gens = [
+        engine.submit(ids, Params(4, temperature=0.0), inputs=bad),
+        engine.submit(tids, Params(4, temperature=0.0)),
+        engine.submit(ids2, Params(4, temperature=0.0), inputs=kw2),
+    ]
+    caplog.set_level("WARNING", logger="demo.engine.batching")
+    held.go()
+    results, errors = [None] * 3, [None] * 3
+    for i, g in enumerate(gens):
+        try:
+            results[i] = g.collect()
+        except Exception as e:  # the refused request's own error
+            errors[i] = e
+    monkeypatch.undo()
+    assert calls.rows == [(3, True), (1, True), (1, False), (1, True)]
+    assert errors[0] is not None and errors[1:] == [None, None]
+    assert [r.text for r in results[1:]] == [
+        words(engine, stock(name, tids, {}, 4)),
+        words(engine, stock(name, ids2, kw2, 4)),
+    ]
+    assert sum("run one by one" in r.getMessage() for r in caplog.records) == 1
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0

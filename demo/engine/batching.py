@@ -32,6 +32,7 @@ import logging
 import threading
 
 import torch
+from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -215,6 +216,17 @@ class RowStop(StoppingCriteria):
         return torch.tensor([e is not None for e in rows.ended], dtype=torch.bool, device=input_ids.device)
 
 
+class _Started(LogitsProcessor):
+    """``done`` once generate() has its first logits (before any row draws or streams a token)."""
+
+    def __init__(self):
+        self.done = False
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.done = True
+        return scores
+
+
 def layout(gens: list[Generation]) -> tuple[list[Row], int]:
     """The batch's rows (each request's open rows, in order) and the padded width."""
     width = max(g.width for g in gens)
@@ -246,7 +258,9 @@ def run_batch(runner, gens: list[Generation], pause=None, on_step=None) -> list[
     (`image_inputs`). Every request gets its ("done", cached) or ("error", exc) event, except
     those paused by ``pause(generated)`` (see Rows), which are returned to be queued again: they
     resume from their committed KV. ``on_step(rows)`` is called once per decoding step. Never
-    raises for a generation failure."""
+    raises for a generation failure; a batch holding images that fails before its first token
+    runs its requests one by one instead, so a request whose images its model refuses fails
+    alone."""
     rows, width = layout(gens)
     remaining = max(g.params.max_new_tokens - min(g.replied(r) for r in g.open_rows) for g in gens)
     config = runner.config(Params(remaining, temperature=0.0))
@@ -259,6 +273,7 @@ def run_batch(runner, gens: list[Generation], pause=None, on_step=None) -> list[
     cache = runner.cache(gens, [r.gen for r in rows])
     state = Rows(rows, width, runner.eos, cache, pause, runner.placeholders)
     sampler = RowSampler(rows, state.closed, state.fail)
+    started = _Started()
     try:
         inputs = image_inputs(runner.image_rule, rows, width)
         runner.generate(
@@ -267,12 +282,18 @@ def run_batch(runner, gens: list[Generation], pause=None, on_step=None) -> list[
             attention_mask=mask.to(runner.model.device),
             past_key_values=cache,
             generation_config=config,
-            logits_processor=[sampler],
+            logits_processor=[started, sampler],
             streamer=RowStreamer(state, sampler, on_step),
             stopping_criteria=StoppingCriteriaList([RowStop(state)]),
             **vision.on_model(inputs, runner.model),
         )
     except Exception as e:  # report to every request still waiting; the worker keeps serving
+        if not started.done and len(state.gens) > 1 and any(g.inputs for g in state.gens):
+            # Nothing was drawn, streamed or stored yet: one request's images (inputs its
+            # model refuses) must not fail the others, so each runs alone and only its own fails.
+            log.warning("a batch holding images failed before its first token (%r): its %d "
+                        "requests run one by one", e, len(state.gens))  # fmt: skip
+            return [p for g in state.gens for p in run_batch(runner, [g], pause, on_step)]
         log.exception("batched generate failed")
         state.close_all(("error", e))
         return []
