@@ -66,6 +66,9 @@ def test_inputs_no_rule_covers_run_alone_with_the_reason():
     assert "per prompt token" in vision_batch.alone_reason(
         rule, "gemma3", {"token_type_ids": types[:, :4]}, prompt, none
     )
+    assert "tensor of items" in vision_batch.alone_reason(
+        rule, "gemma3", {"pixel_values": torch.tensor(1.0)}, prompt, none
+    )
     assert "'paligemma'" in vision_batch.alone_reason(None, "paligemma", {"pixel_values": px}, prompt, none)
     assert vision_batch.alone_reason(rule, "gemma3", {}, prompt, none) is None  # a text request
     assert "placeholder" in vision_batch.alone_reason(rule, "gemma3", {}, [*prompt, IMAGE], none)

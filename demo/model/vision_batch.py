@@ -126,8 +126,10 @@ def alone_reason(
             not isinstance(value, torch.Tensor) or tuple(value.shape) != (1, prompt_len)
         ):
             return f"{rule.family} input {name!r} is not one value per prompt token"
-        if kind == "items" and not isinstance(value, (torch.Tensor, list, tuple)):
-            return f"{rule.family} input {name!r} is neither a tensor nor a list"
+        if kind == "items" and not (
+            isinstance(value, (list, tuple)) or (isinstance(value, torch.Tensor) and value.dim() >= 1)
+        ):
+            return f"{rule.family} input {name!r} is neither a tensor of items nor a list"
     return None
 
 
