@@ -10,8 +10,10 @@ own: sampling (greedy or temperature/top_p/top_k/min_p, seed), penalties, logit_
 (demo.engine.sampling.RowSampler), prompt (left-padded to the longest), max_tokens, stop
 strings, EOS, n (n sampled choices are n rows), its client, and its cache namespace (tenant,
 cache_salt): the RadixCache takes one namespace per row, so tenants share a batch but never a
-prefix (only the operator's pinned task prompts, through a SharedPrefix). A request with model
-inputs beside the ids (a VLM's pixel_values) runs alone and is not paused.
+prefix (only the operator's pinned task prompts, through a SharedPrefix), and its images: a
+VLM request's inputs beside the ids (pixel_values, grids, token types) are merged with the other
+rows' as the family's processor would batch them (`image_inputs`, demo.model.vision_batch); a
+family without a merge rule runs each image request alone, never paused.
 
 Rows finish on their own: `RowStop` (a StoppingCriteria returning one bool per row) stops a
 row at its max_tokens, its EOS, its stop string or its client's hang-up; generate() then
@@ -30,19 +32,21 @@ import logging
 import threading
 
 import torch
+from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from demo.engine.generation import Generation, Params
 from demo.engine.sampling import Row, RowSampler
-from demo.model import vision
+from demo.model import vision, vision_batch
 
 log = logging.getLogger(__name__)
 
 
 def batch_key(gen: Generation) -> tuple | None:
-    """Requests with equal keys can be rows of one generate() call; None: run alone."""
-    if gen.inputs:
+    """Requests with equal keys can be rows of one generate() call; None: run alone (image
+    inputs whose family has no merge rule: `Generation.alone`, set by the engine at submit)."""
+    if gen.alone:
         return None
     return (gen.batch_group, gen.params.cache_prompt)
 
@@ -56,8 +60,13 @@ def chunkable(gen: Generation) -> bool:
 class Rows:
     """The batch's rows (``rows[i]``: a `Row`, input row i) and which are still generating."""
 
-    def __init__(self, rows: list[Row], width: int, eos: set[int], cache, pause=None):
+    def __init__(
+        self, rows: list[Row], width: int, eos: set[int], cache, pause=None, placeholders=frozenset()
+    ):
         self.rows, self.width, self.eos, self.cache = rows, width, eos, cache
+        # A row whose reply holds one of these ids (an image placeholder) is not paused: resumed,
+        # its context would count as an image's token without pixels (demo.model.vision_batch).
+        self.placeholders = placeholders
         self.gens: list[Generation] = list(dict.fromkeys(r.gen for r in rows))  # in row order
         self.of_gen = {id(g): [i for i, r in enumerate(rows) if r.gen is g] for g in self.gens}
         self.pause = pause  # pause(generated) -> True: every open row pauses at this step
@@ -176,8 +185,8 @@ class RowStreamer(BaseStreamer):
 class RowStop(StoppingCriteria):
     """Per row: True once the row reached its max_tokens, emitted EOS, hit its stop string
     or lost its client (asked here, between steps: a gone client's row costs a step or two,
-    not the request thread's next poll), or pauses. Closing a row here tells its request it
-    is done right away."""
+    not the request thread's next poll), or pauses (unless its reply holds a placeholder id:
+    it then runs on to its end). Closing a row here tells its request it is done right away."""
 
     def __init__(self, rows: Rows):
         self.rows = rows
@@ -199,10 +208,23 @@ class RowStop(StoppingCriteria):
             ):
                 rows.ended[i] = length
                 rows.settle(i)
-            elif pause:
+            elif pause and (
+                not rows.placeholders or rows.placeholders.isdisjoint(input_ids[i, rows.width :].tolist())
+            ):
                 rows.ended[i], rows.paused[i] = length, True
                 rows.settle(i)
         return torch.tensor([e is not None for e in rows.ended], dtype=torch.bool, device=input_ids.device)
+
+
+class _Started(LogitsProcessor):
+    """``done`` once generate() has its first logits (before any row draws or streams a token)."""
+
+    def __init__(self):
+        self.done = False
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.done = True
+        return scores
 
 
 def layout(gens: list[Generation]) -> tuple[list[Row], int]:
@@ -212,47 +234,66 @@ def layout(gens: list[Generation]) -> tuple[list[Row], int]:
     return rows, width
 
 
+def image_inputs(rule, rows: list[Row], width: int) -> dict:
+    """The batch's model inputs beside the ids: each row's request's image inputs (a resumed
+    row's context is its prompt and reply so far; n sampled rows each carry the request's
+    images) merged by the family's ``rule`` (demo.model.vision_batch); {} for a text batch.
+    The prefix cache drops the items it serves (hf_patch), so a resumed row's images cost no
+    vision forward when their KV is in the store."""
+    if not any(r.gen.inputs for r in rows):
+        return {}
+    merged = [
+        vision_batch.RowInputs(r.gen.inputs, len(r.gen.prompt_ids), len(r.gen.contexts[r.row])) for r in rows
+    ]
+    if rule is None:  # the scheduler keeps such requests alone: one row
+        if len(rows) != 1 or merged[0].context_len != merged[0].prompt_len:
+            raise ValueError("image inputs without a batch rule must run alone and unpaused")
+        return dict(rows[0].gen.inputs)
+    return vision_batch.merge(rule, merged, width)
+
+
 def run_batch(runner, gens: list[Generation], pause=None, on_step=None) -> list[Generation]:
     """One left-padded generate() for ``gens`` (one batch_key) over each open row's context (its
-    prompt, then what earlier chunks generated). Every request gets its ("done", cached) or
-    ("error", exc) event, except those paused by ``pause(generated)`` (see Rows), which are
-    returned to be queued again: they resume from their committed KV. ``on_step(rows)`` is
-    called once per decoding step. Never raises for a generation failure."""
-    inputs = gens[0].inputs if len(gens) == 1 else {}
-    if inputs:  # a VLM's request: one input row, expanded by generate() to its n rows
-        gen = gens[0]
-        rows, width = [Row(gen, r, 0) for r in range(gen.params.rows)], len(gen.prompt_ids)
-        contexts, expand = [gen.prompt_ids], gen.params.rows
-    else:
-        rows, width = layout(gens)
-        contexts, expand = [r.gen.contexts[r.row] for r in rows], 1
+    prompt, then what earlier chunks generated), with the rows' image inputs merged
+    (`image_inputs`). Every request gets its ("done", cached) or ("error", exc) event, except
+    those paused by ``pause(generated)`` (see Rows), which are returned to be queued again: they
+    resume from their committed KV. ``on_step(rows)`` is called once per decoding step. Never
+    raises for a generation failure; a batch holding images that fails before its first token
+    runs its requests one by one instead, so a request whose images its model refuses fails
+    alone."""
+    rows, width = layout(gens)
     remaining = max(g.params.max_new_tokens - min(g.replied(r) for r in g.open_rows) for g in gens)
     config = runner.config(Params(remaining, temperature=0.0))
-    if expand > 1:
-        # generate() expands the VLM inputs to n rows only when sampling; the sampler forces
-        # one token per row, so generate()'s own draw from that one-hot distribution is it.
-        config.do_sample, config.num_return_sequences, config.top_k = True, expand, 0
-    ids = torch.full((len(contexts), width), config.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(contexts), width), dtype=torch.long)
-    for i, context in enumerate(contexts):
+    ids = torch.full((len(rows), width), config.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        context = row.gen.contexts[row.row]
         ids[i, width - len(context) :] = torch.tensor(context)
         mask[i, width - len(context) :] = 1
-    cache = runner.cache(gens, [r.gen for r in rows] if not inputs else None)
-    state = Rows(rows, width, runner.eos, cache, pause)
+    cache = runner.cache(gens, [r.gen for r in rows])
+    state = Rows(rows, width, runner.eos, cache, pause, runner.placeholders)
     sampler = RowSampler(rows, state.closed, state.fail)
+    started = _Started()
     try:
+        inputs = image_inputs(runner.image_rule, rows, width)
         runner.generate(
-            [r.gen for r in rows] if not inputs else gens,
+            [r.gen for r in rows],
             ids.to(runner.model.device),
             attention_mask=mask.to(runner.model.device),
             past_key_values=cache,
             generation_config=config,
-            logits_processor=[sampler],
+            logits_processor=[started, sampler],
             streamer=RowStreamer(state, sampler, on_step),
             stopping_criteria=StoppingCriteriaList([RowStop(state)]),
             **vision.on_model(inputs, runner.model),
         )
     except Exception as e:  # report to every request still waiting; the worker keeps serving
+        if not started.done and len(state.gens) > 1 and any(g.inputs for g in state.gens):
+            # Nothing was drawn, streamed or stored yet: one request's images (inputs its
+            # model refuses) must not fail the others, so each runs alone and only its own fails.
+            log.warning("a batch holding images failed before its first token (%r): its %d "
+                        "requests run one by one", e, len(state.gens))  # fmt: skip
+            return [p for g in state.gens for p in run_batch(runner, [g], pause, on_step)]
         log.exception("batched generate failed")
         state.close_all(("error", e))
         return []

@@ -7,8 +7,9 @@ generate() at a time. The engine is a scheduler plus a runner, as serving engine
   requests share the next generate() call, and when a running batch pauses so that a waiting
   request can join (continuous batching in decode chunks); it never touches the model.
 - demo.engine.runner.Runner executes a batch: generate() with the request options' config, a
-  RadixCache over the store (one namespace per row), PEFT adapters per row, a VLM's pixel
-  inputs, under the model lock (adapters load and unload between calls).
+  RadixCache over the store (one namespace per row), PEFT adapters per row, the rows' image
+  inputs merged as the family's processor batches them (demo.model.vision_batch), under the
+  model lock (adapters load and unload between calls).
 
 The worker loop (`_serve`) is the only place the two meet: take a batch, run it, queue what
 paused again. A request's own thread reads token ids from the worker through its Generation
@@ -132,7 +133,9 @@ class Engine:
         hooks=None,
     ) -> Generation:
         """Queue a request in `slot` (default: reserve one now; raises Busy if the queue is
-        full). ``inputs``: model inputs beside the ids (a VLM's pixel_values). ``hooks``: one
+        full). ``inputs``: model inputs beside the ids (a VLM's processor outputs for this
+        prompt: pixel_values, grids, token types), merged with the batch's other rows where the
+        family allows (demo.model.vision_batch), else the request runs alone. ``hooks``: one
         demo.engine.sampling.RowHook (or None) per row of the request (``params.rows``),
         applied to that row's logits only; a ``params.grammar`` makes them (one matcher per
         row). Iterate the result for text."""
@@ -143,6 +146,7 @@ class Engine:
         slot = slot or self.reserve()
         group = self.adapters.batch_group(params.adapter) if self.adapters is not None else None
         gen = Generation(prompt_ids, params, namespace, self.decode, self.runner.eos, inputs, group, hooks)
+        gen.alone = self.runner.runs_alone(prompt_ids, inputs)
         self.scheduler.submit(gen, slot)
         return gen
 

@@ -145,8 +145,12 @@ class Generation:
         hooks=None,
     ):
         self.prompt_ids, self.params, self.namespace = prompt_ids, params, namespace
-        # Model inputs beside the ids (an image's pixel_values): such a request runs alone.
+        # Model inputs beside the ids (an image's pixel_values, grids, token types: made for this
+        # request's prompt alone), merged with the batch's other rows (demo.model.vision_batch).
         self.inputs = inputs or {}
+        # Whether it must run alone and unpaused (image inputs no batch rule merges, placeholder
+        # ids in a text prompt): the engine decides at submit; until then, one with inputs does.
+        self.alone = bool(self.inputs)
         self.batch_group = batch_group  # requests of different groups never share a generate()
         # The adapter (demo.model.adapters.Adapter) its first generate() ran under: a resumed
         # chunk runs only under that same load of it.

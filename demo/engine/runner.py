@@ -24,6 +24,7 @@ import torch
 from demo.engine import batching
 from demo.engine.constrained import GrammarHook, Grammars
 from demo.engine.generation import GREEDY_BELOW, Generation, Params
+from demo.model import vision_batch
 
 __all__ = ["PUBLIC_NAMESPACE", "Runner"]
 
@@ -47,6 +48,12 @@ class Runner:
         vocab = model.get_input_embeddings().num_embeddings
         logits = min(vocab, getattr(model.get_output_embeddings(), "out_features", vocab))
         self.grammars = Grammars(tokenizer, logits, self.eos)  # constrained decoding
+        # How the rows' image inputs merge into one call's (None: image requests run alone)
+        self.image_rule = vision_batch.rule_for(model)
+        self.placeholders = (
+            vision_batch.placeholder_ids(model) if self.image_rule is not None else frozenset()
+        )
+        self._alone_logged: set[str] = set()
         # Token prefixes pinned under PUBLIC_NAMESPACE (the operator's task prompts, longest
         # first): a request starting with one reads it there, whatever its tenant.
         self._public: list[list[int]] = []
@@ -135,6 +142,19 @@ class Runner:
             return self.model.generate(*args, **kwargs)
         return self.adapters.generate([g.params.adapter for g in gens], *args, **kwargs)
 
+    def runs_alone(self, prompt_ids: Sequence[int], inputs: dict | None) -> bool:
+        """Whether a request with model ``inputs`` must run alone and unpaused: its family has
+        no batch rule, the rule does not cover one of its inputs, or it is a text request whose
+        prompt holds a placeholder id (logged once per reason: demo.model.vision_batch)."""
+        family = getattr(self.model.config, "model_type", None)
+        reason = vision_batch.alone_reason(
+            self.image_rule, family, inputs or {}, prompt_ids, self.placeholders
+        )
+        if reason is not None and reason not in self._alone_logged:
+            self._alone_logged.add(reason)
+            log.info("such requests run alone, one per generate() call, never paused: %s", reason)
+        return reason is not None
+
     # -- what every call needs ----------------------------------------------------------------
     def config(self, p: Params):
         """The model's generation config with a request's options applied (a copy)."""
@@ -165,7 +185,7 @@ class Runner:
         """A RadixCache on the store for ``gens``, or None: reuse off, or the requests said
         cache_prompt=false (then plain generate(): the store is neither read nor written).
         ``rows``: the request of each input row (one namespace per row); None: one request
-        whose input rows generate() expands."""
+        whose input rows generate() expands (none here does)."""
         if self.store is None or not gens[0].params.cache_prompt:
             return None
         from hf_patch import RadixCache  # the store exists: hf_patch is imported

@@ -2,9 +2,10 @@
 
 Every request becomes a `Generation` (demo.engine.generation) in a FIFO queue of at most `max_queue`.
 `next_batch()` takes the oldest and the queued requests that can share its generate() call
-(demo.engine.batching.batch_key: the same adapter group and cache_prompt; sampling options never
-keep a request out), oldest first, within `max_batch_size` rows (n sampled choices are n rows)
-and `max_batch_tokens` (rows x padded width). After `decode_chunk` steps a batch pauses if any
+(demo.engine.batching.batch_key: the same adapter group and cache_prompt; sampling options and
+images never keep a request out, except images of a family without a batch rule), oldest
+first, within `max_batch_size` rows (n sampled choices are n rows) and `max_batch_tokens`
+(rows x padded width: pixels are not counted). After `decode_chunk` steps a batch pauses if any
 request waits (`pause_for`): its requests queue again behind the waiting ones, carrying what
 they generated (and their random generator, per-row hooks), and resume from their committed KV
 (continuous batching in chunks). The scheduler never touches the model: demo.engine.runner
@@ -221,14 +222,16 @@ class Scheduler:
 
     def _long(self, gen: Generation) -> bool:
         """Whether ``gen`` is a long prompt (more than a slice; a text request on the prefix
-        cache, not started yet) not yet prefilled up to its last token. It is sliced to the end:
-        a batch computes every row over the columns its longest uncached row needs, so a
-        remainder left to the batch would cost rows x remainder."""
+        cache, not started yet; one with images is prefilled whole in its batch) not yet
+        prefilled up to its last token. It is sliced to the end: a batch computes every row
+        over the columns its longest uncached row needs, so a remainder left to the batch
+        would cost rows x remainder."""
         return (
             self.prefill_chunk > 0
             and gen.started is None
             and gen.params.cache_prompt
             and batching.batch_key(gen) is not None
+            and not gen.inputs  # a slice is ids only: an image's placeholders need its pixels
             and len(gen.prompt_ids) > self.prefill_chunk
             and gen.prefilled < len(gen.prompt_ids) - 1
         )
