@@ -78,6 +78,8 @@ class Config:
     limit_videos: int = 1
     max_video_bytes: int = 32 << 20
     max_video_frames: int = 64
+    video_frames: int | None = None  # sampled evenly where the processor samples none (MediaPolicy)
+    video_decode_timeout: float = 30.0  # seconds for decoding one request's videos
     allowed_media_domains: tuple[str, ...] = ()
     media_fetch_timeout: float = 5.0
     # Origins a browser app may call the API from (CORS, demo.api.conventions); () = none, "*" = any
@@ -173,6 +175,8 @@ class Config:
             max_videos=self.limit_videos,
             max_video_bytes=self.max_video_bytes,
             max_video_frames=self.max_video_frames,
+            video_frames=self.video_frames,
+            video_decode_timeout=self.video_decode_timeout,
         )
 
     @property
@@ -272,6 +276,8 @@ _ENV = {
     "max_image_bytes": ("RADIXKV_MAX_IMAGE_BYTES", int),
     "max_video_bytes": ("RADIXKV_MAX_VIDEO_BYTES", int),
     "max_video_frames": ("RADIXKV_MAX_VIDEO_FRAMES", int),
+    "video_frames": ("RADIXKV_VIDEO_FRAMES", int),
+    "video_decode_timeout": ("RADIXKV_VIDEO_DECODE_TIMEOUT", float),
     "allowed_media_domains": ("RADIXKV_ALLOWED_MEDIA_DOMAINS", _domains),
     "media_fetch_timeout": ("RADIXKV_MEDIA_FETCH_TIMEOUT", float),
     "allowed_origins": ("RADIXKV_ALLOWED_ORIGINS", _keys),
@@ -442,6 +448,20 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         help="frames of one video handed to the model, after the processor's frame sampling "
         "(default 64; env RADIXKV_MAX_VIDEO_FRAMES)",
+    )
+    p.add_argument(
+        "--video-frames",
+        type=int,
+        metavar="N",
+        help="frames sampled evenly from a video where the model's processor samples none "
+        "(default 32, as vLLM, or --max-video-frames where lower; at most --max-video-frames; "
+        "env RADIXKV_VIDEO_FRAMES)",
+    )
+    p.add_argument(
+        "--video-decode-timeout",
+        type=float,
+        help="seconds for decoding one request's videos; longer is a 400 (default 30; "
+        "env RADIXKV_VIDEO_DECODE_TIMEOUT)",
     )
     p.add_argument(
         "--allowed-media-domains",

@@ -308,7 +308,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         pictures = images.load_images(parts, media, processed, image_slots) if media is not None else []
         clips = []
         if clip_parts:
-            sample = vision.frame_sampler(engine.processor)
+            sample = vision.frame_sampler(engine.processor, media.sampled_frames)
             per_frame = functools.partial(vision.processed_pixels, engine.processor, part="video_processor")
             clips = videos.load_videos(clip_parts, media, sample, per_frame, image_slots)
         with reserve() as slot:

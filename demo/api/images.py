@@ -54,6 +54,9 @@ class ImagePart:
     param: str  # e.g. "messages[0].content[1]"
 
 
+VIDEO_FRAMES = 32  # frames sampled evenly from a video by default (vLLM's VideoMediaIO num_frames)
+
+
 @dataclass(frozen=True)
 class MediaPolicy:
     max_images: int = 4  # per request (vLLM: --limit-mm-per-prompt)
@@ -68,8 +71,19 @@ class MediaPolicy:
     max_videos: int = 1
     max_video_bytes: int = 32 << 20
     max_video_frames: int = 64
+    # frames sampled evenly where the processor samples none; None: VIDEO_FRAMES (vLLM's
+    # num_frames), or --max-video-frames where that is lower (sampled_frames)
+    video_frames: int | None = None
+    video_decode_timeout: float = 30.0  # seconds for decoding one request's videos
 
     def __post_init__(self) -> None:
+        if self.video_frames is not None and not 1 <= self.video_frames <= self.max_video_frames:
+            raise ValueError(
+                f"--video-frames must be >= 1 and at most --max-video-frames ({self.max_video_frames}), "
+                f"got {self.video_frames}"
+            )
+        if not self.video_decode_timeout > 0:
+            raise ValueError(f"--video-decode-timeout must be > 0, got {self.video_decode_timeout}")
         if self.max_videos < 0 or self.max_video_bytes < 1 or self.max_video_frames < 1:
             raise ValueError(
                 "the video limit of --limit-mm-per-prompt must be >= 0, --max-video-bytes and "
@@ -85,6 +99,13 @@ class MediaPolicy:
                 "limit-mm-per-prompt must be >= 0, max-image-bytes >= 1 and media-fetch-timeout > 0, got "
                 f"{self.max_images}, {self.max_image_bytes}, {self.fetch_timeout}"
             )
+
+    @property
+    def sampled_frames(self) -> int:
+        """Frames sampled evenly from a video whose processor samples none (demo.model.vision.frame_sampler)."""
+        return (
+            self.video_frames if self.video_frames is not None else min(VIDEO_FRAMES, self.max_video_frames)
+        )
 
     @property
     def body_bytes(self) -> int:

@@ -12,8 +12,8 @@ The URL rules are the images' (demo.api.images: data: URLs, http(s) only from
   resize, demo.api.images.check_size), before any frame is decoded;
 - the frames handed to the model are the model's own choice: ``sample(metadata)`` gives their
   indices from the stream's frame count and rate (the processor's ``sample_frames`` where it
-  samples, every frame where it does not: demo.model.vision.frame_sampler); more than
-  ``--max-video-frames`` of them is a 400;
+  samples, ``--video-frames`` spread evenly where it does not, as vLLM:
+  demo.model.vision.frame_sampler); more than ``--max-video-frames`` of them is a 400;
 - decoding stops after the last frame wanted, and is bounded before anything is sampled or read,
   from the header: at most ``MAX_SOURCE_FRAMES`` frames in the stream and ``MAX_DECODED_PIXELS``
   frames x pixels (a processor's sampling spreads over the whole video, so all of it may be
@@ -21,7 +21,10 @@ The URL rules are the images' (demo.api.images: data: URLs, http(s) only from
   ``MAX_VIDEO_PROCESSED_PIXELS`` once the processor has resized them (``processed(width,
   height)`` per frame: float32 RGB);
 - a stream whose frames change size, or that ends before the frames its header promised, is
-  refused.
+  refused;
+- decoding a request's videos takes at most ``--video-decode-timeout`` seconds of wall clock
+  (one deadline from when the decoding slot is held, checked between packets: one packet's
+  decoding is bounded by the frame size limits).
 
 Each refusal is a 400 (``invalid_video``) whose ``param`` names the part.
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import io
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -92,11 +96,16 @@ def load_videos(
         )
     raw = [images.fetch_bytes(part, policy, policy.max_video_bytes, "video") for part in parts]
     with slots if slots is not None else contextlib.nullcontext():
-        return [decode(data, part, policy, sample, processed) for data, part in zip(raw, parts)]
+        deadline = time.monotonic() + policy.video_decode_timeout  # the wait for a slot not counted
+        return [decode(data, part, policy, sample, processed, deadline) for data, part in zip(raw, parts)]
 
 
-def decode(raw: bytes, part: ImagePart, policy: MediaPolicy, sample, processed=None) -> Video:
-    """The sampled frames of an encoded video; ApiError 400 when it cannot be decoded or is over a limit."""
+def decode(raw: bytes, part: ImagePart, policy: MediaPolicy, sample, processed=None, deadline=None) -> Video:
+    """The sampled frames of an encoded video; ApiError 400 when it cannot be decoded, is over a
+    limit or is not decoded by ``deadline`` (time.monotonic(); default: ``--video-decode-timeout``
+    from now)."""
+    if deadline is None:
+        deadline = time.monotonic() + policy.video_decode_timeout
     try:
         import av
     except ImportError:  # installed without the demo extra
@@ -110,7 +119,7 @@ def decode(raw: bytes, part: ImagePart, policy: MediaPolicy, sample, processed=N
                 )
             if not container.streams.video:
                 raise _bad(part, "the file holds no video stream")
-            return _frames(container, container.streams.video[0], part, policy, sample, processed)
+            return _frames(container, container.streams.video[0], part, policy, sample, processed, deadline)
     except ApiError:
         raise
     except (av.error.FFmpegError, OSError, ValueError, EOFError) as e:
@@ -133,7 +142,24 @@ def _metadata(container, stream, part: ImagePart) -> dict:
                 video_backend="pyav")  # fmt: skip
 
 
-def _frames(container, stream, part: ImagePart, policy: MediaPolicy, sample, processed) -> Video:
+def _decoded(container, stream, part: ImagePart, policy: MediaPolicy, deadline: float):
+    """The stream's frames in order, decoded packet by packet; a 400 naming
+    ``--video-decode-timeout`` once ``deadline`` has passed."""
+    for packet in container.demux(stream):  # its last packet is empty: decoding it flushes
+        if time.monotonic() > deadline:
+            raise _bad(
+                part,
+                f"decoding the video took longer than {policy.video_decode_timeout:g} s "
+                "(--video-decode-timeout): send a shorter or smaller video",
+            )
+        yield from _decode_packet(packet)
+
+
+def _decode_packet(packet) -> list:
+    return packet.decode()
+
+
+def _frames(container, stream, part: ImagePart, policy: MediaPolicy, sample, processed, deadline) -> Video:
     meta = _metadata(container, stream, part)
     width, height = meta["width"], meta["height"]
     images.check_size(width, height, part, policy, processed, "video")
@@ -156,9 +182,8 @@ def _frames(container, stream, part: ImagePart, policy: MediaPolicy, sample, pro
         raise _bad(
             part,
             f"the model would be handed {len(indices)} frames of this video ({meta['total_num_frames']} "
-            f"frames at {meta['fps']:g} fps), more than {policy.max_video_frames} (--max-video-frames)"
-            + (": its processor samples none, it takes every frame" if indices == list(range(total)) else "")
-            + ": send a shorter video or one of a lower frame rate",
+            f"frames at {meta['fps']:g} fps), more than {policy.max_video_frames} (--max-video-frames): "
+            "send a shorter video or one of a lower frame rate",
         )
     after = (processed(width, height) if processed is not None else width * height) * len(indices)
     if after > MAX_VIDEO_PROCESSED_PIXELS:
@@ -174,7 +199,7 @@ def _frames(container, stream, part: ImagePart, policy: MediaPolicy, sample, pro
             f"{MAX_VIDEO_PIXELS} pixels: send a shorter or smaller video",
         )
     keep, frames, read = set(wanted), {}, 0
-    for frame in container.decode(stream):
+    for frame in _decoded(container, stream, part, policy, deadline):
         if (frame.width, frame.height) != (width, height):
             raise _bad(
                 part, f"frame {read} is {frame.width}x{frame.height}, the stream says {width}x{height}"

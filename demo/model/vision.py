@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from demo.errors import ApiError
@@ -108,17 +109,28 @@ def video_refusal(processor) -> str | None:
     return "it takes no videos"
 
 
-def frame_sampler(processor):
+def uniform_frames(total: int, count: int) -> list[int]:
+    """``count`` frame indices spread evenly over ``total`` frames, first and last included
+    (vLLM's default video sampling: ``linspace(0, total - 1, count)`` rounded down); every frame
+    where ``total <= count``."""
+    if total <= count:
+        return list(range(total))
+    return np.linspace(0, total - 1, count, dtype=int).tolist()
+
+
+def frame_sampler(processor, count: int):
     """``sample(metadata) -> frame indices``: the frames of a video (transformers' VideoMetadata
     fields) that the processor hands the model: its own ``sample_frames`` (with its configured
-    ``fps`` / ``num_frames``) where it samples (``do_sample_frames``), else every frame."""
+    ``fps`` / ``num_frames``) where it samples (``do_sample_frames``), else ``count`` frames spread
+    evenly (``uniform_frames``, as vLLM: ``--video-frames``, demo.api.images.MediaPolicy). An odd count is taken
+    as is: Qwen-VL processors (temporal patch 2) repeat the last frame to fill the last patch."""
     from transformers.video_utils import VideoMetadata
 
     videos = processor.video_processor
 
     def sample(metadata: dict) -> list[int]:
         if not getattr(videos, "do_sample_frames", False):
-            return list(range(metadata["total_num_frames"]))
+            return uniform_frames(metadata["total_num_frames"], count)
         return [int(i) for i in videos.sample_frames(VideoMetadata(**metadata))]
 
     return sample
