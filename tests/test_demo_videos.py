@@ -12,7 +12,9 @@ from transformers.video_utils import VideoMetadata, default_sample_indices_fn
 
 from demo.api import schema, videos
 from demo.api.images import ImagePart, MediaPolicy
+from demo.config import Config, from_args
 from demo.errors import ApiError
+from demo.model.vision import frame_sampler
 from tests.demo_checkpoints import data_url, png
 from tests.demo_vlm_checkpoints import decoded, mp4
 
@@ -68,10 +70,91 @@ def test_sampled_frames_are_the_decoded_frames_at_the_models_indices(container):
     )
 
 
+class _Processor:
+    """A processor whose video processor samples (``sample_frames``) or not: as
+    demo.model.vision.frame_sampler reads it."""
+
+    def __init__(self, samples: bool) -> None:
+        self.video_processor = self
+        self.do_sample_frames = samples
+
+    def sample_frames(self, metadata):
+        return default_sample_indices_fn(metadata, num_frames=3)
+
+
+def test_a_processor_that_samples_none_gets_frames_spread_evenly_as_vllm():
+    """300 frames (10 s at 30 fps): 8 frames at linspace(0, 299, 8), the metadata saying so (the
+    processor's sampled_fps and Qwen2.5-VL's second_per_grid_ts follow from it)."""
+    raw = mp4(7, frames=300, size=(16, 16), fps=30)
+    reference, _ = decoded(raw)
+    video = load(raw, frame_sampler(_Processor(False), 8), max_video_frames=8)
+    want = [0, 42, 85, 128, 170, 213, 256, 299]
+    assert video.metadata["frames_indices"] == want == np.linspace(0, 299, 8).astype(int).tolist()
+    assert np.array_equal(video.frames, reference[want])
+    assert {k: video.metadata[k] for k in ("total_num_frames", "fps", "duration")} == {
+        "total_num_frames": 300,
+        "fps": 30.0,
+        "duration": 10.0,
+    }
+    meta = VideoMetadata(**video.metadata)
+    assert meta.sampled_fps == pytest.approx(0.8) and meta.timestamps[-1] == pytest.approx(299 / 30)
+    # A clip of no more frames than the count: every frame, once; the processor's own sampling
+    # where it samples (here 3 frames); an odd count is taken as is.
+    short = mp4(8, frames=6, size=(16, 16))
+    assert load(short, frame_sampler(_Processor(False), 8)).metadata["frames_indices"] == list(range(6))
+    assert load(raw, frame_sampler(_Processor(True), 8)).metadata["frames_indices"] == [0, 100, 200]
+    assert load(raw, frame_sampler(_Processor(False), 5)).metadata["frames_indices"] == [0, 74, 149, 224, 299]
+
+
+def test_the_frame_count_flags():
+    assert (MediaPolicy().sampled_frames, MediaPolicy(max_video_frames=8).sampled_frames) == (32, 8)
+    assert MediaPolicy(video_frames=4, max_video_frames=8).sampled_frames == 4
+    for bad in (0, 9):
+        with pytest.raises(
+            ValueError, match=rf"--video-frames must be >= 1 and at most --max-video-frames \(8\), got {bad}"
+        ):
+            MediaPolicy(video_frames=bad, max_video_frames=8)
+    with pytest.raises(ValueError, match="--video-decode-timeout must be > 0, got 0"):
+        Config(video_decode_timeout=0)
+    c = from_args(["--video-frames", "16", "--video-decode-timeout", "2.5"], {})
+    assert (c.media_policy.sampled_frames, c.media_policy.video_decode_timeout) == (16, 2.5)
+    c = from_args([], {"RADIXKV_VIDEO_FRAMES": "6", "RADIXKV_VIDEO_DECODE_TIMEOUT": "9"})
+    assert (c.media_policy.sampled_frames, c.media_policy.video_decode_timeout) == (6, 9.0)
+    with pytest.raises(ValueError, match="--video-frames"):
+        from_args(["--video-frames", "65"], {})  # over the default --max-video-frames 64
+
+
+def test_decoding_past_its_deadline_is_a_400(monkeypatch):
+    """A decoder slower than --video-decode-timeout: cut at the deadline, a 400 naming the flag."""
+    import time
+
+    raw = mp4(9, frames=300, size=(16, 16), fps=30)
+    real, packets, delay = videos._decode_packet, [], [0.02]
+
+    def slow(packet):
+        packets.append(packet)
+        time.sleep(delay[0])
+        return real(packet)
+
+    monkeypatch.setattr(videos, "_decode_packet", slow)
+    every_eighth = frame_sampler(_Processor(False), 8)  # up to the last frame: all of it decoded
+    error = refused(
+        r"decoding the video took longer than 0.3 s \(--video-decode-timeout\): send a shorter or smaller video",
+        raw,
+        every_eighth,
+        video_decode_timeout=0.3,
+    )
+    assert error.message.startswith(PART.param) and 0 < len(packets) < 300  # cut short
+    packets.clear()
+    delay[0] = 0
+    video = load(raw, every_eighth, video_decode_timeout=0.3)  # the same stream, decoded in time
+    assert video.metadata["frames_indices"][-1] == 299 and len(packets) > 300  # every packet, and the flush
+
+
 def test_frame_and_video_limits_are_400s():
     raw = mp4(2, frames=12)
-    refused(r"handed 12 frames of this video \(12 frames at 10 fps\), more than 8 \(--max-video-frames\): its "
-            "processor samples none, it takes every frame: send a shorter video", raw, max_video_frames=8)  # fmt: skip
+    refused(r"handed 12 frames of this video \(12 frames at 10 fps\), more than 8 \(--max-video-frames\): "
+            "send a shorter video", raw, max_video_frames=8)  # fmt: skip
     refused(r"handed 10 frames .* more than 8 \(--max-video-frames\): send a shorter", raw, uniform(10),
             max_video_frames=8)  # fmt: skip
     assert load(raw, uniform(8), max_video_frames=8).frames.shape[0] == 8  # sampled down: taken
