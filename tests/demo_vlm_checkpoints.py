@@ -135,10 +135,11 @@ _QWEN = {  # model type -> (processor class, video processor class, vision confi
 }  # fmt: skip
 
 
-def save_qwen_vl(path, seed: int = 0, model_type: str = "qwen2_5_vl") -> str:
+def save_qwen_vl(path, seed: int = 0, model_type: str = "qwen2_5_vl", samples: bool = True) -> str:
     """Qwen2-VL, Qwen2.5-VL or Qwen3-VL (``model_type``): patches of 4 merged 2x2 (one token per
     8x8 pixels), images of 256 to 4,096 pixels, videos sampled at 2 frames per second (4 to 8
-    frames), frames of 256 to 1,024 pixels."""
+    frames; ``samples=False``: not sampled, transformers' default for these processors), frames of
+    256 to 1,024 pixels."""
     from transformers import AutoConfig, AutoModelForImageTextToText, Qwen2VLImageProcessor
 
     processor_class, video_class, vision = _QWEN[model_type]
@@ -153,6 +154,12 @@ def save_qwen_vl(path, seed: int = 0, model_type: str = "qwen2_5_vl") -> str:
     # cap_pixels_per_frame: the reference behaviour (and no warning from transformers)
     videos = dict(video_processor_type=video_class, size={"shortest_edge": 256, "longest_edge": 1024},
                   do_sample_frames=True, fps=2.0, min_frames=4, max_frames=8, cap_pixels_per_frame=True, **grid)  # fmt: skip
+    if not samples:
+        videos = {
+            k: v
+            for k, v in videos.items()
+            if k not in ("do_sample_frames", "fps", "min_frames", "max_frames")
+        }
     vision = {**vision, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     if model_type == "qwen3_vl":

@@ -22,9 +22,12 @@ import openai
 import pytest
 from transformers import AutoConfig, AutoModelForImageTextToText
 
+from demo.api import videos
 from demo.api.app import build_engine, create_app
+from demo.api.images import ImagePart
 from demo.api.server import serving
 from demo.config import Config
+from demo.model import vision
 from demo.model.processors import has_videos, load_processor, videos_dropped
 from tests.demo_checkpoints import data_url, pil, png
 from tests.demo_vlm_checkpoints import (
@@ -57,18 +60,22 @@ VIDEOS = [
 TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 
-def _serve(family: str, tmp_path_factory):
-    """(openai client, engine, (reference model, reference processor)) for one family."""
+def _serve(family: str, tmp_path_factory, saver=None, **options):
+    """(openai client, engine, (reference model, reference processor)) for one family (its
+    checkpoint written by ``saver``, default SAVERS'; ``options``: the Config's, over these)."""
     import openai
 
-    path = SAVERS[family](tmp_path_factory.mktemp("vlm") / family)
+    path = (saver or SAVERS[family])(tmp_path_factory.mktemp("vlm") / family)
     config = Config(
-        model=path,
-        block_size=BLOCK,
-        cache_tokens=1 << 13,
-        limit_images=2,
-        max_video_frames=6,
-        served_name="m",
+        **{
+            "model": path,
+            "block_size": BLOCK,
+            "cache_tokens": 1 << 13,
+            "limit_images": 2,
+            "max_video_frames": 6,
+            "served_name": "m",
+            **options,
+        }
     )
     engine = build_engine(config)
     # AutoProcessor's, or without its video processor where torchvision is missing (as the server)
@@ -110,10 +117,14 @@ def user(*parts) -> list[dict]:
     return [{"role": "user", "content": [part(p) for p in parts]}]
 
 
-def stock(reference, messages) -> tuple[list[int], str]:
+def stock(reference, messages, frames: int | None = None) -> tuple[list[int], str]:
     """Prompt ids and the stock greedy reply of the processor's inputs from the same bytes: images
-    as PIL images, videos as every frame with their metadata (the processor samples them)."""
+    as PIL images, videos as every frame with their metadata (the processor samples them), or with
+    ``frames``: that many frames at vLLM's indices (``linspace(0, total - 1, frames)``), their
+    metadata saying so, not sampled again (as vLLM hands them to the processor)."""
     import base64
+
+    import numpy as np
 
     model, processor = reference
     conv, metadata = [], []
@@ -127,13 +138,17 @@ def stock(reference, messages) -> tuple[list[int], str]:
             if p["type"] == "image_url":
                 content.append({"type": "image", "image": pil(raw)})
             else:
-                frames, meta = decoded(raw)
-                content.append({"type": "video", "video": frames})
+                every, meta = decoded(raw)
+                if frames is not None:
+                    meta.frames_indices = np.linspace(0, len(every) - 1, frames).astype(int).tolist()
+                    every = every[meta.frames_indices]
+                content.append({"type": "video", "video": every})
                 metadata.append(meta)
         conv.append({"role": m["role"], "content": content})
     inputs = processor.apply_chat_template(
         conv, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
-        processor_kwargs={"video_metadata": metadata} if metadata else None,
+        processor_kwargs=({"video_metadata": metadata} | ({} if frames is None else {"do_sample_frames": False})
+                          if metadata else None),
     )  # fmt: skip
     out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
     ids = inputs["input_ids"][0].tolist()
@@ -224,6 +239,42 @@ def test_a_second_question_about_a_video(served_videos):
         ):
             ask(client, long)
     assert ask(client, second) == (reply2, (len(ids2) - 1) // BLOCK * BLOCK)  # all but the last token
+
+
+@pytest.fixture(scope="module")
+def served_unsampled(tmp_path_factory):
+    """A Qwen2.5-VL checkpoint whose processor samples no frames, served with --video-frames 4."""
+    saver = functools.partial(save_qwen_vl, samples=False)
+    yield from _serve("qwen2_5_vl", tmp_path_factory, saver, video_frames=4)
+
+
+@pytest.mark.skipif(
+    not TORCHVISION, reason="torchvision is not installed: transformers' video processors need it"
+)
+def test_a_processor_that_samples_no_frames_gets_frames_spread_evenly(served_unsampled):
+    """10 s at 30 fps (300 frames: over --max-video-frames 6 were every frame taken): 4 frames at
+    vLLM's indices, equal to stock given those frames and their metadata; second_per_grid_ts from
+    the sampled rate (4 frames in 10 s: 0.4 fps, 2 frames a temporal patch: 5 s); a second
+    question reads the video from the store."""
+    client, engine, reference = served_unsampled
+    assert has_videos(engine.processor) and not engine.processor.video_processor.do_sample_frames
+    tower = Tower(engine.model)
+    clip = data_url(mp4(47, frames=300, size=(16, 16), fps=30), "video/mp4")
+    first = user(clip, f"[{uuid.uuid4().hex}] what happens in this video?")
+    ids1, reply1 = stock(reference, first, frames=4)
+    assert ask(client, first) == (reply1, 0) and tower.calls >= 1
+    calls = tower.calls
+    second = user(clip, f"[{uuid.uuid4().hex}] and then?")
+    ids2, reply2 = stock(reference, second, frames=4)
+    shared = next(i for i, (x, y) in enumerate(zip(ids1, ids2)) if x != y)
+    assert ask(client, second) == (reply2, shared // BLOCK * BLOCK) and tower.calls == calls
+    # What the server handed the processor: the frames and metadata of demo.api.videos.
+    sample = vision.frame_sampler(engine.processor, 4)
+    clips = videos.load_videos([ImagePart(clip, "p")], Config().media_policy, sample)
+    assert clips[0].metadata["frames_indices"] == [0, 99, 199, 299]
+    prompt = vision.render(engine.processor, first, [], clips)
+    assert prompt.ids == ids1 and prompt.inputs["video_grid_thw"][0, 0].item() == 2  # 4 frames / 2
+    assert prompt.inputs["second_per_grid_ts"].tolist() == [pytest.approx(5.0)]
 
 
 def test_hostile_parts_are_400s_and_the_server_goes_on(served):
