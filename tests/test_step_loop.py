@@ -1,0 +1,188 @@
+"""hf_patch.running_batch: rows admitted at different steps, decoded one forward per step over a
+persistent left-padded KV batch, equal stock generate() of each row alone; removal, commit and
+rows that are never committed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper
+
+import hf_patch
+from hf_patch.running_batch import RunningBatch, prefill_keys, unsupported_reason
+from tests.hf_models import EOS, PAD, build, left_pad, one_torch_thread, shared, store_for, tokens  # noqa: F401
+
+MODEL = "llama-sdpa"
+
+
+class Row:
+    """One request of the test: its prompt, its sampler, and what it generated."""
+
+    def __init__(self, prompt, new, seed=None, temperature=0.7, namespace=None):
+        self.prompt, self.new, self.seed, self.temperature = prompt, new, seed, temperature
+        self.namespace = namespace
+        self.rng = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.out: list[int] = []
+        self.cached = None
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """logits: [vocab] float32 -> the token stock generate() picks (greedy, or one draw of
+        torch.multinomial after manual_seed(seed): the same generator stream)."""
+        if self.rng is None:
+            return int(logits.argmax())
+        x = TemperatureLogitsWarper(self.temperature)(None, logits.reshape(1, -1))
+        return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=self.rng))
+
+
+def stock_alone(model, row: Row) -> list[int]:
+    kwargs = dict(max_new_tokens=row.new, pad_token_id=PAD, eos_token_id=EOS)
+    if row.seed is None:
+        kwargs.update(do_sample=False)
+    else:
+        torch.manual_seed(row.seed)
+        kwargs.update(do_sample=True, temperature=row.temperature, top_k=None, top_p=None)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([row.prompt]), **kwargs)
+    return out[0, len(row.prompt) :].tolist()
+
+
+def admit(batch: RunningBatch, model, store, rows: list[Row], cache_prompt=True) -> None:
+    """The engine's admission: one prefill generate() (max_new_tokens=1) over the newcomers
+    left-padded, reading and committing the store; each newcomer's first token from its logits."""
+    ids, mask = left_pad([r.prompt for r in rows])
+    if cache_prompt:
+        cache = hf_patch.RadixCache(store=store, namespace=[r.namespace for r in rows])
+    else:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1, do_sample=False,
+            pad_token_id=PAD, eos_token_id=EOS, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    first = [r.pick(out.logits[0][i].float()) for i, r in enumerate(rows)]
+    for i, r in enumerate(rows):
+        r.out.append(first[i])
+        r.cached = cache.cached_tokens[i] if cache_prompt else 0
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    keys = prefill_keys(model, cache, len(rows)) if cache_prompt else None
+    batch.admit(kv, ids, mask, first, keys)
+
+
+def run(batch: RunningBatch, rows_in: list[Row], steps: int) -> None:
+    """``steps`` decode steps; a row that reached its length or EOS is removed (committed)."""
+    for _ in range(steps):
+        retire(batch, rows_in)
+        if not batch.size:
+            return
+        logits = batch.step()
+        tokens_ = [r.pick(logits[i]) for i, r in enumerate(rows_in)]
+        batch.set_next(tokens_)
+        for r, t in zip(rows_in, tokens_):
+            r.out.append(t)
+    retire(batch, rows_in)
+
+
+def retire(batch: RunningBatch, rows_in: list[Row]) -> None:
+    done = [i for i, r in enumerate(rows_in) if len(r.out) >= r.new or r.out[-1] == EOS]
+    batch.remove(done)
+    for i in reversed(done):
+        rows_in.pop(i)
+
+
+def test_rows_admitted_at_different_steps_equal_stock_alone_greedy_and_seeded():
+    model = shared(MODEL)
+    store = store_for(model)
+    batch = RunningBatch(model, store, PAD, [EOS])
+    a = Row(tokens(20, 1), 12)
+    b = Row(tokens(7, 2), 9, seed=5)
+    c = Row(tokens(31, 3), 6)  # wider than the batch: the running rows are padded further
+    d = Row(tokens(5, 4), 8, seed=11, temperature=1.3)
+    running: list[Row] = []
+    admit(batch, model, store, [a]), running.append(a)
+    run(batch, running, 3)
+    admit(batch, model, store, [b, c]), running.extend([b, c])
+    run(batch, running, 2)
+    admit(batch, model, store, [d]), running.append(d)
+    run(batch, running, 20)
+    assert batch.size == 0 and not running
+    for r in (a, b, c, d):
+        assert r.out == stock_alone(model, r), r.prompt
+
+
+def test_a_removed_row_leaves_the_others_exact_and_its_reply_is_read_back():
+    model = shared(MODEL)
+    store = store_for(model)
+    batch = RunningBatch(model, store, PAD, [EOS])
+    long_, short = Row(tokens(9, 7), 14), Row(tokens(26, 8), 5)
+    running = [long_, short]
+    admit(batch, model, store, running[:])
+    run(batch, running, 5)  # the short (wide) row leaves: its columns are trimmed
+    assert running == [long_] and batch.width == len(long_.prompt) + len(long_.out) - 1
+    run(batch, running, 20)
+    assert long_.out == stock_alone(model, long_) and short.out == stock_alone(model, short)
+    # the short row's prompt + reply (less its last, unfed token) were committed: a follow-up
+    # whose prompt is that conversation reads it from the store
+    follow = Row(short.prompt + short.out + tokens(3, 9), 4)
+    running = [follow]
+    admit(batch, model, store, running[:])
+    assert follow.cached == (len(short.prompt) + len(short.out) - 1) // 4 * 4
+    run(batch, running, 10)
+    assert follow.out == stock_alone(model, follow)
+
+
+def test_rows_of_other_namespaces_and_cache_prompt_false_are_never_committed_or_read():
+    model = shared(MODEL)
+    store = store_for(model)
+    batch = RunningBatch(model, store, PAD, [EOS])
+    plain = Row(tokens(24, 10), 6)
+    running = [plain]
+    admit(batch, model, store, running[:], cache_prompt=False)
+    run(batch, running, 10)
+    assert plain.out == stock_alone(model, plain)
+    assert store.stats()["inserted_tokens"] == 0 and store.stats()["cached_blocks"] == 0
+    again = Row(plain.prompt + plain.out, 3)
+    running = [again]
+    admit(batch, model, store, running[:])
+    assert again.cached == 0  # nothing of the cache_prompt=false row was stored
+    run(batch, running, 5)
+    other = Row(plain.prompt + plain.out, 3, namespace="tenant-b")
+    running = [other]
+    admit(batch, model, store, running[:])
+    assert other.cached == 0  # the first namespace's reply is not another tenant's
+    run(batch, running, 5)
+    assert other.out == again.out == stock_alone(model, again)
+
+
+def test_an_eos_ends_a_row_and_nothing_after_it_is_committed():
+    model = build(MODEL)
+    store = store_for(model)
+    batch = RunningBatch(model, store, PAD, [EOS])
+    row = Row(tokens(12, 12), 8)
+    running = [row]
+    admit(batch, model, store, running[:])
+    logits = batch.step()
+    batch.set_next([EOS])  # as if EOS was picked: the row ends before feeding it
+    row.out.append(EOS)
+    assert logits.shape == (1, model.config.vocab_size)
+    added = batch.remove([0])
+    assert added >= 0 and batch.size == 0
+    probe = Row(row.prompt + row.out[:1] + [EOS] + tokens(8, 13), 2)
+    running = [probe]
+    admit(batch, model, store, running[:])
+    # the prompt and the fed reply token are stored; the EOS never was (no KV for it)
+    assert probe.cached == (len(row.prompt) + 1) // 4 * 4
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [("mistral-sliding", "sliding"), ("gemma2-sliding", "layers of types"), ("llama4-text-chunked", "types")],
+)
+def test_models_the_layout_cannot_hold_are_refused_with_a_reason(name, why):
+    reason = unsupported_reason(build(name))
+    assert reason is not None and why in reason
+
+
+def test_the_builtin_llama_is_supported():
+    assert unsupported_reason(shared(MODEL)) is None
