@@ -24,6 +24,7 @@ from collections.abc import Hashable, Sequence
 from demo.engine.generation import Disconnected, Generation, Params, Result
 from demo.engine.runner import Runner
 from demo.engine.scheduler import Busy, Scheduler, Slot
+from demo.engine.step_loop import StepLoop, step_loop_reason
 from demo.model import chat_tokens, vision
 from demo.model.loading import CHAT_TEMPLATE
 
@@ -53,6 +54,7 @@ class Engine:
         prefill_chunk: int = 256,
         adapters=None,
         processor=None,
+        step_loop: bool = True,
     ):
         self.model, self.tokenizer, self.context = model, tokenizer, context
         # demo.model.adapters.Adapters over ``model`` (None: this engine serves the base model only), and
@@ -76,6 +78,15 @@ class Engine:
         if adapters is not None:
             adapters.store = self.store  # an unloaded adapter's KV is dropped from it
         self.runner = Runner(model, tokenizer, self.store, adapters, processor)
+        # Decoding: a step loop over forward() with newcomers admitted between steps
+        # (demo.engine.step_loop), or, where the model or the engine's setup does not allow it,
+        # generate() calls paused every decode_chunk steps. Decided here, once.
+        self.loop: StepLoop | None = None
+        reason = step_loop_reason(model, processor) if step_loop else "turned off"
+        if reason is None:
+            self.loop = StepLoop(self.runner, self.scheduler, on_step=self.scheduler.rows_per_step.observe)
+        else:
+            log.info("decoding in generate() calls of --decode-chunk steps, not the step loop: %s", reason)
         self._worker = threading.Thread(target=self._serve, name="radixkv-generate", daemon=True)
         self._worker.start()
 
@@ -174,6 +185,9 @@ class Engine:
             try:
                 if batch[0].slice_to:  # one slice of a long prompt, between decode chunks
                     paused = self.runner.prefill(batch[0])
+                    continue
+                if self.loop is not None and self.loop.takes(batch[0]) and self.loop.ready():
+                    self.loop.serve(batch)  # until no row is left; admits newcomers itself
                     continue
                 pause = self.scheduler.pause_for(batch) if self.store is not None else None
                 paused = self.runner.run(batch, pause, self.scheduler.rows_per_step.observe)

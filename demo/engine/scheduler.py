@@ -86,6 +86,7 @@ class Scheduler:
         self.pauses = 0  # requests paused between decode chunks
         self.resumes = 0  # paused requests taken into a batch again
         self.prefill_slices = 0  # slices of long prompts computed between decode chunks
+        self.admissions = 0  # requests admitted into a running step loop between decode steps
 
     # -- admission (HTTP threads) ------------------------------------------------------------
     def reserve(self) -> Slot:
@@ -179,6 +180,70 @@ class Scheduler:
                 self._waiting.extend(paused)
             if self._closed is not None:
                 self._cut(paused)
+
+    # -- the step loop's side (demo.engine.step_loop) -------------------------------------------
+    def take_newcomers(
+        self, rows: int, width: int, slice_due: bool, takes: Callable[[Generation], bool]
+    ) -> tuple[list[Generation], Generation | None]:
+        """Between two steps of a running loop of ``rows`` rows of ``width`` columns: the queued
+        requests that join it now (oldest first, within max_batch_size rows and max_batch_tokens
+        = rows x padded width; it stops at the first that does not fit or that the loop cannot
+        take, ``takes(gen)`` False: the loop then drains and the worker runs that one), and, when ``slice_due``, the oldest long prompt, handed out for one
+        prefill slice (`Generation.slice_to`; `requeue` it after). Requests whose client left
+        are answered here. O(queue)."""
+        admitted: list[Generation] = []
+        sliced = None
+        with self._cond:
+            rest: deque[Generation] = deque()
+            blocked = False
+            while self._waiting:
+                gen = self._waiting.popleft()
+                if blocked or not takes(gen) or gen.started is not None:
+                    blocked = True
+                    rest.append(gen)
+                elif self._long(gen):  # its slices first, whenever one is due
+                    if slice_due and sliced is None:
+                        gen.slice_to = min(gen.prefilled + self.prefill_chunk, len(gen.prompt_ids) - 1)
+                        sliced = gen
+                    else:
+                        rest.append(gen)
+                elif (
+                    rows + len(gen.open_rows) <= self.max_batch_size
+                    and max(width, gen.width) * (rows + len(gen.open_rows)) <= self.max_batch_tokens
+                ):
+                    admitted.append(gen)
+                    rows, width = rows + len(gen.open_rows), max(width, gen.width)
+                else:
+                    blocked = True
+                    rest.append(gen)
+            self._waiting = rest
+        now = time.perf_counter()
+        out = []
+        for gen in admitted:
+            gen.started = now
+            self.queue_waits.observe(now - gen.submitted)
+            if gen.client_gone():
+                gen._events.put(("done", gen.cached or 0))
+                gen.finished.set()
+            else:
+                out.append(gen)
+        self.admissions += len(out)
+        if sliced is not None:
+            self.prefill_slices += 1
+        if self._closed is not None:
+            self._cut(out + ([sliced] if sliced is not None else []))
+        return out, sliced
+
+    def requeue(self, gens: Sequence[Generation]) -> None:
+        """Put ``gens`` (a long prompt after one slice) back at the front of the queue."""
+        with self._cond:
+            self._waiting.extendleft(reversed(list(gens)))
+        if self._closed is not None:
+            self._cut(gens)
+
+    def set_running(self, gens: Sequence[Generation]) -> None:
+        """The requests now in the step loop (read by /get_load and close())."""
+        self._running = list(gens)
 
     def _take(self) -> list[Generation]:
         """The oldest request (whatever its size), plus the queued ones that can share its
