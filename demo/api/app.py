@@ -419,6 +419,11 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                     "Slices of long prompts computed between decode chunks.",
                     engine.scheduler.prefill_slices,
                 ),
+                (
+                    "radixkv_admissions_total",
+                    "Requests admitted into the running step loop between decode steps.",
+                    engine.scheduler.admissions,
+                ),
             ),
         )
         return Response(text, mimetype="text/plain; version=0.0.4")
