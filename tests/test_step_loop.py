@@ -186,3 +186,122 @@ def test_models_the_layout_cannot_hold_are_refused_with_a_reason(name, why):
 
 def test_the_builtin_llama_is_supported():
     assert unsupported_reason(shared(MODEL)) is None
+
+
+# -- the engine's step loop (demo.engine.step_loop) ------------------------------------------------
+@pytest.fixture(scope="module")
+def engine():
+    from demo.api.app import build_engine
+    from demo.config import Config
+
+    e = build_engine(Config(model="builtin-tiny", cache_tokens=1 << 15, max_batch_size=8))
+    cfg = e.model.generation_config
+    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e.runner.eos]  # rows end only where we say
+    assert e.loop is not None
+    return e
+
+
+def engine_stock(engine, ids: list[int], p) -> str:
+    """Stock generate() of the request alone, no cache (greedy, or sampled after manual_seed)."""
+    cfg = engine.runner.config(p)
+    if p.sampled:
+        torch.manual_seed(p.seed % 2**64)
+    t = torch.tensor([ids])
+    out = engine.model.generate(t, attention_mask=torch.ones_like(t), generation_config=cfg)
+    return engine.decode(out[0, len(ids) :].tolist())
+
+
+def spy_steps(engine, monkeypatch) -> list[set]:
+    """Per step of the loop (first tokens at admission included): the requests that made a token."""
+    from demo.engine.step_loop import StepLoop
+
+    steps, emit = [], StepLoop._emit
+
+    def spy(loop, indices, tokens, logprobs):
+        steps.append({id(loop.rows[i].gen) for i in indices})
+        return emit(loop, indices, tokens, logprobs)
+
+    monkeypatch.setattr(StepLoop, "_emit", spy)
+    return steps
+
+
+def wait_for(predicate, seconds: float = 60) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def test_a_newcomer_with_other_options_joins_the_running_rows_between_steps(engine, monkeypatch):
+    """Issue 27 item 3: a request arriving while rows decode is admitted between two steps and
+    makes its first token in a step the long rows share (they are still running); every reply
+    equals stock generate() of it alone; no batch paused."""
+    from demo.engine.engine import Params
+
+    steps = spy_steps(engine, monkeypatch)
+    pauses, admissions = engine.scheduler.pauses, engine.scheduler.admissions
+    long_ids = [engine.text_ids(f"long row {i} tells a story about Porto") for i in range(2)]
+    long_p = [Params(80, temperature=0.0), Params(80, temperature=0.8, seed=21, top_p=0.9)]
+    longs = [engine.submit(i, p) for i, p in zip(long_ids, long_p)]
+    wait_for(lambda: all(g.generated >= 3 for g in longs))
+    short_ids = engine.text_ids("a quick one")
+    short_p = Params(4, temperature=1.1, seed=5, top_p=0.8)
+    short = engine.submit(short_ids, short_p)
+    short_result = short.collect()
+    results = [g.collect() for g in longs]
+    together = [s for s in steps if id(short) in s and all(id(g) in s for g in longs)]
+    assert len(together) >= 3  # its later tokens came in the long rows' steps
+    assert engine.scheduler.admissions > admissions and engine.scheduler.pauses == pauses
+    assert short_result.text == engine_stock(engine, short_ids, short_p)
+    for ids, p, r in zip(long_ids, long_p, results):
+        assert r.text == engine_stock(engine, ids, p) and r.completion_tokens == 80
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0
+
+
+def test_a_hang_up_mid_batch_ends_that_row_only_and_its_kv_so_far_is_stored(engine, monkeypatch):
+    from demo.engine.engine import Disconnected, Params
+    from tests.engine_gate import Held
+
+    ids = [engine.text_ids(f"row {i} about Lima and its long history of fish") for i in range(3)]
+    ps = [Params(30, temperature=0.0), Params(40, temperature=0.9, seed=8), Params(25, temperature=0.0)]
+    held = Held(engine, monkeypatch)
+    gens = [engine.submit(i, p) for i, p in zip(ids, ps)]
+    gens[1].alive = lambda: gens[1].generated < 6  # its client leaves after a few tokens
+    held.go()
+    with pytest.raises(Disconnected):
+        gens[1].collect()
+    others = [gens[0].collect(), gens[2].collect()]
+    monkeypatch.undo()
+    assert 6 <= gens[1].generated < 40 and gens[1].finished.is_set()
+    assert [r.text for r in others] == [engine_stock(engine, ids[k], ps[k]) for k in (0, 2)]
+    follow = engine.submit(ids[1], Params(2, temperature=0.0)).collect()
+    assert follow.cached_tokens == (len(ids[1]) - 1) // 16 * 16  # its prompt was stored
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0 and engine.running == 0
+
+
+def test_cache_prompt_false_rows_decode_beside_cached_rows_and_never_touch_the_store(engine, monkeypatch):
+    from demo.engine.engine import Params
+    from tests.engine_gate import Held, collect_all
+
+    ids = [engine.text_ids(f"private {i}: the table of Quito rows and their jobs") for i in range(2)]
+    cached = engine.text_ids("a cached neighbour with its own words")
+    ps = [
+        Params(9, temperature=0.0, cache_prompt=False),
+        Params(7, temperature=0.9, seed=1, cache_prompt=False),
+    ]
+    held = Held(engine, monkeypatch)
+    gens = [engine.submit(i, p) for i, p in zip(ids, ps)]
+    neighbour = engine.submit(cached, Params(8, temperature=0.0))
+    held.go()
+    out = collect_all([*gens, neighbour])
+    monkeypatch.undo()
+    assert [r.text for r in out[:2]] == [engine_stock(engine, i, p) for i, p in zip(ids, ps)]
+    assert out[2].text == engine_stock(engine, cached, Params(8, temperature=0.0))
+    for i in ids:  # nothing of theirs was stored: the same prompts read nothing back
+        assert engine.submit(i, Params(1, temperature=0.0)).collect().cached_tokens == 0
+    assert engine.submit(cached, Params(1, temperature=0.0)).collect().cached_tokens > 0  # its was
+    engine.check_invariants()

@@ -85,6 +85,7 @@ class Engine:
         reason = step_loop_reason(model, processor) if step_loop else "turned off"
         if reason is None:
             self.loop = StepLoop(self.runner, self.scheduler, on_step=self.scheduler.rows_per_step.observe)
+            self.scheduler.path = self.loop.takes
         else:
             log.info("decoding in generate() calls of --decode-chunk steps, not the step loop: %s", reason)
         self._worker = threading.Thread(target=self._serve, name="radixkv-generate", daemon=True)

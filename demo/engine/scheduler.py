@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from demo.engine import batching
 from demo.engine.generation import Generation
@@ -87,6 +87,9 @@ class Scheduler:
         self.resumes = 0  # paused requests taken into a batch again
         self.prefill_slices = 0  # slices of long prompts computed between decode chunks
         self.admissions = 0  # requests admitted into a running step loop between decode steps
+        # path(gen): which decoding path runs the request (the engine sets it: the step loop's
+        # requests and generate()'s never share a batch)
+        self.path: Callable[[Generation], Hashable] = lambda gen: None
 
     # -- admission (HTTP threads) ------------------------------------------------------------
     def reserve(self) -> Slot:
@@ -256,6 +259,7 @@ class Scheduler:
             first.slice_to = min(first.prefilled + self.prefill_chunk, len(first.prompt_ids) - 1)
             return [first]
         key = batching.batch_key(first)
+        path = self.path(first)
         batch, width, rows = [first], first.width, len(first.open_rows)
         if key is None or self.max_batch_size == 1:
             return batch
@@ -274,6 +278,7 @@ class Scheduler:
                     and new_rows <= self.max_batch_size
                     and new_width * new_rows <= self.max_batch_tokens
                     and batching.batch_key(gen) == key
+                    and self.path(gen) == path
                     and not self._long(gen)  # it takes its slices first
                 ):
                     batch.append(gen)

@@ -109,11 +109,12 @@ class StepLoop:
             log.warning("decoding in generate() calls, not the step loop: %s", reason)
         return False
 
-    @staticmethod
-    def takes(gen: Generation) -> bool:
-        """Whether ``gen`` can be a row of the loop: text only, on the base model (a request
-        for a LoRA adapter runs in generate() calls, with adapter_names when mixed)."""
-        return not gen.inputs and gen.params.adapter is None
+    def takes(self, gen: Generation) -> bool:
+        """Whether ``gen`` can be a row of the loop: text only, and no LoRA adapter loaded (while
+        one is, every request runs in generate() calls, mixed adapters through PEFT's
+        adapter_names; rows already decoding finish as the base model, `_base`)."""
+        adapters = self.runner.adapters
+        return not gen.inputs and gen.params.adapter is None and (adapters is None or len(adapters) == 0)
 
     def _base(self):
         """The model computing as the base while LoRA adapters are loaded (a no-op otherwise)."""
