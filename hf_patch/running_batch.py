@@ -94,28 +94,41 @@ def prefill_keys(model, cache, rows: int) -> RowKeys | None:
 
 
 class RunningBatch:
-    """The rows decoding now (see the module). ``store``: where ``commit`` writes (None: never)."""
+    """The rows decoding now (see the module). ``store``: where ``commit`` writes (None: never).
+
+    Rows live in slots (index i of every tensor): a removed row's slot is masked and reused by
+    the next admission (its columns overwritten), so admitting and removing a row copies that
+    row only. A full re-layout (one copy of the whole KV) happens only when a newcomer's prompt
+    is wider than the batch, when every slot is taken, or in `compact` (many free slots, or
+    many leading columns that are padding in every live row)."""
 
     def __init__(self, model, store=None, pad_id: int = 0, eos: Sequence[int] = ()):
         self.model, self.store, self.pad_id, self.eos = model, store, pad_id, set(eos)
         self.cache: Cache | None = None
         self.ids = torch.zeros((0, 0), dtype=torch.long)
         self.mask = torch.zeros((0, 0), dtype=torch.long)
-        self.pads: list[int] = []
-        self.last: list[int] = []
+        self.live: list[bool] = []  # per slot: a row decodes there
+        self.pads: list[int] = []  # per slot: the row's first real column
+        self.last: list[int] = []  # per slot: the token to feed next (pad_id in a free slot)
         self.prompt_lengths: list[int] = []  # real tokens of each row's prompt (EOS after it ends it)
         self._keys: list[tuple[RowKeys, int] | None] = []  # (prefill keys, row in that call)
 
     @property
     def size(self) -> int:
-        return len(self.pads)
+        """Slots (live or free): the batch dimension of a step."""
+        return len(self.live)
+
+    @property
+    def rows(self) -> list[int]:
+        """The live slots."""
+        return [i for i, alive in enumerate(self.live) if alive]
 
     @property
     def width(self) -> int:
         return self.ids.shape[1]
 
     def tokens(self, i: int) -> list[int]:
-        """Row i's fed tokens (prompt and reply so far, no padding; ``last[i]`` not included)."""
+        """Slot i's fed tokens (prompt and reply so far, no padding; ``last[i]`` not included)."""
         return self.ids[i, self.pads[i] :].tolist()
 
     # -- membership -------------------------------------------------------------------------
@@ -131,7 +144,7 @@ class RunningBatch:
         ``[R, H, T, D]`` (a prefill cache's layers, left-padded as ``mask`` ``[R, T]`` says),
         ``ids`` ``[R, T]`` their tokens, ``first`` the token sampled for each (not fed yet).
         ``keys``: the prefill's key parts (``prefill_keys``), None: never committed. Returns
-        the new rows' indices (appended after the running ones). Copies ``kv``."""
+        the slot of each new row (free slots first; live slots keep theirs). Copies ``kv``."""
         rows, length = ids.shape
         if len(kv) != self._num_layers() or len(first) != rows or tuple(mask.shape) != (rows, length):
             raise ValueError(
@@ -145,63 +158,69 @@ class RunningBatch:
         expected = torch.arange(length).unsqueeze(0) >= (length - real).unsqueeze(1)
         if not torch.equal(mask.bool(), expected):
             raise ValueError("admit: the mask is not plain left padding")
-        old_width, width = self.width, max(self.width, length)
-        old = self.size
-        start = old
-        kv_old = [(layer.keys, layer.values) for layer in self.cache.layers] if self.cache else None
-        self._relayout(
-            old + rows,
-            width,
-            [(kv_old, slice(0, old), width - old_width, slice(0, old_width))] if old else [],
-            (kv, width - length),
-        )
-        for r, p in enumerate((length - real).tolist()):  # the prefill's own padding: zeros
-            for layer in self.cache.layers if p else ():
-                for buf in layer.buffers():
-                    buf[old + r, :, width - length : width - length + p] = 0
-        shift = width - old_width
-        new_ids = torch.full((old + rows, width), self.pad_id, dtype=torch.long)
-        new_mask = torch.zeros((old + rows, width), dtype=torch.long)
-        new_ids[:old, shift:] = self.ids
-        new_mask[:old, shift:] = self.mask
-        new_ids[old:, width - length :] = torch.where(mask.bool(), ids.to("cpu", torch.long), self.pad_id)
-        new_mask[old:, width - length :] = mask
-        self.ids, self.mask = new_ids, new_mask
-        self.pads = [p + shift for p in self.pads] + (width - real).tolist()
-        self.last += [int(t) for t in first]
-        self.prompt_lengths += real.tolist()
-        self._keys += [(keys, r) if keys is not None else None for r in range(rows)]
-        return list(range(start, old + rows))
+        free = [i for i, alive in enumerate(self.live) if not alive]
+        if self.cache is None or length > self.width or len(free) < rows:
+            # one re-layout: wide enough for the newcomers, a slot for each
+            grow = max(0, rows - len(free))
+            self._relayout(list(range(self.size)), 0, max(self.width, length), self.size + grow, kv)
+            free = [i for i, alive in enumerate(self.live) if not alive]
+        width = self.width
+        slots = free[:rows]
+        ids = torch.where(mask.bool(), ids.to("cpu", torch.long), self.pad_id)
+        for r, slot in enumerate(slots):
+            pad = width - int(real[r])
+            for layer, (k, v) in zip(self.cache.layers, kv):
+                for buf, src in zip(layer.buffers(), (k, v)):
+                    buf[slot, :, :pad] = 0  # padding: finite zeros, masked
+                    buf[slot, :, pad:width] = src[r, :, length - int(real[r]) :]
+            self.ids[slot] = self.pad_id
+            self.ids[slot, width - length :] = ids[r]
+            self.mask[slot] = 0
+            self.mask[slot, pad:] = 1
+            self.live[slot], self.pads[slot], self.last[slot] = True, pad, int(first[r])
+            self.prompt_lengths[slot] = int(real[r])
+            self._keys[slot] = (keys, r) if keys is not None else None
+        return slots
 
-    def remove(self, rows: Sequence[int], commit: bool = True) -> int:
-        """Remove ``rows`` (committing each first unless ``commit`` is False); the rest keep
-        their order. Columns that became padding in every row are dropped. Returns the tokens
-        the commits added to the store."""
-        drop = set(rows)
-        added = sum(self.commit(i) for i in sorted(drop)) if commit else 0
-        keep = [i for i in range(self.size) if i not in drop]
-        if not keep:
-            self.cache, self.pads, self.last, self.prompt_lengths, self._keys = None, [], [], [], []
-            self.ids = torch.zeros((0, 0), dtype=torch.long)
-            self.mask = torch.zeros((0, 0), dtype=torch.long)
-            return added
-        trim = min(self.pads[i] for i in keep)
-        index = torch.tensor(keep, dtype=torch.long)
-        kv_old = [(layer.keys, layer.values) for layer in self.cache.layers]
-        width = self.width - trim
-        self._relayout(len(keep), width, [(kv_old, index, 0, slice(trim, self.width))], None)
-        self.ids, self.mask = self.ids[index, trim:], self.mask[index, trim:]
-        self.pads = [self.pads[i] - trim for i in keep]
-        self.last = [self.last[i] for i in keep]
-        self.prompt_lengths = [self.prompt_lengths[i] for i in keep]
-        self._keys = [self._keys[i] for i in keep]
+    def remove(self, slots: Sequence[int], commit: bool = True) -> int:
+        """Free ``slots`` (committing each row first unless ``commit`` is False); the other rows
+        keep their slots. Returns the tokens the commits added to the store."""
+        added = 0
+        for i in sorted(set(slots)):
+            if not self.live[i]:
+                raise ValueError(f"remove: slot {i} holds no row")
+            if commit:
+                added += self.commit(i)
+            self.live[i], self.last[i], self._keys[i] = False, self.pad_id, None
+            self.mask[i] = 0
+            self.ids[i] = self.pad_id
         return added
+
+    def compact(self) -> list[int] | None:
+        """Drop free slots and the leading columns that are padding in every live row when that
+        saves enough (free slots outnumber live ones, or a quarter of the columns and at least
+        64 are padding everywhere): one copy of the live rows' KV. Returns the old slot of each
+        new slot, or None when nothing changed (slots stay as they are)."""
+        live = self.rows
+        if not live:
+            if self.cache is not None:
+                self.clear()
+                return []
+            return None
+        trim = min(self.pads[i] for i in live)
+        sparse = self.size - len(live) > max(2, len(live))
+        wide = trim >= max(64, self.width // 4)
+        if not (sparse or wide):
+            return None
+        self._relayout(live, trim, self.width - trim, len(live), None)
+        return live
 
     # -- decoding ---------------------------------------------------------------------------
     def step(self, **model_kwargs) -> torch.Tensor:
-        """Feed every row's ``last`` token: one forward over ``[B, 1]`` with each row's own
-        position and the 2-D mask; returns the next-token logits ``[B, vocab]`` float32."""
-        if not self.size:
+        """Feed every slot's ``last`` token: one forward over ``[slots, 1]`` with each row's own
+        position and the 2-D mask; returns the next-token logits ``[slots, vocab]`` float32 (a
+        free slot's row is meaningless: it attends to its own fed token only)."""
+        if not any(self.live):
             raise ValueError("step: the batch has no rows")
         device = self.cache.layers[0].keys.device
         tokens = torch.tensor(self.last, dtype=torch.long).unsqueeze(1)
@@ -217,21 +236,23 @@ class RunningBatch:
                 logits_to_keep=1,
                 **model_kwargs,
             )
+        free = torch.tensor([not alive for alive in self.live])
+        mask[free, -1] = 0  # a free slot's column stays masked (its fed token was no row's)
         self.ids, self.mask = torch.cat([self.ids, tokens], dim=1), mask
         return out.logits[:, -1, :].to(dtype=torch.float32)
 
     def set_next(self, tokens: Sequence[int]) -> None:
-        """The tokens sampled from the last ``step()``'s logits (fed by the next step)."""
+        """The tokens sampled from the last ``step()``'s logits, one per slot (fed next)."""
         if len(tokens) != self.size:
-            raise ValueError(f"set_next: {len(tokens)} tokens for {self.size} rows")
-        self.last = [int(t) for t in tokens]
+            raise ValueError(f"set_next: {len(tokens)} tokens for {self.size} slots")
+        self.last = [int(t) if alive else self.pad_id for t, alive in zip(tokens, self.live)]
 
     # -- the store --------------------------------------------------------------------------
     def commit(self, i: int) -> int:
-        """Store row i's fed tokens (prompt + reply, cut after the first EOS of its reply) under
+        """Store slot i's fed tokens (prompt + reply, cut after the first EOS of its reply) under
         its key; 0 when it has none, is shorter than a block, or its KV is stale."""
         entry = self._keys[i]
-        if entry is None or self.store is None or self.cache is None:
+        if entry is None or self.store is None or self.cache is None or not self.live[i]:
             return 0
         keys, row = entry
         if fingerprint(self.model) != keys.weights:
@@ -265,30 +286,43 @@ class RunningBatch:
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         return config.num_hidden_layers
 
-    def _relayout(self, rows: int, width: int, olds: list, new) -> None:
-        """New zeroed layer buffers of ``rows`` x ``width`` (+ headroom) columns, filled from
-        ``olds`` [(per-layer (k, v), row index, column offset, column slice)] placed at the first
-        rows, then ``new`` ((per-layer (k, v)), column offset) at the last rows."""
-        source = olds[0][0] if olds else new[0]
+    def clear(self) -> None:
+        """Drop every row and the KV (nothing committed)."""
+        self.cache = None
+        self.ids = torch.zeros((0, 0), dtype=torch.long)
+        self.mask = torch.zeros((0, 0), dtype=torch.long)
+        self.live, self.pads, self.last, self.prompt_lengths, self._keys = [], [], [], [], []
+
+    def _relayout(self, keep: list[int], trim: int, width: int, slots: int, like) -> None:
+        """New zeroed buffers of ``slots`` x ``width`` (+ headroom) columns; new slot j holds old
+        slot ``keep[j]``'s columns ``trim:`` right-aligned; the rest are free. ``like``: per-layer
+        (k, v) to shape the buffers after when the batch has none yet."""
+        old_width = self.width
+        shift = width - (old_width - trim)  # new column = old column - trim + shift
+        source = [(layer.keys, layer.values) for layer in self.cache.layers] if self.cache else like
+        index = torch.tensor(keep, dtype=torch.long)
         layers = []
-        for layer_index, (k0, v0) in enumerate(source):
+        for k0, v0 in source:
             layer = AppendLayer()
-            layer.allocate(rows, k0.shape[1], k0.shape[3], v0.shape[3], width + HEADROOM, k0.dtype, k0.device)
-            kb, vb = layer.buffers()
-            kb.zero_()
-            vb.zero_()
-            at = 0
-            for kv, index, offset, cols in olds:
-                k, v = kv[layer_index]
-                k, v = k[index][:, :, cols], v[index][:, :, cols]
-                kb[at : at + k.shape[0], :, offset : offset + k.shape[2]] = k
-                vb[at : at + v.shape[0], :, offset : offset + v.shape[2]] = v
-                at += k.shape[0]
-            if new is not None:
-                k, v = new[0][layer_index]
-                offset = new[1]
-                kb[at : at + k.shape[0], :, offset : offset + k.shape[2]] = k
-                vb[at : at + v.shape[0], :, offset : offset + v.shape[2]] = v
+            layer.allocate(
+                slots, k0.shape[1], k0.shape[3], v0.shape[3], width + HEADROOM, k0.dtype, k0.device
+            )
+            for buf, old in zip(layer.buffers(), (k0, v0)):
+                buf.zero_()
+                if keep and self.cache is not None:
+                    buf[: len(keep), :, shift:width] = old[index.to(old.device), :, trim:old_width]
             layer.set_length(width)
             layers.append(layer)
         self.cache = Cache(layers=layers)
+        ids = torch.full((slots, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((slots, width), dtype=torch.long)
+        if keep:
+            ids[: len(keep), shift:] = self.ids[index, trim:]
+            mask[: len(keep), shift:] = self.mask[index, trim:]
+        self.ids, self.mask = ids, mask
+        free = slots - len(keep)
+        self.live = [self.live[i] for i in keep] + [False] * free
+        self.pads = [self.pads[i] - trim + shift for i in keep] + [width] * free
+        self.last = [self.last[i] for i in keep] + [self.pad_id] * free
+        self.prompt_lengths = [self.prompt_lengths[i] for i in keep] + [0] * free
+        self._keys = [self._keys[i] for i in keep] + [None] * free

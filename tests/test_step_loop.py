@@ -46,9 +46,10 @@ def stock_alone(model, row: Row) -> list[int]:
     return out[0, len(row.prompt) :].tolist()
 
 
-def admit(batch: RunningBatch, model, store, rows: list[Row], cache_prompt=True) -> None:
+def admit(batch: RunningBatch, model, store, rows: list[Row], running: dict, cache_prompt=True) -> None:
     """The engine's admission: one prefill generate() (max_new_tokens=1) over the newcomers
-    left-padded, reading and committing the store; each newcomer's first token from its logits."""
+    left-padded, reading and committing the store; each newcomer's first token from its logits.
+    ``running``: slot -> Row, updated."""
     ids, mask = left_pad([r.prompt for r in rows])
     if cache_prompt:
         cache = hf_patch.RadixCache(store=store, namespace=[r.namespace for r in rows])
@@ -67,28 +68,36 @@ def admit(batch: RunningBatch, model, store, rows: list[Row], cache_prompt=True)
         r.cached = cache.cached_tokens[i] if cache_prompt else 0
     kv = [(layer.keys, layer.values) for layer in cache.layers]
     keys = prefill_keys(model, cache, len(rows)) if cache_prompt else None
-    batch.admit(kv, ids, mask, first, keys)
+    slots = batch.admit(kv, ids, mask, first, keys)
+    assert sorted(batch.rows) == sorted([*running, *slots])
+    running.update(zip(slots, rows))
 
 
-def run(batch: RunningBatch, rows_in: list[Row], steps: int) -> None:
+def run(batch: RunningBatch, running: dict, steps: int) -> None:
     """``steps`` decode steps; a row that reached its length or EOS is removed (committed)."""
     for _ in range(steps):
-        retire(batch, rows_in)
-        if not batch.size:
+        retire(batch, running)
+        if not running:
             return
         logits = batch.step()
-        tokens_ = [r.pick(logits[i]) for i, r in enumerate(rows_in)]
-        batch.set_next(tokens_)
-        for r, t in zip(rows_in, tokens_):
-            r.out.append(t)
-    retire(batch, rows_in)
+        assert logits.shape[0] == batch.size
+        picks = [running[i].pick(logits[i]) if i in running else PAD for i in range(batch.size)]
+        batch.set_next(picks)
+        for i, r in running.items():
+            r.out.append(picks[i])
+    retire(batch, running)
 
 
-def retire(batch: RunningBatch, rows_in: list[Row]) -> None:
-    done = [i for i, r in enumerate(rows_in) if len(r.out) >= r.new or r.out[-1] == EOS]
+def retire(batch: RunningBatch, running: dict) -> None:
+    done = [i for i, r in running.items() if len(r.out) >= r.new or r.out[-1] == EOS]
     batch.remove(done)
-    for i in reversed(done):
-        rows_in.pop(i)
+    for i in done:
+        del running[i]
+    moved = batch.compact()
+    if moved is not None:  # new slot j holds old slot moved[j]
+        old = dict(running)
+        running.clear()
+        running.update({j: old[i] for j, i in enumerate(moved)})
 
 
 def test_rows_admitted_at_different_steps_equal_stock_alone_greedy_and_seeded():
@@ -99,12 +108,12 @@ def test_rows_admitted_at_different_steps_equal_stock_alone_greedy_and_seeded():
     b = Row(tokens(7, 2), 9, seed=5)
     c = Row(tokens(31, 3), 6)  # wider than the batch: the running rows are padded further
     d = Row(tokens(5, 4), 8, seed=11, temperature=1.3)
-    running: list[Row] = []
-    admit(batch, model, store, [a]), running.append(a)
+    running: dict = {}
+    admit(batch, model, store, [a], running)
     run(batch, running, 3)
-    admit(batch, model, store, [b, c]), running.extend([b, c])
+    admit(batch, model, store, [b, c], running)
     run(batch, running, 2)
-    admit(batch, model, store, [d]), running.append(d)
+    admit(batch, model, store, [d], running)
     run(batch, running, 20)
     assert batch.size == 0 and not running
     for r in (a, b, c, d):
@@ -116,20 +125,19 @@ def test_a_removed_row_leaves_the_others_exact_and_its_reply_is_read_back():
     store = store_for(model)
     batch = RunningBatch(model, store, PAD, [EOS])
     long_, short = Row(tokens(9, 7), 14), Row(tokens(26, 8), 5)
-    running = [long_, short]
-    admit(batch, model, store, running[:])
-    run(batch, running, 5)  # the short (wide) row leaves: its columns are trimmed
-    assert running == [long_] and batch.width == len(long_.prompt) + len(long_.out) - 1
-    run(batch, running, 20)
-    assert long_.out == stock_alone(model, long_) and short.out == stock_alone(model, short)
-    # the short row's prompt + reply (less its last, unfed token) were committed: a follow-up
-    # whose prompt is that conversation reads it from the store
+    running: dict = {}
+    admit(batch, model, store, [long_, short], running)
+    run(batch, running, 5)  # the short (wide) row leaves: its slot is freed
+    assert list(running.values()) == [long_]
+    # its prompt + reply (less its last, unfed token) were committed: a follow-up whose prompt
+    # is that conversation reads it from the store, and takes its free slot beside the long row
     follow = Row(short.prompt + short.out + tokens(3, 9), 4)
-    running = [follow]
-    admit(batch, model, store, running[:])
-    assert follow.cached == (len(short.prompt) + len(short.out) - 1) // 4 * 4
-    run(batch, running, 10)
-    assert follow.out == stock_alone(model, follow)
+    admit(batch, model, store, [follow], running)
+    assert batch.size == 2 and follow.cached == (len(short.prompt) + len(short.out) - 1) // 4 * 4
+    run(batch, running, 20)
+    assert batch.size == 0 and not running
+    for r in (long_, short, follow):
+        assert r.out == stock_alone(model, r)
 
 
 def test_rows_of_other_namespaces_and_cache_prompt_false_are_never_committed_or_read():
@@ -137,19 +145,17 @@ def test_rows_of_other_namespaces_and_cache_prompt_false_are_never_committed_or_
     store = store_for(model)
     batch = RunningBatch(model, store, PAD, [EOS])
     plain = Row(tokens(24, 10), 6)
-    running = [plain]
-    admit(batch, model, store, running[:], cache_prompt=False)
+    running: dict = {}
+    admit(batch, model, store, [plain], running, cache_prompt=False)
     run(batch, running, 10)
     assert plain.out == stock_alone(model, plain)
     assert store.stats()["inserted_tokens"] == 0 and store.stats()["cached_blocks"] == 0
     again = Row(plain.prompt + plain.out, 3)
-    running = [again]
-    admit(batch, model, store, running[:])
+    admit(batch, model, store, [again], running)
     assert again.cached == 0  # nothing of the cache_prompt=false row was stored
     run(batch, running, 5)
     other = Row(plain.prompt + plain.out, 3, namespace="tenant-b")
-    running = [other]
-    admit(batch, model, store, running[:])
+    admit(batch, model, store, [other], running)
     assert other.cached == 0  # the first namespace's reply is not another tenant's
     run(batch, running, 5)
     assert other.out == again.out == stock_alone(model, again)
@@ -160,17 +166,17 @@ def test_an_eos_ends_a_row_and_nothing_after_it_is_committed():
     store = store_for(model)
     batch = RunningBatch(model, store, PAD, [EOS])
     row = Row(tokens(12, 12), 8)
-    running = [row]
-    admit(batch, model, store, running[:])
+    running: dict = {}
+    admit(batch, model, store, [row], running)
     logits = batch.step()
     batch.set_next([EOS])  # as if EOS was picked: the row ends before feeding it
     row.out.append(EOS)
     assert logits.shape == (1, model.config.vocab_size)
-    added = batch.remove([0])
-    assert added >= 0 and batch.size == 0
+    batch.remove([0])
+    assert batch.rows == [] and batch.compact() == [] and batch.size == 0
+    running.clear()
     probe = Row(row.prompt + row.out[:1] + [EOS] + tokens(8, 13), 2)
-    running = [probe]
-    admit(batch, model, store, running[:])
+    admit(batch, model, store, [probe], running)
     # the prompt and the fed reply token are stored; the EOS never was (no KV for it)
     assert probe.cached == (len(row.prompt) + 1) // 4 * 4
 

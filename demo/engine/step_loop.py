@@ -75,9 +75,10 @@ class StepLoop:
         self.on_step = on_step  # on_step(rows that made a token): the rows-per-step metric
         pad = runner.config(Params(1, temperature=0.0)).pad_token_id
         self.batch = RunningBatch(runner.model, runner.store, pad, sorted(runner.eos))
-        self.rows: list[Row] = []  # batch row i: (request, its row, first real column)
-        self.made: list[int] = []  # tokens row i made so far
-        self.sampler: RowSampler | None = None
+        self.rows: list[Row | None] = []  # per slot of the batch: (request, its row), None: free
+        self.made: list[int] = []  # per slot: tokens its row made so far
+        self.sampler: RowSampler | None = None  # over the live slots `sampled`, in order
+        self.sampled: list[int] = []
         self.failed: set[int] = set()  # id() of requests whose hook raised (told already)
         self.processors: list = []  # the generation config's (see `ready`)
         self._refused: set[str] = set()  # reasons logged once
@@ -132,18 +133,18 @@ class StepLoop:
         try:
             with self.runner.lock:
                 self._admit(first)
-            while self.rows:
+            while self._live():
                 with self.runner.lock:
                     if self.scheduler.queued:
                         due = steps % self.slice_every == 0
                         newcomers, slice_ = self.scheduler.take_newcomers(
-                            len(self.rows), self.batch.width, due, self.takes
+                            len(self._live()), self.batch.width, due, self.takes
                         )
                         if slice_ is not None:
                             self.scheduler.requeue(self.runner.prefill(slice_))
                         if newcomers:
                             self._admit(newcomers)
-                    if self.rows:
+                    if self._live():
                         self._step()
                         steps += 1
                     self._retire_gone()
@@ -151,13 +152,17 @@ class StepLoop:
             log.exception("the step loop failed")
             for gen in self._gens():
                 self._close(gen, ("error", e))
-            self.batch.remove(range(self.batch.size), commit=False)
+            self.batch.clear()
             self.rows, self.made, self.sampler = [], [], None
         finally:
             self.scheduler.set_running([])
 
     def _gens(self) -> list[Generation]:
-        return list(dict.fromkeys(r.gen for r in self.rows))
+        return list(dict.fromkeys(r.gen for r in self.rows if r is not None))
+
+    def _live(self) -> list[int]:
+        """The slots holding a row."""
+        return [i for i, r in enumerate(self.rows) if r is not None]
 
     # -- admission ------------------------------------------------------------------------------
     def _admit(self, gens: list[Generation]) -> None:
@@ -224,12 +229,13 @@ class StepLoop:
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         with self._base():  # keyed as the base model computed it
             keys = prefill_keys(runner.model, cache, len(rows))
-        start = self.batch.size
-        self.batch.admit(kv, ids, mask, first.tolist(), keys)
-        self.rows += [Row(g, r, 0) for g, r in rows]
-        self.made += [0] * len(rows)
+        new = self.batch.admit(kv, ids, mask, first.tolist(), keys)
+        grow = self.batch.size - len(self.rows)
+        self.rows += [None] * grow
+        self.made += [0] * grow
+        for slot, (g, r) in zip(new, rows):
+            self.rows[slot], self.made[slot] = Row(g, r, 0), 0
         self.sampler = None  # rebuilt over the new layout at the next step
-        new = list(range(start, self.batch.size))
         self._emit(new, first.tolist(), logprobs)
         self._end(new, first.tolist())
 
@@ -239,24 +245,29 @@ class StepLoop:
             logits = self.batch.step()
         if self.sampler is None:
             pads = self.batch.pads
-            rows = [Row(r.gen, r.row, pads[i]) for i, r in enumerate(self.rows)]
+            self.sampled = self._live()  # the slots the sampler's rows are, in order
+            rows = [Row(self.rows[i].gen, self.rows[i].row, pads[i]) for i in self.sampled]
 
             def fail(i: int, exc: Exception, length: int) -> None:
                 self._fail(rows[i].gen, exc)
 
             self.sampler = RowSampler(rows, lambda i: id(rows[i].gen) in self.failed, fail)
-        sampler = self.sampler
-        ids = self.batch.ids.to(logits.device)
+        sampler, live = self.sampler, self.sampled
+        index = torch.tensor(live, dtype=torch.long)
+        ids = self.batch.ids[index].to(logits.device)
+        logits = logits[index.to(logits.device)]
         for processor in self.processors:
             logits = processor(ids, logits)
         scores = sampler(ids, logits)
         tokens = scores.argmax(dim=-1).to("cpu")
         logprobs = sampler.recorder.take(tokens, sampler.tops) if sampler.recorder is not None else None
         tokens = tokens.tolist()
-        self.batch.set_next(tokens)
-        everyone = list(range(len(self.rows)))
-        self._emit(everyone, tokens, logprobs)
-        self._end(everyone, tokens)
+        full = [self.batch.pad_id] * self.batch.size
+        for slot, token in zip(live, tokens):
+            full[slot] = token
+        self.batch.set_next(full)
+        self._emit(live, tokens, logprobs)
+        self._end(live, tokens)
 
     def _emit(self, indices: list[int], tokens: list[int], logprobs) -> None:
         """Send each request its rows' tokens of this step (one event per request)."""
@@ -304,7 +315,8 @@ class StepLoop:
             [
                 i
                 for i, r in enumerate(self.rows)
-                if id(r.gen) in self.failed or r.gen.cancelled.is_set() or r.gen.row_stopped(r.row)
+                if r is not None
+                and (id(r.gen) in self.failed or r.gen.cancelled.is_set() or r.gen.row_stopped(r.row))
             ]
         )
 
@@ -317,10 +329,15 @@ class StepLoop:
             row.gen.row_done[row.row] = True
         self.batch.remove(ended, commit=True)
         leaving = {id(self.rows[i].gen): self.rows[i].gen for i in ended}
-        self.rows = [r for i, r in enumerate(self.rows) if i not in gone]
-        self.made = [m for i, m in enumerate(self.made) if i not in gone]
+        for i in gone:
+            self.rows[i], self.made[i] = None, 0
+        moved = self.batch.compact()
+        if moved is not None:  # new slot j holds old slot moved[j]
+            free = self.batch.size - len(moved)
+            self.rows = [self.rows[i] for i in moved] + [None] * free
+            self.made = [self.made[i] for i in moved] + [0] * free
         self.sampler = None  # rebuilt over the new layout at the next step
-        still = {id(r.gen) for r in self.rows}
+        still = {id(r.gen) for r in self.rows if r is not None}
         for key, gen in leaving.items():
             if key not in still:
                 self._close(gen)
