@@ -190,6 +190,7 @@ class Engine:
                 if self.loop is not None and self.loop.takes(batch[0]) and self.loop.ready():
                     self.loop.serve(batch)  # until no row is left; admits newcomers itself
                     continue
+                self.scheduler.batch_sizes.observe(len(batch))
                 pause = self.scheduler.pause_for(batch) if self.store is not None else None
                 paused = self.runner.run(batch, pause, self.scheduler.rows_per_step.observe)
             finally:

@@ -79,7 +79,7 @@ class Scheduler:
         self._running: list[Generation] = []  # the batch now running (read by /get_load)
         self._closed: Exception | None = None  # set by close(): what every request is told
         # Observed here, rendered by /metrics.
-        self.batch_sizes = Histogram(BATCH_SIZE_BUCKETS)  # requests per generate() call
+        self.batch_sizes = Histogram(BATCH_SIZE_BUCKETS)  # requests per generate() call (the worker observes)
         self.queue_waits = Histogram()  # submit -> first admitted to a batch (seconds)
         self.resume_waits = Histogram()  # a paused request: pause -> its next batch (seconds)
         self.rows_per_step = Histogram(BATCH_SIZE_BUCKETS)  # rows making a token, per step
@@ -163,8 +163,6 @@ class Scheduler:
         if batch:
             if batch[0].slice_to:
                 self.prefill_slices += 1
-            else:
-                self.batch_sizes.observe(len(batch))
             self._running = batch
             if self._closed is not None:  # taken while close() ran: stops at its first step
                 self._cut(batch)

@@ -196,6 +196,7 @@ class StepLoop:
             ids[i, width - len(g.prompt_ids) :] = torch.tensor(g.prompt_ids)
             mask[i, width - len(g.prompt_ids) :] = 1
         prefill_rows = [Row(g, r, width - len(g.prompt_ids)) for g, r in rows]
+        self.scheduler.batch_sizes.observe(len(gens))  # requests per generate() call
         failed: set[int] = set()
 
         def fail(i: int, exc: Exception, length: int) -> None:
