@@ -48,7 +48,7 @@ class Engine:
         cache_tokens: int | None = None,
         sidecar: str | None = None,
         max_queue: int = 32,
-        max_batch_size: int = 8,
+        max_batch_size: int = 32,
         max_batch_tokens: int = 16384,
         decode_chunk: int = 16,
         prefill_chunk: int = 256,
