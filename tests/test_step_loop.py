@@ -311,3 +311,34 @@ def test_cache_prompt_false_rows_decode_beside_cached_rows_and_never_touch_the_s
         assert engine.submit(i, Params(1, temperature=0.0)).collect().cached_tokens == 0
     assert engine.submit(cached, Params(1, temperature=0.0)).collect().cached_tokens > 0  # its was
     engine.check_invariants()
+
+
+def test_a_request_too_wide_for_the_rows_runs_aside_in_chunks_between_their_steps(engine, monkeypatch):
+    """A prompt that fits no row beside the running ones under max_batch_tokens is not made to
+    wait for them to end (nor does it block the queue): it runs one decode chunk at a time on
+    the generate() path between the loop's steps; every reply equals stock generate()."""
+    from demo.engine.engine import Params
+
+    monkeypatch.setattr(engine.scheduler, "prefill_chunk", 0)  # no slices: it is wide at once
+    monkeypatch.setattr(engine.scheduler, "decode_chunk", 4)
+    asides = engine.scheduler.asides
+    rows = [engine.text_ids(f"narrow row {i} about Rome") for i in range(2)]
+    wide = engine.text_ids("a wide prompt: " + " ".join(f"Omar {i} is a baker in Tunis." for i in range(25)))
+    monkeypatch.setattr(engine.scheduler, "max_batch_tokens", len(wide) * 2)  # it fits alone, not with 2 rows
+    gens = [engine.submit(i, Params(60, temperature=0.0)) for i in rows]
+    wait_for(lambda: all(g.generated >= 2 for g in gens))
+    progress, run = [], engine.runner.run
+
+    def spy(batch, *args):
+        progress.append(gens[0].generated)
+        return run(batch, *args)
+
+    monkeypatch.setattr(engine.runner, "run", spy)
+    wide_p = Params(12, temperature=0.8, seed=9)
+    wide_result = engine.submit(wide, wide_p).collect()
+    results = [g.collect() for g in gens]
+    monkeypatch.undo()
+    assert engine.scheduler.asides - asides == len(progress) >= 2  # chunks of 4 tokens
+    assert progress == sorted(progress) and progress[-1] > progress[0]  # the rows went on between
+    assert wide_result.text == engine_stock(engine, wide, wide_p)
+    assert [r.text for r in results] == [engine_stock(engine, i, Params(60, temperature=0.0)) for i in rows]

@@ -87,6 +87,7 @@ class Scheduler:
         self.resumes = 0  # paused requests taken into a batch again
         self.prefill_slices = 0  # slices of long prompts computed between decode chunks
         self.admissions = 0  # requests admitted into a running step loop between decode steps
+        self.asides = 0  # decode chunks run aside from the step loop (requests too wide to join)
         # path(gen): which decoding path runs the request (the engine sets it: the step loop's
         # requests and generate()'s never share a batch)
         self.path: Callable[[Generation], Hashable] = lambda gen: None
@@ -185,21 +186,26 @@ class Scheduler:
     # -- the step loop's side (demo.engine.step_loop) -------------------------------------------
     def take_newcomers(
         self, rows: int, width: int, slice_due: bool, takes: Callable[[Generation], bool]
-    ) -> tuple[list[Generation], Generation | None]:
-        """Between two steps of a running loop of ``rows`` rows of ``width`` columns: the queued
-        requests that join it now (oldest first, within max_batch_size rows and max_batch_tokens
-        = rows x padded width; it stops at the first that does not fit or that the loop cannot
-        take, ``takes(gen)`` False: the loop then drains and the worker runs that one), and, when ``slice_due``, the oldest long prompt, handed out for one
-        prefill slice (`Generation.slice_to`; `requeue` it after). Requests whose client left
-        are answered here. O(queue)."""
+    ) -> tuple[list[Generation], Generation | None, Generation | None]:
+        """Between two steps of a running loop of ``rows`` rows of ``width`` columns, oldest
+        first: (the queued requests that join it now, within max_batch_size rows and
+        max_batch_tokens = rows x padded width; the long prompt whose next prefill slice is due
+        (`Generation.slice_to`); a request *aside*: one that fits no row of the loop under
+        max_batch_tokens however few rows run (a prompt far wider than the rows), to run one
+        decode chunk on the generate() path). Slices and asides only when ``slice_due``; the
+        worker `requeue`s them after. Taking stops at a request that waits for a free row, or
+        that the loop cannot take (``takes(gen)`` False): the loop then drains and the worker
+        runs that one. Requests whose client left are answered here. O(queue)."""
         admitted: list[Generation] = []
-        sliced = None
+        sliced = aside = None
         with self._cond:
             rest: deque[Generation] = deque()
             blocked = False
             while self._waiting:
                 gen = self._waiting.popleft()
-                if blocked or not takes(gen) or gen.started is not None:
+                new_rows = rows + len(gen.open_rows)
+                wide = max(width, gen.width) * new_rows > self.max_batch_tokens
+                if blocked or not takes(gen):
                     blocked = True
                     rest.append(gen)
                 elif self._long(gen):  # its slices first, whenever one is due
@@ -208,21 +214,25 @@ class Scheduler:
                         sliced = gen
                     else:
                         rest.append(gen)
-                elif (
-                    rows + len(gen.open_rows) <= self.max_batch_size
-                    and max(width, gen.width) * (rows + len(gen.open_rows)) <= self.max_batch_tokens
-                ):
+                elif gen.started is None and new_rows <= self.max_batch_size and not wide:
                     admitted.append(gen)
-                    rows, width = rows + len(gen.open_rows), max(width, gen.width)
+                    rows, width = new_rows, max(width, gen.width)
+                elif (wide and gen.width * new_rows > self.max_batch_tokens) or gen.started is not None:
+                    # too wide beside the rows (or a reply already run aside): a chunk aside
+                    if slice_due and aside is None:
+                        aside = gen
+                    else:
+                        rest.append(gen)
                 else:
                     blocked = True
                     rest.append(gen)
             self._waiting = rest
         now = time.perf_counter()
         out = []
-        for gen in admitted:
+        for gen in admitted + ([aside] if aside is not None and aside.started is None else []):
             gen.started = now
             self.queue_waits.observe(now - gen.submitted)
+        for gen in admitted:
             if gen.client_gone():
                 gen._events.put(("done", gen.cached or 0))
                 gen.finished.set()
@@ -231,12 +241,14 @@ class Scheduler:
         self.admissions += len(out)
         if sliced is not None:
             self.prefill_slices += 1
+        extra = [g for g in (sliced, aside) if g is not None]
         if self._closed is not None:
-            self._cut(out + ([sliced] if sliced is not None else []))
-        return out, sliced
+            self._cut(out + extra)
+        return out, sliced, aside
 
     def requeue(self, gens: Sequence[Generation]) -> None:
-        """Put ``gens`` (a long prompt after one slice) back at the front of the queue."""
+        """Put ``gens`` (a long prompt after one slice, a reply paused aside) back at the front
+        of the queue."""
         with self._cond:
             self._waiting.extendleft(reversed(list(gens)))
         if self._closed is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -137,11 +138,13 @@ class StepLoop:
                 with self.runner.lock:
                     if self.scheduler.queued:
                         due = steps % self.slice_every == 0
-                        newcomers, slice_ = self.scheduler.take_newcomers(
+                        newcomers, slice_, aside = self.scheduler.take_newcomers(
                             len(self._live()), self.batch.width, due, self.takes
                         )
                         if slice_ is not None:
                             self.scheduler.requeue(self.runner.prefill(slice_))
+                        if aside is not None:
+                            self._aside(aside)
                         if newcomers:
                             self._admit(newcomers)
                     if self._live():
@@ -156,6 +159,17 @@ class StepLoop:
             self.rows, self.made, self.sampler = [], [], None
         finally:
             self.scheduler.set_running([])
+
+    def _aside(self, gen: Generation) -> None:
+        """Run ``gen`` (too wide to join the rows) for one decode chunk in its own generate()
+        call on the generate() path, then queue it again (or it is done): the running rows wait
+        that chunk, never its whole reply, and it is never starved by narrower newcomers."""
+        chunk = max(1, self.scheduler.decode_chunk or 16)
+        paused = self.runner.run([gen], lambda generated: generated >= chunk, self.on_step)
+        self.scheduler.asides += 1
+        for g in paused:
+            g.paused_at = time.perf_counter()
+        self.scheduler.requeue(paused)
 
     def _gens(self) -> list[Generation]:
         return list(dict.fromkeys(r.gen for r in self.rows if r is not None))
