@@ -66,7 +66,10 @@ def unsupported_reason(model) -> str | None:
     if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
         return "a sliding-window attention model"
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    if isinstance(rope, dict) and ("mrope_section" in rope or rope.get("rope_type") == "mrope"):
+    inner = getattr(model, "model", None)
+    if (isinstance(rope, dict) and ("mrope_section" in rope or rope.get("rope_type") == "mrope")) or any(
+        hasattr(m, "get_rope_index") for m in (model, inner) if m is not None
+    ):
         return "M-RoPE (3-D positions)"
     if getattr(model, "get_input_embeddings", None) is None:
         return "the model has no input embeddings"
@@ -187,7 +190,7 @@ class RunningBatch:
         keep their slots. Returns the tokens the commits added to the store."""
         added = 0
         for i in sorted(set(slots)):
-            if not self.live[i]:
+            if not 0 <= i < self.size or not self.live[i]:
                 raise ValueError(f"remove: slot {i} holds no row")
             if commit:
                 added += self.commit(i)

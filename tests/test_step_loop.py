@@ -190,6 +190,62 @@ def test_models_the_layout_cannot_hold_are_refused_with_a_reason(name, why):
     assert reason is not None and why in reason
 
 
+def test_m_rope_and_encoder_decoder_configs_are_refused():
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    qwen_vl = SimpleNamespace(config=AutoConfig.for_model("qwen2_vl"), get_rope_index=lambda *a: None)
+    mrope = AutoConfig.for_model("llama", rope_scaling={"rope_type": "default", "mrope_section": [8, 12, 12]})
+    t5 = AutoConfig.for_model("t5")
+    assert "M-RoPE" in unsupported_reason(qwen_vl)
+    assert "M-RoPE" in unsupported_reason(SimpleNamespace(config=mrope))
+    assert "encoder-decoder" in unsupported_reason(SimpleNamespace(config=t5))
+
+
+def test_bad_calls_are_refused_with_the_part_named_and_change_nothing():
+    model = shared(MODEL)
+    store = store_for(model)
+    batch = RunningBatch(model, store, PAD, [EOS])
+    running: dict = {}
+    row = Row(tokens(10, 20), 4)
+    admit(batch, model, store, [row], running)
+    before = (batch.size, batch.width, batch.ids.clone(), batch.mask.clone())
+    kv = [(layer.keys[:1], layer.values[:1]) for layer in batch.cache.layers]
+    ids, mask = left_pad([tokens(batch.width, 21)])
+    with pytest.raises(ValueError, match="first tokens"):
+        batch.admit(kv, ids, mask, [1, 2])
+    with pytest.raises(ValueError, match="layers"):
+        batch.admit(kv[:1], ids, mask, [1])
+    with pytest.raises(ValueError, match="left padding"):
+        batch.admit(kv, ids, torch.tensor([[0] + [1] * (batch.width - 2) + [0]]), [1])
+    with pytest.raises(ValueError, match="holds no row"):
+        batch.remove([batch.size])  # no such slot
+    with pytest.raises(ValueError, match="tokens for"):
+        batch.set_next([1, 2, 3])
+    after = (batch.size, batch.width, batch.ids, batch.mask)
+    assert before[:2] == after[:2] and torch.equal(before[2], after[2]) and torch.equal(before[3], after[3])
+    run(batch, running, 10)
+    assert row.out == stock_alone(model, row)
+    with pytest.raises(ValueError, match="no rows"):
+        batch.step()
+
+
+def test_a_row_is_not_committed_when_the_weights_changed_while_it_decoded():
+    model = build(MODEL)
+    store = store_for(model)
+    batch = RunningBatch(model, store, PAD, [EOS])
+    running: dict = {}
+    row = Row(tokens(9, 30), 8)
+    admit(batch, model, store, [row], running)
+    run(batch, running, 3)
+    inserted = store.stats()["inserted_tokens"]
+    with torch.no_grad():
+        next(model.parameters()).mul_(1.0)  # an in-place write: a new version of the weights
+    assert batch.remove(list(running)) == 0
+    assert store.stats()["inserted_tokens"] == inserted
+
+
 def test_the_builtin_llama_is_supported():
     assert unsupported_reason(shared(MODEL)) is None
 
