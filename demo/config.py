@@ -334,8 +334,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--decode-chunk",
         type=int,
-        help="decode steps after which a running batch lets waiting requests join (default 16; "
-        "0 = never; env RADIXKV_DECODE_CHUNK)",
+        help="generate() path (adapters, images, models the step loop refuses): decode steps after "
+        "which a running batch lets waiting requests join (default 16; 0 = never; env RADIXKV_DECODE_CHUNK)",
     )
     p.add_argument(
         "--prefill-chunk",
