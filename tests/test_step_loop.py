@@ -369,19 +369,37 @@ def test_cache_prompt_false_rows_decode_beside_cached_rows_and_never_touch_the_s
     engine.check_invariants()
 
 
-def test_a_request_too_wide_for_the_rows_runs_aside_in_chunks_between_their_steps(engine, monkeypatch):
+@pytest.mark.parametrize("rows_tokens", [60, 6])
+def test_a_request_too_wide_for_the_rows_runs_aside_in_chunks_between_their_steps(
+    engine, monkeypatch, rows_tokens
+):
     """A prompt that fits no row beside the running ones under max_batch_tokens is not made to
     wait for them to end (nor does it block the queue): it runs one decode chunk at a time on
-    the generate() path between the loop's steps; every reply equals stock generate()."""
+    the generate() path between the loop's steps; once the rows are gone, it goes on in the loop
+    from its reply so far. Every reply equals stock generate()."""
+    import threading
+
     from demo.engine.engine import Params
+    from demo.engine.step_loop import StepLoop
 
     monkeypatch.setattr(engine.scheduler, "prefill_chunk", 0)  # no slices: it is wide at once
     monkeypatch.setattr(engine.scheduler, "decode_chunk", 4)
     asides = engine.scheduler.asides
-    rows = [engine.text_ids(f"narrow row {i} about Rome") for i in range(2)]
-    wide = engine.text_ids("a wide prompt: " + " ".join(f"Omar {i} is a baker in Tunis." for i in range(25)))
+    rows = [engine.text_ids(f"narrow row {i} ({rows_tokens}) about Rome") for i in range(2)]
+    wide = engine.text_ids(
+        f"a wide prompt ({rows_tokens}): " + " ".join(f"Omar {i} is a baker in Tunis." for i in range(25))
+    )
     monkeypatch.setattr(engine.scheduler, "max_batch_tokens", len(wide) * 2)  # it fits alone, not with 2 rows
-    gens = [engine.submit(i, Params(60, temperature=0.0)) for i in rows]
+    queued, step = threading.Event(), StepLoop._step
+
+    def gated(loop):  # after the rows' second token, the loop waits for the wide request to queue
+        if not queued.is_set() and loop._live() and loop.made[loop._live()[0]] >= 2:
+            wait_for(lambda: engine.queued > 0)
+            queued.set()
+        return step(loop)
+
+    monkeypatch.setattr(StepLoop, "_step", gated)
+    gens = [engine.submit(i, Params(rows_tokens, temperature=0.0)) for i in rows]
     wait_for(lambda: all(g.generated >= 2 for g in gens))
     progress, run = [], engine.runner.run
 
@@ -390,11 +408,18 @@ def test_a_request_too_wide_for_the_rows_runs_aside_in_chunks_between_their_step
         return run(batch, *args)
 
     monkeypatch.setattr(engine.runner, "run", spy)
-    wide_p = Params(12, temperature=0.8, seed=9)
+    wide_p = Params(40, temperature=0.8, seed=9, top_logprobs=2)
     wide_result = engine.submit(wide, wide_p).collect()
     results = [g.collect() for g in gens]
     monkeypatch.undo()
-    assert engine.scheduler.asides - asides == len(progress) >= 2  # chunks of 4 tokens
-    assert progress == sorted(progress) and progress[-1] > progress[0]  # the rows went on between
+    assert queued.is_set()
     assert wide_result.text == engine_stock(engine, wide, wide_p)
-    assert [r.text for r in results] == [engine_stock(engine, i, Params(60, temperature=0.0)) for i in rows]
+    assert wide_result.completion_tokens == 40 == len(wide_result.choices[0].logprobs)
+    want = [engine_stock(engine, i, Params(rows_tokens, temperature=0.0)) for i in rows]
+    assert [r.text for r in results] == want
+    assert engine.scheduler.asides - asides == len(progress) >= 1  # chunks of 4 tokens
+    assert progress == sorted(progress)  # the rows went on between its chunks
+    if rows_tokens == 60:  # all 10 chunks aside while the rows decode
+        assert len(progress) == 10 and progress[-1] > progress[0]
+    else:  # the rows ended after a few of its chunks: it went on in the loop, from its reply so far
+        assert len(progress) < 10

@@ -202,14 +202,17 @@ class StepLoop:
 
         runner = self.runner
         rows = [(g, r) for g in gens for r in g.open_rows]
-        width = max(len(g.prompt_ids) for g in gens)
+        # a row's context: its prompt, plus what it generated before on the generate() path (a
+        # reply run aside, or paused there): it goes on from there
+        contexts = [g.contexts[r] for g, r in rows]
+        width = max(len(c) for c in contexts)
         config = runner.config(Params(1, temperature=0.0))
         ids = torch.full((len(rows), width), config.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (g, _) in enumerate(rows):
-            ids[i, width - len(g.prompt_ids) :] = torch.tensor(g.prompt_ids)
-            mask[i, width - len(g.prompt_ids) :] = 1
-        prefill_rows = [Row(g, r, width - len(g.prompt_ids)) for g, r in rows]
+        for i, context in enumerate(contexts):
+            ids[i, width - len(context) :] = torch.tensor(context)
+            mask[i, width - len(context) :] = 1
+        prefill_rows = [Row(g, r, width - len(c)) for (g, r), c in zip(rows, contexts)]
         self.scheduler.batch_sizes.observe(len(gens))  # requests per generate() call
         failed: set[int] = set()
 
@@ -249,7 +252,7 @@ class StepLoop:
         self.rows += [None] * grow
         self.made += [0] * grow
         for slot, (g, r) in zip(new, rows):
-            self.rows[slot], self.made[slot] = Row(g, r, 0), 0
+            self.rows[slot], self.made[slot] = Row(g, r, 0), g.replied(r)
         self.sampler = None  # rebuilt over the new layout at the next step
         self._emit(new, first.tolist(), logprobs)
         self._end(new, first.tolist())
