@@ -1,16 +1,19 @@
 """RunningBatch: rows that decode together one token per forward, admitted and removed between
 steps, their KV kept across steps (a step loop over the model's forward, no generate() per step).
 
-    batch = RunningBatch(model, store)
+    batch = RunningBatch(model, store, pad_id, eos)
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1)
-    batch.admit(cache, ids, mask, first_tokens, keys=prefill_keys(model, cache, ids.shape[0]))
-    logits = batch.step()               # [B, vocab] float32, one forward over [B, 1]
-    batch.set_next(tokens)              # the tokens sampled from those logits
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    slots = batch.admit(kv, ids, mask, first_tokens, prefill_keys(model, cache, ids.shape[0]))
+    logits = batch.step()               # [slots, vocab] float32, one forward over [slots, 1]
+    batch.set_next(tokens)              # the tokens sampled from those logits, one per slot
     batch.remove([i], commit=True)      # a finished row: its prompt + reply KV into the store
+    moved = batch.compact()             # now and then: new slot j holds old slot moved[j]
 
-Layout: every layer's KV is ``[B, kv_heads, W, head_dim]``, rows left-padded to the common
-width W; ``mask`` ``[B, W]`` marks real columns, ``ids`` ``[B, W]`` holds the token of each
-column (``pad_id`` in padding), and ``pads[i]`` is row i's first real column. Real token j of a
+Layout: every layer's KV is ``[B, kv_heads, W, head_dim]`` over B slots (a slot holds a row or
+is free), rows left-padded to the common width W; ``mask`` ``[B, W]`` marks real columns,
+``ids`` ``[B, W]`` holds the token of each column (``pad_id`` in padding), and ``pads[i]`` is
+slot i's first real column. Real token j of a
 row has position j (as generate() numbers a left-padded row), so KV computed for a row alone
 (its prefill) is valid at any padding; padding columns hold zeros (finite: NaN * 0 still
 poisons attention) and are masked. ``last[i]``: the token sampled for row i and not yet fed
@@ -22,10 +25,11 @@ off, reuse off, an unkeyable call) is never committed. ``commit`` stores a row's
 up to its first EOS after its prompt (never padding, never the unfed last token), skipped when
 the model's weights changed since admission or the store was flushed meanwhile (epoch).
 
-Only full-attention decoders with 1-D positions (``supported(model)``): sliding windows,
-M-RoPE and encoder-decoder models need state this layout does not keep. Not thread-safe: one
-worker owns a batch. Memory: one ``[B, H, W + headroom, D]`` K and V buffer per layer;
-admission and removal re-lay them out (one copy each), steps append in place.
+Only full-attention decoders with 1-D positions (``unsupported_reason(model)`` is None):
+sliding windows, M-RoPE and encoder-decoder models need state this layout does not keep. Not
+thread-safe: one worker owns a batch. Memory: one ``[B, H, W + headroom, D]`` K and V buffer
+per layer; steps append in place, admission and removal write one slot (see the class for
+when the whole batch is re-laid out).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The demo's engine: prompts to token ids, one worker thread, streamed text out.
 
-Concurrency model: HTTP handling is concurrent (threaded server); one worker thread runs one
-generate() at a time. The engine is a scheduler plus a runner, as serving engines split it:
+Concurrency model: HTTP handling is concurrent (threaded server); one worker thread decodes:
+in a step loop over the model's forward (demo.engine.step_loop: newcomers admitted between
+steps) where the model allows, else one generate() at a time. The engine is a scheduler plus a runner, as serving engines split it:
 
 - demo.engine.scheduler.Scheduler owns the queue: admission (`reserve`, `submit`), which queued
   requests share the next generate() call, and when a running batch pauses so that a waiting
@@ -10,8 +11,8 @@ generate() at a time. The engine is a scheduler plus a runner, as serving engine
   RadixCache over the store (one namespace per row), PEFT adapters per row, a VLM's pixel
   inputs, under the model lock (adapters load and unload between calls).
 
-The worker loop (`_serve`) is the only place the two meet: take a batch, run it, queue what
-paused again. A request's own thread reads token ids from the worker through its Generation
+The worker loop (`_serve`) is the only place the two meet: take a batch, run it (in the step
+loop until no row is left, or one generate() call), queue what paused again. A request's own thread reads token ids from the worker through its Generation
 (demo.engine.generation) and turns them into text.
 """
 

@@ -17,6 +17,10 @@ queues again behind them, so slices and decode chunks take turns; it joins a bat
 whole prompt but its last token is in the store, reading it from there. (Alone, it is
 prefilled at once.)
 
+With the step loop (demo.engine.step_loop), nothing pauses: between two steps
+`take_newcomers` hands out the queued requests that join the running rows, a due slice of a
+long prompt, and a request too wide to join them (run aside, one decode chunk at a time).
+
 A queue place is taken with `reserve()` before the prompt is tokenised, so a full queue
 refuses at no cost; `submit(gen, slot)` then fills it. Thread-safe: HTTP threads reserve and
 submit, the engine's one worker takes batches.
