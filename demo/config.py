@@ -42,7 +42,7 @@ class Config:
     admin_token: str | None = None  # required by POST /v1/cache/flush; None = flush refused
     default_max_tokens: int = 256  # when a request gives no max_tokens (clamped to the context)
     max_queue: int = 32  # requests waiting for the generation worker before 503
-    max_batch_size: int = 8  # queued requests generated together in one generate() call
+    max_batch_size: int = 32  # rows decoding together (step loop) or in one generate() call
     max_batch_tokens: int = 16384  # cap on rows x padded prompt length of one batch
     # decode steps after which a running batch pauses for a waiting request that can join it
     # (continuous batching in chunks); 0: a batch runs to its end
@@ -347,13 +347,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-batch-size",
         type=int,
-        help="queued requests generated together (default 8; 1 = one at a time; env RADIXKV_MAX_BATCH_SIZE)",
+        help="rows decoding together (default 32; 1 = one at a time; env RADIXKV_MAX_BATCH_SIZE)",
     )
     p.add_argument(
         "--decode-chunk",
         type=int,
-        help="decode steps after which a running batch lets waiting requests join (default 16; "
-        "0 = never; env RADIXKV_DECODE_CHUNK)",
+        help="generate() path (adapters, images, models the step loop refuses): decode steps after "
+        "which a running batch lets waiting requests join (default 16; 0 = never; env RADIXKV_DECODE_CHUNK)",
     )
     p.add_argument(
         "--prefill-chunk",

@@ -43,3 +43,33 @@ def collect_all(gens) -> list:
     for t in threads:
         t.join(120)
     return out
+
+
+def spy_batches(monkeypatch, least: int = 1) -> list[int]:
+    """Sizes (in requests) of the batches the worker forms, of at least ``least`` requests, on
+    either decoding path: each generate() call of demo.engine.batching.run_batch, and each
+    admission into the step loop (demo.engine.step_loop.StepLoop._admit: one prefill call)."""
+    from demo.engine import batching
+    from demo.engine.step_loop import StepLoop
+
+    sizes, run, admit = [], batching.run_batch, StepLoop._admit
+
+    def spy_run(runner, gens, *args):
+        if len(gens) >= least:
+            sizes.append(len(gens))
+        return run(runner, gens, *args)
+
+    def spy_admit(loop, gens):
+        if len(gens) >= least:
+            sizes.append(len(gens))
+        return admit(loop, gens)
+
+    monkeypatch.setattr(batching, "run_batch", spy_run)
+    monkeypatch.setattr(StepLoop, "_admit", spy_admit)
+    return sizes
+
+
+def generate_path(engine, monkeypatch) -> None:
+    """Make ``engine`` decode in generate() calls paused every decode_chunk steps (the path of
+    adapter and image requests) instead of the step loop, for this test."""
+    monkeypatch.setattr(engine, "loop", None)

@@ -18,7 +18,8 @@ from demo.api.app import build_engine, create_app
 from demo.config import Config
 from demo.engine import batching
 from demo.engine.engine import Engine, Params
-from tests.engine_gate import Held, collect_all
+from tests.engine_gate import Held, collect_all, generate_path
+from tests.engine_gate import spy_batches as spy
 
 TABLE = "\n".join(f"| Chen {i} | {20 + i} | Osaka | nurse |" for i in range(12))
 
@@ -32,17 +33,8 @@ def engine():
 
 
 def spy_batches(monkeypatch) -> list[int]:
-    """Sizes of the batches of two or more requests (a lone request may run through run_batch
-    too, to be pausable: not a batch)."""
-    sizes, run = [], batching.run_batch
-
-    def spy(engine, gens, *args):
-        if len(gens) > 1:
-            sizes.append(len(gens))
-        return run(engine, gens, *args)
-
-    monkeypatch.setattr(batching, "run_batch", spy)
-    return sizes
+    """Sizes of the batches of two or more requests (a lone request: no batch)."""
+    return spy(monkeypatch, least=2)
 
 
 def stock(engine, ids: list[int], max_new: int) -> str:
@@ -263,7 +255,10 @@ def test_a_short_request_joins_a_running_batch_between_decode_chunks(engine, mon
     """Issue 17, continuous batching: a request that arrives while a long one generates starts
     at the next chunk boundary and is answered while the long one goes on; the long one pauses,
     resumes from its committed KV (whole blocks hit, a partial block recomputed) and its reply,
-    stop string included, equals stock generate() of it alone. cached_tokens is the prompt's."""
+    stop string included, equals stock generate() of it alone. cached_tokens is the prompt's.
+    (The generate() path, which adapter and image requests take; the step loop's admission is
+    tested in tests/test_step_loop.py.)"""
+    generate_path(engine, monkeypatch)
     monkeypatch.setattr(engine.scheduler, "decode_chunk", 4)
     long_prompt = engine.text_ids("a long answer about " + TABLE[:300])
     ref = stock(engine, long_prompt, 120)
@@ -288,6 +283,7 @@ def test_a_short_request_joins_a_running_batch_between_decode_chunks(engine, mon
 
 
 def test_without_a_waiting_request_or_with_decode_chunk_0_a_batch_never_pauses(engine, monkeypatch):
+    generate_path(engine, monkeypatch)  # the path whose batches pause (adapter and image requests)
     sizes = spy_batches(monkeypatch)
     calls = []
     run = batching.run_batch

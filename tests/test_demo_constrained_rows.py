@@ -19,6 +19,7 @@ from demo.api.server import serving
 from demo.config import Config
 from demo.engine import batching
 from tests.demo_checkpoints import save_agent_model
+from tests.engine_gate import generate_path
 from tests.test_demo_agents import JSON_SCHEMAS, SCHEMAS, TOOLS
 
 TEXT = "\n".join(f"| Ines {i} | {40 + i} | Porto | pilot |" for i in range(4))
@@ -83,6 +84,7 @@ def test_constrained_requests_join_a_running_batch_of_greedy_and_seeded_rows(ser
     jsonschema.validate(json.loads(arguments), SCHEMAS[name])
     assert all(alone[n][3] == 30 for n in RUNNING)  # they run their whole length: still running below
 
+    generate_path(engine, monkeypatch)  # the path that pauses (adapter and image requests)
     # Every batch pauses each 3 steps (every row resumes many times, grammar rows included); at
     # the first pause of the batch running both rows, the worker waits until the newcomers are
     # queued, so they join at that boundary (deterministic, whatever the machine's speed).
@@ -130,6 +132,37 @@ def test_constrained_requests_join_a_running_batch_of_greedy_and_seeded_rows(ser
     joined = [b for b in batches if len(b) == 4]
     assert joined, batches
     assert any(sum(g for g, _, _ in b) == 2 and all(r > 0 for g, _, r in b if not g) for b in joined)
+    assert out == alone
+
+
+def test_constrained_requests_join_the_step_loop_beside_greedy_and_seeded_rows(served, monkeypatch):
+    """The step loop: the constrained newcomers are admitted between steps of the running
+    greedy and seeded rows and then make tokens in the same steps; every reply equals alone."""
+    from demo.engine.step_loop import StepLoop
+
+    engine, client = served
+    alone = {name: ask(client, name) for name in BODIES}
+    steps, emit = [], StepLoop._emit
+
+    def spy(loop, indices, tokens, logprobs):
+        grammar = sum(loop.rows[i].gen.params.grammar is not None for i in indices)
+        steps.append((len(indices), grammar))  # (rows making a token, constrained ones)
+        return emit(loop, indices, tokens, logprobs)
+
+    monkeypatch.setattr(StepLoop, "_emit", spy)
+    out: dict[str, tuple] = {}
+    threads = {n: threading.Thread(target=lambda n=n: out.__setitem__(n, ask(client, n))) for n in BODIES}
+    for n in RUNNING:
+        threads[n].start()
+    deadline = time.monotonic() + 60
+    while (engine.running < len(RUNNING) or len(steps) < 3) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    for n in NEWCOMERS:
+        threads[n].start()
+    for t in threads.values():
+        t.join(180)
+    monkeypatch.undo()
+    assert (4, 2) in steps, steps  # all four rows in one step, the two constrained ones included
     assert out == alone
 
 

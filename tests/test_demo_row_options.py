@@ -15,9 +15,8 @@ import torch
 
 from demo.api.app import build_engine, create_app
 from demo.config import Config
-from demo.engine import batching
 from demo.engine.engine import Params
-from tests.engine_gate import Held, collect_all
+from tests.engine_gate import Held, collect_all, generate_path, spy_batches
 
 TEXT = "\n".join(f"| Ines {i} | {40 + i} | Porto | pilot |" for i in range(6))
 
@@ -61,17 +60,6 @@ def stock(engine, ids: list[int], p: Params) -> list[str]:
     return texts * (p.n // len(texts))
 
 
-def spy_batches(monkeypatch) -> list[int]:
-    sizes, run = [], batching.run_batch
-
-    def spy(runner, gens, *args):
-        sizes.append(len(gens))
-        return run(runner, gens, *args)
-
-    monkeypatch.setattr(batching, "run_batch", spy)
-    return sizes
-
-
 def params(i: int, max_new: int = 10, **extra) -> Params:
     kw = {k: v for k, v in OPTIONS[i].items()}
     return Params(max_new, **{**kw, **extra})
@@ -91,6 +79,7 @@ def run_mixed(engine, monkeypatch, pause_every: int | None):
     ps = [params(i, 6 + 2 * i) for i in range(len(OPTIONS))]
     sizes = spy_batches(monkeypatch)
     if pause_every:  # every batch pauses each `pause_every` steps: each request resumes many times
+        generate_path(engine, monkeypatch)  # (the step loop never pauses)
         monkeypatch.setattr(
             engine.scheduler, "pause_for", lambda batch: lambda generated: generated >= pause_every
         )
@@ -172,11 +161,15 @@ def test_a_row_hook_changes_its_own_row_only_and_keeps_its_state_across_pauses(e
         engine.submit(ids[0], Params(2, temperature=1.0, n=2), hooks=[hook])
 
 
-def test_a_newcomer_with_other_options_joins_a_running_batch(engine, monkeypatch):
+@pytest.mark.parametrize("path", ["step loop", "generate"])
+def test_a_newcomer_with_other_options_joins_a_running_batch(engine, monkeypatch, path):
     """Fails on the main branch of before: a request differing in one option (temperature,
     seed) waited for the running generation's end."""
+    if path == "generate":
+        generate_path(engine, monkeypatch)
     monkeypatch.setattr(engine.scheduler, "decode_chunk", 4)
     sizes = spy_batches(monkeypatch)
+    admissions = engine.scheduler.admissions
     long_prompt = engine.text_ids("a long answer: " + TEXT)
     long_params = Params(150, temperature=0.0, logit_bias=((5, 2.0),))
     long_gen = engine.submit(long_prompt, long_params)
@@ -187,12 +180,15 @@ def test_a_newcomer_with_other_options_joins_a_running_batch(engine, monkeypatch
     short = engine.submit(engine.text_ids("a quick one"), short_params).collect()
     still_running = not long_gen.finished.is_set()
     long_result = long_gen.collect()
-    assert still_running and 2 in sizes
+    # generate(): it ran as a row of a re-formed batch beside the long one; step loop: it was
+    # admitted into the running batch between two of the long one's steps
+    assert still_running and (2 in sizes if path == "generate" else engine.scheduler.admissions > admissions)
     assert short.text == stock(engine, engine.text_ids("a quick one"), short_params)[0]
     assert long_result.text == engine.submit(long_prompt, long_params).collect().text
 
 
 def test_cache_prompt_false_pauses_resumes_and_leaves_the_store_untouched(engine, monkeypatch):
+    generate_path(engine, monkeypatch)  # pauses: the path of adapter and image requests
     ids = prompts(engine, 2)
     ps = [
         Params(8, temperature=0.0, cache_prompt=False),
@@ -271,11 +267,17 @@ def test_over_http_the_openai_client_gets_per_row_options_in_one_batch(engine, m
                 )
 
 
-def test_a_long_prompt_is_prefilled_in_slices_between_decode_chunks(engine, monkeypatch):
+@pytest.mark.parametrize("path", ["step loop", "generate"])
+def test_a_long_prompt_is_prefilled_in_slices_between_decode_chunks(engine, monkeypatch, path):
     """Issue 27 item 4: a long prompt arriving while rows decode is computed in slices of
     prefill_chunk tokens that take turns with decode chunks (the running rows make tokens
     between its slices), then joins the batch reading its prompt from the store; every reply
-    equals stock generate(), and /metrics counts the slices, pauses and resumes."""
+    equals stock generate(), and /metrics counts the slices, pauses and resumes. In the step
+    loop the slices take turns with single steps, and the prompt is admitted into the running
+    batch (no pause)."""
+    if path == "generate":
+        generate_path(engine, monkeypatch)
+    admissions0 = engine.scheduler.admissions
     monkeypatch.setattr(engine.scheduler, "decode_chunk", 3)
     monkeypatch.setattr(engine.scheduler, "prefill_chunk", 32)
     slices0, pauses0 = engine.scheduler.prefill_slices, engine.scheduler.pauses
@@ -286,8 +288,8 @@ def test_a_long_prompt_is_prefilled_in_slices_between_decode_chunks(engine, monk
         return prefill(gen)
 
     monkeypatch.setattr(engine.runner, "prefill", spy)
-    short = engine.text_ids("running row: " + TEXT[:40])
-    long_ = engine.text_ids("a long prompt " + TEXT * 3)
+    short = engine.text_ids(f"running row ({path}): " + TEXT[:40])
+    long_ = engine.text_ids(f"a long prompt ({path}) " + TEXT * 3)
     assert len(long_) > 4 * 32
     runner_gen = engine.submit(short, Params(60, temperature=0.0))
     deadline = time.monotonic() + 30
@@ -304,11 +306,19 @@ def test_a_long_prompt_is_prefilled_in_slices_between_decode_chunks(engine, monk
     assert results[0].text == stock(engine, short, Params(60, temperature=0.0))[0]
     assert results[1].text == stock(engine, long_, Params(5, temperature=0.7, seed=4))[0]
     assert results[1].cached_tokens == 0  # a cold prompt: its own slices are no prompt reuse
-    assert engine.scheduler.pauses > pauses0
+    if path == "generate":
+        assert engine.scheduler.pauses > pauses0
+    else:
+        assert engine.scheduler.pauses == pauses0 and engine.scheduler.admissions == admissions0 + 1
     text = (
         create_app(Config(model="builtin-tiny"), engine).test_client().get("/metrics").get_data(as_text=True)
     )
-    for name in ("radixkv_pauses_total", "radixkv_resumes_total", "radixkv_prefill_slices_total"):
+    for name in (
+        "radixkv_pauses_total",
+        "radixkv_resumes_total",
+        "radixkv_prefill_slices_total",
+        "radixkv_admissions_total",
+    ):
         assert f"# TYPE {name} counter" in text
     assert (
         "# TYPE radixkv_rows_per_step histogram" in text
@@ -380,6 +390,7 @@ def test_newcomers_start_at_the_next_boundary_and_paused_replies_keep_half_the_r
 
 
 def test_a_client_gone_while_its_request_is_paused_is_answered_and_never_resumed(engine, monkeypatch):
+    generate_path(engine, monkeypatch)  # pauses: the path of adapter and image requests
     monkeypatch.setattr(engine.scheduler, "pause_for", lambda batch: lambda generated: generated >= 2)
     run, seen = engine.runner.run, []
 

@@ -439,6 +439,16 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                     "Slices of long prompts computed between decode chunks.",
                     engine.scheduler.prefill_slices,
                 ),
+                (
+                    "radixkv_admissions_total",
+                    "Requests admitted into the running step loop between decode steps.",
+                    engine.scheduler.admissions,
+                ),
+                (
+                    "radixkv_aside_chunks_total",
+                    "Decode chunks of requests too wide to join the step loop, run between its steps.",
+                    engine.scheduler.asides,
+                ),
             ),
         )
         return Response(text, mimetype="text/plain; version=0.0.4")

@@ -1,7 +1,8 @@
 """The demo's engine: prompts to token ids, one worker thread, streamed text out.
 
-Concurrency model: HTTP handling is concurrent (threaded server); one worker thread runs one
-generate() at a time. The engine is a scheduler plus a runner, as serving engines split it:
+Concurrency model: HTTP handling is concurrent (threaded server); one worker thread decodes:
+in a step loop over the model's forward (demo.engine.step_loop: newcomers admitted between
+steps) where the model allows, else one generate() at a time. The engine is a scheduler plus a runner, as serving engines split it:
 
 - demo.engine.scheduler.Scheduler owns the queue: admission (`reserve`, `submit`), which queued
   requests share the next generate() call, and when a running batch pauses so that a waiting
@@ -11,8 +12,8 @@ generate() at a time. The engine is a scheduler plus a runner, as serving engine
   inputs merged as the family's processor batches them (demo.model.vision_batch), under the
   model lock (adapters load and unload between calls).
 
-The worker loop (`_serve`) is the only place the two meet: take a batch, run it, queue what
-paused again. A request's own thread reads token ids from the worker through its Generation
+The worker loop (`_serve`) is the only place the two meet: take a batch, run it (in the step
+loop until no row is left, or one generate() call), queue what paused again. A request's own thread reads token ids from the worker through its Generation
 (demo.engine.generation) and turns them into text.
 """
 
@@ -25,6 +26,7 @@ from collections.abc import Hashable, Sequence
 from demo.engine.generation import Disconnected, Generation, Params, Result
 from demo.engine.runner import Runner
 from demo.engine.scheduler import Busy, Scheduler, Slot
+from demo.engine.step_loop import StepLoop, step_loop_reason
 from demo.model import chat_tokens, vision
 from demo.model.loading import CHAT_TEMPLATE
 
@@ -48,12 +50,13 @@ class Engine:
         cache_tokens: int | None = None,
         sidecar: str | None = None,
         max_queue: int = 32,
-        max_batch_size: int = 8,
+        max_batch_size: int = 32,
         max_batch_tokens: int = 16384,
         decode_chunk: int = 16,
         prefill_chunk: int = 256,
         adapters=None,
         processor=None,
+        step_loop: bool = True,
     ):
         self.model, self.tokenizer, self.context = model, tokenizer, context
         # demo.model.adapters.Adapters over ``model`` (None: this engine serves the base model only), and
@@ -77,6 +80,16 @@ class Engine:
         if adapters is not None:
             adapters.store = self.store  # an unloaded adapter's KV is dropped from it
         self.runner = Runner(model, tokenizer, self.store, adapters, processor)
+        # Decoding: a step loop over forward() with newcomers admitted between steps
+        # (demo.engine.step_loop), or, where the model or the engine's setup does not allow it,
+        # generate() calls paused every decode_chunk steps. Decided here, once.
+        self.loop: StepLoop | None = None
+        reason = step_loop_reason(model, processor) if step_loop else "turned off"
+        if reason is None:
+            self.loop = StepLoop(self.runner, self.scheduler, on_step=self.scheduler.rows_per_step.observe)
+            self.scheduler.path = self.loop.takes
+        else:
+            log.info("decoding in generate() calls of --decode-chunk steps, not the step loop: %s", reason)
         self._worker = threading.Thread(target=self._serve, name="radixkv-generate", daemon=True)
         self._worker.start()
 
@@ -179,6 +192,10 @@ class Engine:
                 if batch[0].slice_to:  # one slice of a long prompt, between decode chunks
                     paused = self.runner.prefill(batch[0])
                     continue
+                if self.loop is not None and self.loop.takes(batch[0]) and self.loop.ready():
+                    self.loop.serve(batch)  # until no row is left; admits newcomers itself
+                    continue
+                self.scheduler.batch_sizes.observe(len(batch))
                 pause = self.scheduler.pause_for(batch) if self.store is not None else None
                 paused = self.runner.run(batch, pause, self.scheduler.rows_per_step.observe)
             finally:

@@ -18,6 +18,10 @@ queues again behind them, so slices and decode chunks take turns; it joins a bat
 whole prompt but its last token is in the store, reading it from there. (Alone, it is
 prefilled at once.)
 
+With the step loop (demo.engine.step_loop), nothing pauses: between two steps
+`take_newcomers` hands out the queued requests that join the running rows, a due slice of a
+long prompt, and a request too wide to join them (run aside, one decode chunk at a time).
+
 A queue place is taken with `reserve()` before the prompt is tokenised, so a full queue
 refuses at no cost; `submit(gen, slot)` then fills it. Thread-safe: HTTP threads reserve and
 submit, the engine's one worker takes batches.
@@ -28,7 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from demo.engine import batching
 from demo.engine.generation import Generation
@@ -80,13 +84,18 @@ class Scheduler:
         self._running: list[Generation] = []  # the batch now running (read by /get_load)
         self._closed: Exception | None = None  # set by close(): what every request is told
         # Observed here, rendered by /metrics.
-        self.batch_sizes = Histogram(BATCH_SIZE_BUCKETS)  # requests per generate() call
+        self.batch_sizes = Histogram(BATCH_SIZE_BUCKETS)  # requests per generate() call (the worker observes)
         self.queue_waits = Histogram()  # submit -> first admitted to a batch (seconds)
         self.resume_waits = Histogram()  # a paused request: pause -> its next batch (seconds)
         self.rows_per_step = Histogram(BATCH_SIZE_BUCKETS)  # rows making a token, per step
         self.pauses = 0  # requests paused between decode chunks
         self.resumes = 0  # paused requests taken into a batch again
         self.prefill_slices = 0  # slices of long prompts computed between decode chunks
+        self.admissions = 0  # requests admitted into a running step loop between decode steps
+        self.asides = 0  # decode chunks run aside from the step loop (requests too wide to join)
+        # path(gen): which decoding path runs the request (the engine sets it: the step loop's
+        # requests and generate()'s never share a batch)
+        self.path: Callable[[Generation], Hashable] = lambda gen: None
 
     # -- admission (HTTP threads) ------------------------------------------------------------
     def reserve(self) -> Slot:
@@ -160,8 +169,6 @@ class Scheduler:
         if batch:
             if batch[0].slice_to:
                 self.prefill_slices += 1
-            else:
-                self.batch_sizes.observe(len(batch))
             self._running = batch
             if self._closed is not None:  # taken while close() ran: stops at its first step
                 self._cut(batch)
@@ -181,6 +188,81 @@ class Scheduler:
             if self._closed is not None:
                 self._cut(paused)
 
+    # -- the step loop's side (demo.engine.step_loop) -------------------------------------------
+    def take_newcomers(
+        self, rows: int, width: int, slice_due: bool, takes: Callable[[Generation], bool]
+    ) -> tuple[list[Generation], Generation | None, Generation | None]:
+        """Between two steps of a running loop of ``rows`` rows of ``width`` columns, oldest
+        first: (the queued requests that join it now, within max_batch_size rows and
+        max_batch_tokens = rows x padded width; the long prompt whose next prefill slice is due
+        (`Generation.slice_to`); a request *aside*: one that fits no row of the loop under
+        max_batch_tokens however few rows run (a prompt far wider than the rows), to run one
+        decode chunk on the generate() path). Slices and asides only when ``slice_due``; the
+        worker `requeue`s them after. Taking stops at a request that waits for a free row, or
+        that the loop cannot take (``takes(gen)`` False): the loop then drains and the worker
+        runs that one. Requests whose client left are answered here. O(queue)."""
+        admitted: list[Generation] = []
+        sliced = aside = None
+        with self._cond:
+            rest: deque[Generation] = deque()
+            blocked = False
+            while self._waiting:
+                gen = self._waiting.popleft()
+                new_rows = rows + len(gen.open_rows)
+                wide = max(width, gen.width) * new_rows > self.max_batch_tokens
+                if blocked or not takes(gen):
+                    blocked = True
+                    rest.append(gen)
+                elif self._long(gen):  # its slices first, whenever one is due
+                    if slice_due and sliced is None:
+                        gen.slice_to = min(gen.prefilled + self.prefill_chunk, len(gen.prompt_ids) - 1)
+                        sliced = gen
+                    else:
+                        rest.append(gen)
+                elif gen.started is None and new_rows <= self.max_batch_size and not wide:
+                    admitted.append(gen)
+                    rows, width = new_rows, max(width, gen.width)
+                elif (wide and gen.width * new_rows > self.max_batch_tokens) or gen.started is not None:
+                    # too wide beside the rows (or a reply already run aside): a chunk aside
+                    if slice_due and aside is None:
+                        aside = gen
+                    else:
+                        rest.append(gen)
+                else:
+                    blocked = True
+                    rest.append(gen)
+            self._waiting = rest
+        now = time.perf_counter()
+        out = []
+        for gen in admitted + ([aside] if aside is not None and aside.started is None else []):
+            gen.started = now
+            self.queue_waits.observe(now - gen.submitted)
+        for gen in admitted:
+            if gen.client_gone():
+                gen._events.put(("done", gen.cached or 0))
+                gen.finished.set()
+            else:
+                out.append(gen)
+        self.admissions += len(out)
+        if sliced is not None:
+            self.prefill_slices += 1
+        extra = [g for g in (sliced, aside) if g is not None]
+        if self._closed is not None:
+            self._cut(out + extra)
+        return out, sliced, aside
+
+    def requeue(self, gens: Sequence[Generation]) -> None:
+        """Put ``gens`` (a long prompt after one slice, a reply paused aside) back at the front
+        of the queue."""
+        with self._cond:
+            self._waiting.extendleft(reversed(list(gens)))
+        if self._closed is not None:
+            self._cut(gens)
+
+    def set_running(self, gens: Sequence[Generation]) -> None:
+        """The requests now in the step loop (read by /get_load and close())."""
+        self._running = list(gens)
+
     def _take(self) -> list[Generation]:
         """The oldest request (whatever its size), plus the queued ones that can share its
         generate() call, within max_batch_size rows and max_batch_tokens: first requests not
@@ -192,6 +274,7 @@ class Scheduler:
             first.slice_to = min(first.prefilled + self.prefill_chunk, len(first.prompt_ids) - 1)
             return [first]
         key = batching.batch_key(first)
+        path = self.path(first)
         batch, width, rows = [first], first.width, len(first.open_rows)
         if key is None or self.max_batch_size == 1:
             return batch
@@ -210,6 +293,7 @@ class Scheduler:
                     and new_rows <= self.max_batch_size
                     and new_width * new_rows <= self.max_batch_tokens
                     and batching.batch_key(gen) == key
+                    and self.path(gen) == path
                     and not self._long(gen)  # it takes its slices first
                 ):
                     batch.append(gen)

@@ -1,0 +1,377 @@
+"""The worker's decode loop: one forward per step over the running rows, newcomers admitted
+between steps (admission within about one decode step), long prompts prefilled in slices that
+take turns with steps.
+
+    loop = StepLoop(runner, scheduler)          # when step_loop_reason(...) is None
+    loop.serve(batch)                           # returns once no row is left
+
+The rows' KV lives in an hf_patch.running_batch.RunningBatch across steps. Admission runs the
+newcomers' prompts as one prefill generate() of one new token (the runner's call: it reads the
+store, computes only the uncached suffix, shares common prefixes in the batch, commits the
+prompt), whose RowSampler picks each newcomer's first token with its own options; their KV is
+then spliced into the running batch. A step feeds every row's last token, samples with a
+RowSampler over the batch's ids (each row's own tokens from its first real column: penalties,
+logit_bias, hooks, logprobs, temperature/top_k/top_p/min_p, the request's own generator), and
+streams the tokens to the requests as RowStreamer does (one event per request and step; a
+greedy row stands for its n equal choices). A row ends at its max_tokens, its EOS (never fed
+nor stored), its stop string (the request thread says so) or its client's hang-up; it is then
+removed and its prompt + reply KV committed under its key (cache_prompt=false rows never are),
+and its request is told it is done once all its rows are.
+
+Who decides what: the scheduler picks newcomers (`Scheduler.take_newcomers`: FIFO, within
+max_batch_size rows and max_batch_tokens = rows x padded width; it stops at a request the loop
+cannot take, so the loop drains and the worker runs that one its own way) and the long prompt
+whose next slice is due (every `slice_every` steps, `Runner.prefill`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from demo.engine.generation import Generation, Params
+from demo.engine.sampling import Row, RowSampler
+
+__all__ = ["StepLoop", "step_loop_reason"]
+
+log = logging.getLogger(__name__)
+
+# The generation config's own logits processors the loop applies (before each row's own
+# options, as generate() orders them): those that read no position or prompt length, so a row
+# gets the same from them alone and in a padded batch. Any other (min_new_tokens, forced BOS,
+# a begin-suppress list, ...) sends the batch to the generate() path.
+_ROW_INDEPENDENT = {
+    "SuppressTokensLogitsProcessor",
+    "NoBadWordsLogitsProcessor",
+    "SequenceBiasLogitsProcessor",
+}
+
+
+def step_loop_reason(model, processor=None) -> str | None:
+    """Why requests on ``model`` cannot decode in the step loop (the engine then keeps the
+    chunked generate() path for all of them), or None. Per request, `StepLoop.takes` says."""
+    from hf_patch.running_batch import unsupported_reason
+
+    if processor is not None:
+        return "a vision-language model (image requests run through generate())"
+    reason = unsupported_reason(model)
+    if reason is not None:
+        return reason
+    return None
+
+
+class StepLoop:
+    """The running rows of the worker (see the module). One worker thread owns it."""
+
+    def __init__(self, runner, scheduler, slice_every: int = 1, on_step: Callable[[int], None] | None = None):
+        from hf_patch.running_batch import RunningBatch
+
+        if slice_every < 1:
+            raise ValueError(f"slice_every must be >= 1, got {slice_every}")
+        self.runner, self.scheduler, self.slice_every = runner, scheduler, slice_every
+        self.on_step = on_step  # on_step(rows that made a token): the rows-per-step metric
+        pad = runner.config(Params(1, temperature=0.0)).pad_token_id
+        self.batch = RunningBatch(runner.model, runner.store, pad, sorted(runner.eos))
+        self.rows: list[Row | None] = []  # per slot of the batch: (request, its row), None: free
+        self.made: list[int] = []  # per slot: tokens its row made so far
+        self.sampler: RowSampler | None = None  # over the live slots `sampled`, in order
+        self.sampled: list[int] = []
+        self.failed: set[int] = set()  # id() of requests whose hook raised (told already)
+        self.processors: list = []  # the generation config's (see `ready`)
+        self._refused: set[str] = set()  # reasons logged once
+
+    def ready(self) -> bool:
+        """Whether the model's generation config (read now: it may change between batches) adds
+        only logits processors the loop applies; if not, the batch takes the generate() path
+        (the reason logged once)."""
+        model = self.runner.model
+        config = self.runner.config(Params(1, temperature=0.0))
+        try:
+            processors = model._get_logits_processor(
+                generation_config=config,
+                input_ids_seq_length=1,
+                encoder_input_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device),
+                device=model.device,
+                model_kwargs={},
+            )
+        except Exception as e:  # a transformers release without this (private) method
+            reason = f"the generation config's logits processors cannot be built here: {e!r}"
+        else:
+            other = sorted({type(p).__name__ for p in processors} - _ROW_INDEPENDENT)
+            if not other:
+                self.processors = list(processors)
+                return True
+            reason = f"the generation config adds {', '.join(other)}, which the step loop does not apply"
+        if reason not in self._refused:
+            self._refused.add(reason)
+            log.warning("decoding in generate() calls, not the step loop: %s", reason)
+        return False
+
+    def takes(self, gen: Generation) -> bool:
+        """Whether ``gen`` can be a row of the loop: text only, and no LoRA adapter loaded (while
+        one is, every request runs in generate() calls, mixed adapters through PEFT's
+        adapter_names; rows already decoding finish as the base model, `_base`)."""
+        adapters = self.runner.adapters
+        return not gen.inputs and gen.params.adapter is None and (adapters is None or len(adapters) == 0)
+
+    def _base(self):
+        """The model computing as the base while LoRA adapters are loaded (a no-op otherwise)."""
+        adapters = self.runner.adapters
+        if adapters is None or adapters.peft is None:
+            return contextlib.nullcontext()
+        return adapters.peft.disable_adapter()
+
+    # -- the loop -----------------------------------------------------------------------------
+    def serve(self, first: list[Generation]) -> None:
+        """Admit ``first`` and decode until no row is left, admitting newcomers between steps.
+        Every request gets its ("done", cached) or ("error", exc) event. Never raises for a
+        generation failure: the rows then all get the error and the loop ends."""
+        steps = 0
+        try:
+            with self.runner.lock:
+                self._admit(first)
+            while self._live():
+                with self.runner.lock:
+                    if self.scheduler.queued:
+                        due = steps % self.slice_every == 0
+                        newcomers, slice_, aside = self.scheduler.take_newcomers(
+                            len(self._live()), self.batch.width, due, self.takes
+                        )
+                        if slice_ is not None:
+                            self.scheduler.requeue(self.runner.prefill(slice_))
+                        if aside is not None:
+                            self._aside(aside)
+                        if newcomers:
+                            self._admit(newcomers)
+                    if self._live():
+                        self._step()
+                        steps += 1
+                    self._retire_gone()
+        except Exception as e:  # report to every request still running; the worker keeps serving
+            log.exception("the step loop failed")
+            for gen in self._gens():
+                self._close(gen, ("error", e))
+            self.batch.clear()
+            self.rows, self.made, self.sampler = [], [], None
+        finally:
+            self.scheduler.set_running([])
+
+    def _aside(self, gen: Generation) -> None:
+        """Run ``gen`` (too wide to join the rows) for one decode chunk in its own generate()
+        call on the generate() path, then queue it again (or it is done): the running rows wait
+        that chunk, never its whole reply, and it is never starved by narrower newcomers."""
+        chunk = max(1, self.scheduler.decode_chunk or 16)
+        paused = self.runner.run([gen], lambda generated: generated >= chunk, self.on_step)
+        self.scheduler.asides += 1
+        for g in paused:
+            g.paused_at = time.perf_counter()
+        self.scheduler.requeue(paused)
+
+    def _gens(self) -> list[Generation]:
+        return list(dict.fromkeys(r.gen for r in self.rows if r is not None))
+
+    def _live(self) -> list[int]:
+        """The slots holding a row."""
+        return [i for i, r in enumerate(self.rows) if r is not None]
+
+    # -- admission ------------------------------------------------------------------------------
+    def _admit(self, gens: list[Generation]) -> None:
+        """Prefill ``gens`` (one generate() of one token per cache_prompt group) and splice their
+        rows into the batch; their first tokens are streamed."""
+        for cache_prompt in (True, False):
+            group = [g for g in gens if g.params.cache_prompt == cache_prompt and self._present(g)]
+            if group:
+                self._admit_group(group)
+        self.scheduler.set_running(self._gens())
+
+    def _present(self, gen: Generation) -> bool:
+        if gen.client_gone():
+            gen._events.put(("done", gen.cached or 0))
+            gen.finished.set()
+            return False
+        return True
+
+    def _admit_group(self, gens: list[Generation]) -> None:
+        from transformers import DynamicCache
+
+        from hf_patch.running_batch import prefill_keys
+
+        runner = self.runner
+        rows = [(g, r) for g in gens for r in g.open_rows]
+        # a row's context: its prompt, plus what it generated before on the generate() path (a
+        # reply run aside, or paused there): it goes on from there
+        contexts = [g.contexts[r] for g, r in rows]
+        width = max(len(c) for c in contexts)
+        config = runner.config(Params(1, temperature=0.0))
+        ids = torch.full((len(rows), width), config.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, context in enumerate(contexts):
+            ids[i, width - len(context) :] = torch.tensor(context)
+            mask[i, width - len(context) :] = 1
+        prefill_rows = [Row(g, r, width - len(c)) for (g, r), c in zip(rows, contexts)]
+        self.scheduler.batch_sizes.observe(len(gens))  # requests per generate() call
+        failed: set[int] = set()
+
+        def fail(i: int, exc: Exception, length: int) -> None:
+            failed.add(i)
+            self._fail(prefill_rows[i].gen, exc)
+
+        sampler = RowSampler(prefill_rows, lambda i: i in failed, fail)
+        cache = runner.cache(gens, [g for g, _ in rows])
+        cache = cache if cache is not None else DynamicCache()
+        device = runner.model.device
+        try:
+            out = runner.generate(
+                [g for g, _ in rows],
+                ids.to(device),
+                attention_mask=mask.to(device),
+                past_key_values=cache,
+                generation_config=config,
+                logits_processor=[sampler],
+            )
+        except Exception as e:  # the newcomers get the error; the running rows go on
+            log.exception("admission prefill failed")
+            for g in gens:
+                self._close(g, ("error", e))
+            return
+        first = out[:, -1].to("cpu")
+        logprobs = sampler.recorder.take(first, sampler.tops) if sampler.recorder is not None else None
+        cached = list(getattr(cache, "cached_tokens", None) or [0] * len(rows))
+        for i, (g, _) in enumerate(rows):
+            if g.cached is None:  # a sliced prompt counted its store reads in its first slice
+                g.cached = cached[i] if i < len(cached) else 0
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        with self._base():  # keyed as the base model computed it
+            keys = prefill_keys(runner.model, cache, len(rows))
+        new = self.batch.admit(kv, ids, mask, first.tolist(), keys)
+        grow = self.batch.size - len(self.rows)
+        self.rows += [None] * grow
+        self.made += [0] * grow
+        for slot, (g, r) in zip(new, rows):
+            self.rows[slot], self.made[slot] = Row(g, r, 0), g.replied(r)
+        self.sampler = None  # rebuilt over the new layout at the next step
+        self._emit(new, first.tolist(), logprobs)
+        self._end(new, first.tolist())
+
+    # -- one step -------------------------------------------------------------------------------
+    def _step(self) -> None:
+        with self._base():
+            logits = self.batch.step()
+        if self.sampler is None:
+            pads = self.batch.pads
+            self.sampled = self._live()  # the slots the sampler's rows are, in order
+            rows = [Row(self.rows[i].gen, self.rows[i].row, pads[i]) for i in self.sampled]
+
+            def fail(i: int, exc: Exception, length: int) -> None:
+                self._fail(rows[i].gen, exc)
+
+            self.sampler = RowSampler(rows, lambda i: id(rows[i].gen) in self.failed, fail)
+        sampler, live = self.sampler, self.sampled
+        index = torch.tensor(live, dtype=torch.long)
+        ids = self.batch.ids[index].to(logits.device)
+        logits = logits[index.to(logits.device)]
+        for processor in self.processors:
+            logits = processor(ids, logits)
+        scores = sampler(ids, logits)
+        tokens = scores.argmax(dim=-1).to("cpu")
+        logprobs = sampler.recorder.take(tokens, sampler.tops) if sampler.recorder is not None else None
+        tokens = tokens.tolist()
+        full = [self.batch.pad_id] * self.batch.size
+        for slot, token in zip(live, tokens):
+            full[slot] = token
+        self.batch.set_next(full)
+        self._emit(live, tokens, logprobs)
+        self._end(live, tokens)
+
+    def _emit(self, indices: list[int], tokens: list[int], logprobs) -> None:
+        """Send each request its rows' tokens of this step (one event per request)."""
+        out: dict[int, tuple[Generation, list, list]] = {}
+        made = 0
+        for k, i in enumerate(indices):
+            row = self.rows[i]
+            gen, p = row.gen, row.gen.params
+            if id(gen) in self.failed:
+                continue
+            self.made[i] += 1
+            made += 1
+            _, ids, lps = out.setdefault(id(gen), (gen, [[] for _ in range(p.n)], [None] * p.n))
+            lp = logprobs[k] if logprobs is not None else None
+            for choice in [row.row] if p.rows == p.n else range(p.n):  # a greedy row: all n
+                ids[choice].append(tokens[k])
+                lps[choice] = lp
+        for gen, ids, lps in out.values():
+            gen.generated += 1
+            gen._events.put(("ids", ids, lps if gen.params.top_logprobs is not None else None))
+        if self.on_step is not None and made:
+            self.on_step(made)
+
+    def _end(self, indices: list[int], tokens: list[int]) -> None:
+        """Remove the rows of ``indices`` that ended with this token (committing their KV)."""
+        eos = self.runner.eos
+        ended = []
+        for k, i in enumerate(indices):
+            row = self.rows[i]
+            gen = row.gen
+            if (
+                id(gen) in self.failed
+                or tokens[k] in eos
+                or self.made[i] >= gen.params.max_new_tokens
+                or gen.row_stopped(row.row)
+                or gen.client_gone()
+            ):
+                ended.append(i)
+        self._remove(ended)
+
+    def _retire_gone(self) -> None:
+        """Rows whose request was cancelled or stopped between steps (client gone, stop string,
+        shutdown) leave now: they cost no more than the step under way."""
+        self._remove(
+            [
+                i
+                for i, r in enumerate(self.rows)
+                if r is not None
+                and (id(r.gen) in self.failed or r.gen.cancelled.is_set() or r.gen.row_stopped(r.row))
+            ]
+        )
+
+    def _remove(self, ended: list[int]) -> None:
+        if not ended:
+            return
+        gone = set(ended)
+        for i in ended:
+            row = self.rows[i]
+            row.gen.row_done[row.row] = True
+        self.batch.remove(ended, commit=True)
+        leaving = {id(self.rows[i].gen): self.rows[i].gen for i in ended}
+        for i in gone:
+            self.rows[i], self.made[i] = None, 0
+        moved = self.batch.compact()
+        if moved is not None:  # new slot j holds old slot moved[j]
+            free = self.batch.size - len(moved)
+            self.rows = [self.rows[i] for i in moved] + [None] * free
+            self.made = [self.made[i] for i in moved] + [0] * free
+        self.sampler = None  # rebuilt over the new layout at the next step
+        still = {id(r.gen) for r in self.rows if r is not None}
+        for key, gen in leaving.items():
+            if key not in still:
+                self._close(gen)
+                self.failed.discard(key)
+        self.scheduler.set_running(self._gens())
+
+    def _fail(self, gen: Generation, exc: Exception) -> None:
+        """A row's hook raised: its request ends with that error; the other rows go on."""
+        log.warning("a row's hook failed; its request ends with the error: %r", exc)
+        if id(gen) not in self.failed:
+            self.failed.add(id(gen))
+            self._close(gen, ("error", exc))
+
+    @staticmethod
+    def _close(gen: Generation, event: tuple | None = None) -> None:
+        if gen.finished.is_set():
+            return
+        gen._events.put(event or ("done", gen.cached or 0))
+        gen.finished.set()

@@ -1,0 +1,425 @@
+"""hf_patch.running_batch: rows admitted at different steps, decoded one forward per step over a
+persistent left-padded KV batch, equal stock generate() of each row alone; removal, commit and
+rows that are never committed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper
+
+import hf_patch
+from hf_patch.running_batch import RunningBatch, prefill_keys, unsupported_reason
+from tests.hf_models import EOS, PAD, build, left_pad, one_torch_thread, shared, store_for, tokens  # noqa: F401
+
+MODEL = "llama-sdpa"
+
+
+class Row:
+    """One request of the test: its prompt, its sampler, and what it generated."""
+
+    def __init__(self, prompt, new, seed=None, temperature=0.7, namespace=None):
+        self.prompt, self.new, self.seed, self.temperature = prompt, new, seed, temperature
+        self.namespace = namespace
+        self.rng = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.out: list[int] = []
+        self.cached = None
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """logits: [vocab] float32 -> the token stock generate() picks (greedy, or one draw of
+        torch.multinomial after manual_seed(seed): the same generator stream)."""
+        if self.rng is None:
+            return int(logits.argmax())
+        x = TemperatureLogitsWarper(self.temperature)(None, logits.reshape(1, -1))
+        return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=self.rng))
+
+
+def stock_alone(model, row: Row) -> list[int]:
+    kwargs = dict(max_new_tokens=row.new, pad_token_id=PAD, eos_token_id=EOS)
+    if row.seed is None:
+        kwargs.update(do_sample=False)
+    else:
+        torch.manual_seed(row.seed)
+        kwargs.update(do_sample=True, temperature=row.temperature, top_k=None, top_p=None)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([row.prompt]), **kwargs)
+    return out[0, len(row.prompt) :].tolist()
+
+
+def admit(batch: RunningBatch, model, store, rows: list[Row], running: dict, cache_prompt=True) -> None:
+    """The engine's admission: one prefill generate() (max_new_tokens=1) over the newcomers
+    left-padded, reading and committing the store; each newcomer's first token from its logits.
+    ``running``: slot -> Row, updated."""
+    ids, mask = left_pad([r.prompt for r in rows])
+    if cache_prompt:
+        cache = hf_patch.RadixCache(store=store, namespace=[r.namespace for r in rows])
+    else:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1, do_sample=False,
+            pad_token_id=PAD, eos_token_id=EOS, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    first = [r.pick(out.logits[0][i].float()) for i, r in enumerate(rows)]
+    for i, r in enumerate(rows):
+        r.out.append(first[i])
+        r.cached = cache.cached_tokens[i] if cache_prompt else 0
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    keys = prefill_keys(model, cache, len(rows)) if cache_prompt else None
+    slots = batch.admit(kv, ids, mask, first, keys)
+    assert sorted(batch.rows) == sorted([*running, *slots])
+    running.update(zip(slots, rows))
+
+
+def run(batch: RunningBatch, running: dict, steps: int) -> None:
+    """``steps`` decode steps; a row that reached its length or EOS is removed (committed)."""
+    for _ in range(steps):
+        retire(batch, running)
+        if not running:
+            return
+        logits = batch.step()
+        assert logits.shape[0] == batch.size
+        picks = [running[i].pick(logits[i]) if i in running else PAD for i in range(batch.size)]
+        batch.set_next(picks)
+        for i, r in running.items():
+            r.out.append(picks[i])
+    retire(batch, running)
+
+
+def retire(batch: RunningBatch, running: dict) -> None:
+    done = [i for i, r in running.items() if len(r.out) >= r.new or r.out[-1] == EOS]
+    batch.remove(done)
+    for i in done:
+        del running[i]
+    moved = batch.compact()
+    if moved is not None:  # new slot j holds old slot moved[j]
+        old = dict(running)
+        running.clear()
+        running.update({j: old[i] for j, i in enumerate(moved)})
+
+
+def test_rows_admitted_at_different_steps_equal_stock_alone_greedy_and_seeded():
+    model = shared(MODEL)
+    store = store_for(model)
+    batch = RunningBatch(model, store, PAD, [EOS])
+    a = Row(tokens(20, 1), 12)
+    b = Row(tokens(7, 2), 9, seed=5)
+    c = Row(tokens(31, 3), 6)  # wider than the batch: the running rows are padded further
+    d = Row(tokens(5, 4), 8, seed=11, temperature=1.3)
+    running: dict = {}
+    admit(batch, model, store, [a], running)
+    run(batch, running, 3)
+    admit(batch, model, store, [b, c], running)
+    run(batch, running, 2)
+    admit(batch, model, store, [d], running)
+    run(batch, running, 20)
+    assert batch.size == 0 and not running
+    for r in (a, b, c, d):
+        assert r.out == stock_alone(model, r), r.prompt
+
+
+def test_a_removed_row_leaves_the_others_exact_and_its_reply_is_read_back():
+    model = shared(MODEL)
+    store = store_for(model)
+    batch = RunningBatch(model, store, PAD, [EOS])
+    long_, short = Row(tokens(9, 7), 14), Row(tokens(26, 8), 5)
+    running: dict = {}
+    admit(batch, model, store, [long_, short], running)
+    run(batch, running, 5)  # the short (wide) row leaves: its slot is freed
+    assert list(running.values()) == [long_]
+    # its prompt + reply (less its last, unfed token) were committed: a follow-up whose prompt
+    # is that conversation reads it from the store, and takes its free slot beside the long row
+    follow = Row(short.prompt + short.out + tokens(3, 9), 4)
+    admit(batch, model, store, [follow], running)
+    assert batch.size == 2 and follow.cached == (len(short.prompt) + len(short.out) - 1) // 4 * 4
+    run(batch, running, 20)
+    assert batch.size == 0 and not running
+    for r in (long_, short, follow):
+        assert r.out == stock_alone(model, r)
+
+
+def test_rows_of_other_namespaces_and_cache_prompt_false_are_never_committed_or_read():
+    model = shared(MODEL)
+    store = store_for(model)
+    batch = RunningBatch(model, store, PAD, [EOS])
+    plain = Row(tokens(24, 10), 6)
+    running: dict = {}
+    admit(batch, model, store, [plain], running, cache_prompt=False)
+    run(batch, running, 10)
+    assert plain.out == stock_alone(model, plain)
+    assert store.stats()["inserted_tokens"] == 0 and store.stats()["cached_blocks"] == 0
+    again = Row(plain.prompt + plain.out, 3)
+    admit(batch, model, store, [again], running)
+    assert again.cached == 0  # nothing of the cache_prompt=false row was stored
+    run(batch, running, 5)
+    other = Row(plain.prompt + plain.out, 3, namespace="tenant-b")
+    admit(batch, model, store, [other], running)
+    assert other.cached == 0  # the first namespace's reply is not another tenant's
+    run(batch, running, 5)
+    assert other.out == again.out == stock_alone(model, again)
+
+
+def test_an_eos_ends_a_row_and_nothing_after_it_is_committed():
+    model = build(MODEL)
+    store = store_for(model)
+    batch = RunningBatch(model, store, PAD, [EOS])
+    row = Row(tokens(12, 12), 8)
+    running: dict = {}
+    admit(batch, model, store, [row], running)
+    logits = batch.step()
+    batch.set_next([EOS])  # as if EOS was picked: the row ends before feeding it
+    row.out.append(EOS)
+    assert logits.shape == (1, model.config.vocab_size)
+    batch.remove([0])
+    assert batch.rows == [] and batch.compact() == [] and batch.size == 0
+    running.clear()
+    probe = Row(row.prompt + row.out[:1] + [EOS] + tokens(8, 13), 2)
+    admit(batch, model, store, [probe], running)
+    # the prompt and the fed reply token are stored; the EOS never was (no KV for it)
+    assert probe.cached == (len(row.prompt) + 1) // 4 * 4
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [("mistral-sliding", "sliding"), ("gemma2-sliding", "layers of types"), ("llama4-text-chunked", "types")],
+)
+def test_models_the_layout_cannot_hold_are_refused_with_a_reason(name, why):
+    reason = unsupported_reason(build(name))
+    assert reason is not None and why in reason
+
+
+def test_m_rope_and_encoder_decoder_configs_are_refused():
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    qwen_vl = SimpleNamespace(config=AutoConfig.for_model("qwen2_vl"), get_rope_index=lambda *a: None)
+    mrope = AutoConfig.for_model("llama", rope_scaling={"rope_type": "default", "mrope_section": [8, 12, 12]})
+    t5 = AutoConfig.for_model("t5")
+    assert "M-RoPE" in unsupported_reason(qwen_vl)
+    assert "M-RoPE" in unsupported_reason(SimpleNamespace(config=mrope))
+    assert "encoder-decoder" in unsupported_reason(SimpleNamespace(config=t5))
+
+
+def test_bad_calls_are_refused_with_the_part_named_and_change_nothing():
+    model = shared(MODEL)
+    store = store_for(model)
+    batch = RunningBatch(model, store, PAD, [EOS])
+    running: dict = {}
+    row = Row(tokens(10, 20), 4)
+    admit(batch, model, store, [row], running)
+    before = (batch.size, batch.width, batch.ids.clone(), batch.mask.clone())
+    kv = [(layer.keys[:1], layer.values[:1]) for layer in batch.cache.layers]
+    ids, mask = left_pad([tokens(batch.width, 21)])
+    with pytest.raises(ValueError, match="first tokens"):
+        batch.admit(kv, ids, mask, [1, 2])
+    with pytest.raises(ValueError, match="layers"):
+        batch.admit(kv[:1], ids, mask, [1])
+    with pytest.raises(ValueError, match="left padding"):
+        batch.admit(kv, ids, torch.tensor([[0] + [1] * (batch.width - 2) + [0]]), [1])
+    with pytest.raises(ValueError, match="holds no row"):
+        batch.remove([batch.size])  # no such slot
+    with pytest.raises(ValueError, match="tokens for"):
+        batch.set_next([1, 2, 3])
+    after = (batch.size, batch.width, batch.ids, batch.mask)
+    assert before[:2] == after[:2] and torch.equal(before[2], after[2]) and torch.equal(before[3], after[3])
+    run(batch, running, 10)
+    assert row.out == stock_alone(model, row)
+    with pytest.raises(ValueError, match="no rows"):
+        batch.step()
+
+
+def test_a_row_is_not_committed_when_the_weights_changed_while_it_decoded():
+    model = build(MODEL)
+    store = store_for(model)
+    batch = RunningBatch(model, store, PAD, [EOS])
+    running: dict = {}
+    row = Row(tokens(9, 30), 8)
+    admit(batch, model, store, [row], running)
+    run(batch, running, 3)
+    inserted = store.stats()["inserted_tokens"]
+    with torch.no_grad():
+        next(model.parameters()).mul_(1.0)  # an in-place write: a new version of the weights
+    assert batch.remove(list(running)) == 0
+    assert store.stats()["inserted_tokens"] == inserted
+
+
+def test_the_builtin_llama_is_supported():
+    assert unsupported_reason(shared(MODEL)) is None
+
+
+# -- the engine's step loop (demo.engine.step_loop) ------------------------------------------------
+@pytest.fixture(scope="module")
+def engine():
+    from demo.api.app import build_engine
+    from demo.config import Config
+
+    e = build_engine(Config(model="builtin-tiny", cache_tokens=1 << 15, max_batch_size=8))
+    cfg = e.model.generation_config
+    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e.runner.eos]  # rows end only where we say
+    assert e.loop is not None
+    return e
+
+
+def engine_stock(engine, ids: list[int], p) -> str:
+    """Stock generate() of the request alone, no cache (greedy, or sampled after manual_seed)."""
+    cfg = engine.runner.config(p)
+    if p.sampled:
+        torch.manual_seed(p.seed % 2**64)
+    t = torch.tensor([ids])
+    out = engine.model.generate(t, attention_mask=torch.ones_like(t), generation_config=cfg)
+    return engine.decode(out[0, len(ids) :].tolist())
+
+
+def spy_steps(engine, monkeypatch) -> list[set]:
+    """Per step of the loop (first tokens at admission included): the requests that made a token."""
+    from demo.engine.step_loop import StepLoop
+
+    steps, emit = [], StepLoop._emit
+
+    def spy(loop, indices, tokens, logprobs):
+        steps.append({id(loop.rows[i].gen) for i in indices})
+        return emit(loop, indices, tokens, logprobs)
+
+    monkeypatch.setattr(StepLoop, "_emit", spy)
+    return steps
+
+
+def wait_for(predicate, seconds: float = 60) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def test_a_newcomer_with_other_options_joins_the_running_rows_between_steps(engine, monkeypatch):
+    """Issue 27 item 3: a request arriving while rows decode is admitted between two steps and
+    makes its first token in a step the long rows share (they are still running); every reply
+    equals stock generate() of it alone; no batch paused."""
+    from demo.engine.engine import Params
+
+    steps = spy_steps(engine, monkeypatch)
+    pauses, admissions = engine.scheduler.pauses, engine.scheduler.admissions
+    long_ids = [engine.text_ids(f"long row {i} tells a story about Porto") for i in range(2)]
+    long_p = [Params(80, temperature=0.0), Params(80, temperature=0.8, seed=21, top_p=0.9)]
+    longs = [engine.submit(i, p) for i, p in zip(long_ids, long_p)]
+    wait_for(lambda: all(g.generated >= 3 for g in longs))
+    short_ids = engine.text_ids("a quick one")
+    short_p = Params(4, temperature=1.1, seed=5, top_p=0.8)
+    short = engine.submit(short_ids, short_p)
+    short_result = short.collect()
+    results = [g.collect() for g in longs]
+    together = [s for s in steps if id(short) in s and all(id(g) in s for g in longs)]
+    assert len(together) >= 3  # its later tokens came in the long rows' steps
+    assert engine.scheduler.admissions > admissions and engine.scheduler.pauses == pauses
+    assert short_result.text == engine_stock(engine, short_ids, short_p)
+    for ids, p, r in zip(long_ids, long_p, results):
+        assert r.text == engine_stock(engine, ids, p) and r.completion_tokens == 80
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0
+
+
+def test_a_hang_up_mid_batch_ends_that_row_only_and_its_kv_so_far_is_stored(engine, monkeypatch):
+    from demo.engine.engine import Disconnected, Params
+    from tests.engine_gate import Held
+
+    ids = [engine.text_ids(f"row {i} about Lima and its long history of fish") for i in range(3)]
+    ps = [Params(30, temperature=0.0), Params(40, temperature=0.9, seed=8), Params(25, temperature=0.0)]
+    held = Held(engine, monkeypatch)
+    gens = [engine.submit(i, p) for i, p in zip(ids, ps)]
+    gens[1].alive = lambda: gens[1].generated < 6  # its client leaves after a few tokens
+    held.go()
+    with pytest.raises(Disconnected):
+        gens[1].collect()
+    others = [gens[0].collect(), gens[2].collect()]
+    monkeypatch.undo()
+    assert 6 <= gens[1].generated < 40 and gens[1].finished.is_set()
+    assert [r.text for r in others] == [engine_stock(engine, ids[k], ps[k]) for k in (0, 2)]
+    follow = engine.submit(ids[1], Params(2, temperature=0.0)).collect()
+    assert follow.cached_tokens == (len(ids[1]) - 1) // 16 * 16  # its prompt was stored
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0 and engine.running == 0
+
+
+def test_cache_prompt_false_rows_decode_beside_cached_rows_and_never_touch_the_store(engine, monkeypatch):
+    from demo.engine.engine import Params
+    from tests.engine_gate import Held, collect_all
+
+    ids = [engine.text_ids(f"private {i}: the table of Quito rows and their jobs") for i in range(2)]
+    cached = engine.text_ids("a cached neighbour with its own words")
+    ps = [
+        Params(9, temperature=0.0, cache_prompt=False),
+        Params(7, temperature=0.9, seed=1, cache_prompt=False),
+    ]
+    held = Held(engine, monkeypatch)
+    gens = [engine.submit(i, p) for i, p in zip(ids, ps)]
+    neighbour = engine.submit(cached, Params(8, temperature=0.0))
+    held.go()
+    out = collect_all([*gens, neighbour])
+    monkeypatch.undo()
+    assert [r.text for r in out[:2]] == [engine_stock(engine, i, p) for i, p in zip(ids, ps)]
+    assert out[2].text == engine_stock(engine, cached, Params(8, temperature=0.0))
+    for i in ids:  # nothing of theirs was stored: the same prompts read nothing back
+        assert engine.submit(i, Params(1, temperature=0.0)).collect().cached_tokens == 0
+    assert engine.submit(cached, Params(1, temperature=0.0)).collect().cached_tokens > 0  # its was
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("rows_tokens", [60, 6])
+def test_a_request_too_wide_for_the_rows_runs_aside_in_chunks_between_their_steps(
+    engine, monkeypatch, rows_tokens
+):
+    """A prompt that fits no row beside the running ones under max_batch_tokens is not made to
+    wait for them to end (nor does it block the queue): it runs one decode chunk at a time on
+    the generate() path between the loop's steps; once the rows are gone, it goes on in the loop
+    from its reply so far. Every reply equals stock generate()."""
+    import threading
+
+    from demo.engine.engine import Params
+    from demo.engine.step_loop import StepLoop
+
+    monkeypatch.setattr(engine.scheduler, "prefill_chunk", 0)  # no slices: it is wide at once
+    monkeypatch.setattr(engine.scheduler, "decode_chunk", 4)
+    asides = engine.scheduler.asides
+    rows = [engine.text_ids(f"narrow row {i} ({rows_tokens}) about Rome") for i in range(2)]
+    wide = engine.text_ids(
+        f"a wide prompt ({rows_tokens}): " + " ".join(f"Omar {i} is a baker in Tunis." for i in range(25))
+    )
+    monkeypatch.setattr(engine.scheduler, "max_batch_tokens", len(wide) * 2)  # it fits alone, not with 2 rows
+    queued, step = threading.Event(), StepLoop._step
+
+    def gated(loop):  # after the rows' second token, the loop waits for the wide request to queue
+        if not queued.is_set() and loop._live() and loop.made[loop._live()[0]] >= 2:
+            wait_for(lambda: engine.queued > 0)
+            queued.set()
+        return step(loop)
+
+    monkeypatch.setattr(StepLoop, "_step", gated)
+    gens = [engine.submit(i, Params(rows_tokens, temperature=0.0)) for i in rows]
+    wait_for(lambda: all(g.generated >= 2 for g in gens))
+    progress, run = [], engine.runner.run
+
+    def spy(batch, *args):
+        progress.append(gens[0].generated)
+        return run(batch, *args)
+
+    monkeypatch.setattr(engine.runner, "run", spy)
+    wide_p = Params(40, temperature=0.8, seed=9, top_logprobs=2)
+    wide_result = engine.submit(wide, wide_p).collect()
+    results = [g.collect() for g in gens]
+    monkeypatch.undo()
+    assert queued.is_set()
+    assert wide_result.text == engine_stock(engine, wide, wide_p)
+    assert wide_result.completion_tokens == 40 == len(wide_result.choices[0].logprobs)
+    want = [engine_stock(engine, i, Params(rows_tokens, temperature=0.0)) for i in rows]
+    assert [r.text for r in results] == want
+    assert engine.scheduler.asides - asides == len(progress) >= 1  # chunks of 4 tokens
+    assert progress == sorted(progress)  # the rows went on between its chunks
+    if rows_tokens == 60:  # all 10 chunks aside while the rows decode
+        assert len(progress) == 10 and progress[-1] > progress[0]
+    else:  # the rows ended after a few of its chunks: it went on in the loop, from its reply so far
+        assert len(progress) < 10
