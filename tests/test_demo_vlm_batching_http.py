@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import functools
 import time
 import uuid
 
 import pytest
 
 from tests.demo_checkpoints import data_url, pil, png, save_vlm
-from tests.demo_vlm_checkpoints import save_gemma3
+from tests.demo_vlm_checkpoints import save_gemma3, save_llava_onevision, save_qwen_vl
 from tests.engine_gate import Held
 
 BS = 4
@@ -33,21 +34,33 @@ class Calls:
         monkeypatch.setattr(engine.model, "generate", spy)
 
 
-@pytest.fixture(scope="module", params=["gemma3", "llava"])
+SAVERS = {
+    "gemma3": save_gemma3,
+    "llava": save_vlm,
+    "llava_onevision": save_llava_onevision,
+    "qwen2_5_vl": save_qwen_vl,
+    "qwen3_vl": functools.partial(save_qwen_vl, model_type="qwen3_vl"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SAVERS))
 def served(request, tmp_path_factory):
     """(openai client, engine, reference model and processor) for one saved checkpoint."""
     import openai
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from demo.api.app import build_engine, create_app
     from demo.api.server import serving
     from demo.config import Config
+    from demo.model.processors import load_processor
 
-    saver = {"gemma3": save_gemma3, "llava": save_vlm}[request.param]
-    path = saver(tmp_path_factory.mktemp("vlm") / request.param)
+    path = SAVERS[request.param](tmp_path_factory.mktemp("vlm") / request.param)
     config = Config(model=path, block_size=BS, cache_tokens=1 << 13, limit_images=2, served_name="m")
     engine = build_engine(config)
-    reference = AutoModelForImageTextToText.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path)
+    reference = (
+        AutoModelForImageTextToText.from_pretrained(path).eval(),
+        load_processor(path, AutoConfig.from_pretrained(path), {}),
+    )
     with serving(create_app(config, engine)) as url:
         yield (
             openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120),

@@ -54,10 +54,12 @@ _ROW_INDEPENDENT = {
 def step_loop_reason(model, processor=None) -> str | None:
     """Why requests on ``model`` cannot decode in the step loop (the engine then keeps the
     chunked generate() path for all of them), or None. Per request, `StepLoop.takes` says."""
+    from demo.model import vision_batch
     from hf_patch.running_batch import unsupported_reason
 
-    if processor is not None:
-        return "a vision-language model (image requests run through generate())"
+    if processor is not None or vision_batch.rule_for(model) is not None:
+        # image rows share generate() calls with text rows (demo.model.vision_batch)
+        return "a vision-language model (image and text requests share generate() calls)"
     reason = unsupported_reason(model)
     if reason is not None:
         return reason
