@@ -423,3 +423,26 @@ def test_a_request_too_wide_for_the_rows_runs_aside_in_chunks_between_their_step
         assert len(progress) == 10 and progress[-1] > progress[0]
     else:  # the rows ended after a few of its chunks: it went on in the loop, from its reply so far
         assert len(progress) < 10
+
+
+def test_shutdown_returns_once_the_cut_rows_left_with_their_kv_stored():
+    """Engine.shutdown: the loop lets go of the model lock between steps, so shutdown waits until
+    no request runs (the cut rows removed, their prompt + reply so far committed), not merely for
+    the lock: the shutdown save and the sidecar hand-over then find the reply's KV."""
+    from demo.api.app import build_engine
+    from demo.config import Config
+    from demo.engine.engine import Params
+
+    e = build_engine(Config(model="builtin-tiny", cache_tokens=1 << 15, max_batch_size=8))
+    cfg = e.model.generation_config
+    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e.runner.eos]
+    assert e.loop is not None
+    ids = e.text_ids("a long reply about Lima, its rivers and its fish markets")
+    gen = e.submit(ids, Params(400, temperature=0.0))
+    wait_for(lambda: gen.generated >= 40)
+    e.shutdown(wait=30)
+    assert e.running == 0 and gen.finished.is_set()
+    made = gen.generated  # tokens streamed; all but the last were fed, so have KV
+    block = e.store.pool.block_size
+    assert e.stats()["cached_blocks"] * block >= (len(ids) + made - 1) // block * block
+    e.check_invariants()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Hashable, Sequence
 
 from demo.engine.generation import Disconnected, Generation, Params, Result
@@ -172,11 +173,20 @@ class Engine:
         self.scheduler.close(
             ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
         )
-        lock = self.exclusive()
-        if lock.acquire(timeout=max(0.0, wait)):
-            lock.release()
-        else:
-            log.warning("shutdown: the running batch did not stop within %.1fs", wait)
+        # The step loop releases the lock between steps, and a row cut by close() leaves (its KV
+        # committed) at the end of the iteration that sees the cut: wait until no request runs.
+        deadline, lock = time.monotonic() + max(0.0, wait), self.exclusive()
+        while True:
+            if lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                try:
+                    if not self.scheduler.running:
+                        return
+                finally:
+                    lock.release()
+            if time.monotonic() >= deadline:
+                log.warning("shutdown: the running batch did not stop within %.1fs", wait)
+                return
+            time.sleep(0.005)
 
     def exclusive(self) -> threading.RLock:
         """The model lock: held, no generate() runs (the worker waits for it between batches)."""
