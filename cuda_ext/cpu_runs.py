@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from cuda_ext.stacking import layer_groups
+from cuda_ext.stacking import chunks, layer_groups
 
 # Below this mean run length (in tokens) per-run Python overhead outweighs the saved copy.
 MIN_MEAN_RUN_TOKENS = 32
@@ -67,17 +67,21 @@ def paged_gather_runs(k_pools, v_pools, block_ids, num_tokens, k_out, v_out) -> 
         rows = _token_rows(block_ids, k_pools[0].shape[1], num_tokens)
         batch = block_ids.shape[0]
         for pools, outs in groups:  # [n, N, bs, H, D], [n, B, H, T, D]
-            n, _, _, heads, dim = pools.shape
-            picked = pools.flatten(1, 2).index_select(1, rows).view(n, batch, num_tokens, heads, dim)
-            outs.copy_(picked.transpose(2, 3))
+            _, _, _, heads, dim = pools.shape
+            for part in chunks(pools.shape[0], rows.numel() * heads * dim):
+                p = pools[part]
+                picked = p.flatten(1, 2).index_select(1, rows).view(-1, batch, num_tokens, heads, dim)
+                outs[part].copy_(picked.transpose(2, 3))
         return
     for pools, outs in groups:
         flat = pools.flatten(1, 2)  # [n, N * bs, H, D]
+        per_token = flat.shape[2] * flat.shape[3]
         for b, row_runs in enumerate(runs):
             for first_row, first_token, n in row_runs:
-                outs[:, b, :, first_token : first_token + n].copy_(
-                    flat[:, first_row : first_row + n].transpose(1, 2)
-                )
+                for part in chunks(flat.shape[0], n * per_token):
+                    outs[part, b, :, first_token : first_token + n].copy_(
+                        flat[part, first_row : first_row + n].transpose(1, 2)
+                    )
 
 
 def paged_scatter_runs(k_src, v_src, block_ids, k_pools, v_pools) -> None:
@@ -90,14 +94,18 @@ def paged_scatter_runs(k_src, v_src, block_ids, k_pools, v_pools) -> None:
     if runs is None:
         rows = _token_rows(block_ids, k_pools[0].shape[1], num_tokens)
         for pools, srcs in groups:  # [n, N, bs, H, D], [n, B, H, S, D]
-            n, _, _, heads, dim = pools.shape
-            # reshape copies the strided sources once; index_copy_ then writes the pool rows.
-            pools.flatten(1, 2).index_copy_(1, rows, srcs.transpose(2, 3).reshape(n, -1, heads, dim))
+            _, _, _, heads, dim = pools.shape
+            for part in chunks(pools.shape[0], rows.numel() * heads * dim):
+                # reshape copies the strided sources once; index_copy_ then writes the pool rows.
+                src = srcs[part].transpose(2, 3).reshape(-1, rows.numel(), heads, dim)
+                pools[part].flatten(1, 2).index_copy_(1, rows, src)
         return
     for pools, srcs in groups:
         flat = pools.flatten(1, 2)
+        per_token = flat.shape[2] * flat.shape[3]
         for b, row_runs in enumerate(runs):
             for first_row, first_token, n in row_runs:
-                flat[:, first_row : first_row + n].copy_(
-                    srcs[:, b, :, first_token : first_token + n].transpose(1, 2)
-                )
+                for part in chunks(flat.shape[0], n * per_token):
+                    flat[part, first_row : first_row + n].copy_(
+                        srcs[part, b, :, first_token : first_token + n].transpose(1, 2)
+                    )

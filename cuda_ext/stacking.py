@@ -7,6 +7,12 @@ out the same way), one strided view ``[n, *shape]`` over all of them lets the CP
 one ``copy_`` per run of blocks instead of one per layer and K/V. On a machine whose cores
 other processes want, every operation big enough to be split over torch's threads waits for
 all of them to be scheduled, so fewer, larger operations wait less (docs/performance.md).
+
+An operation on fewer than ``GRAIN_SIZE`` elements runs on the calling thread alone and waits
+for no one. Merging such small per-layer copies into one above that size would add a wait
+(measured: commits of a decode batch 5-15x slower on a busy machine), so :func:`chunks` splits
+a group into the fewest slices that each stay below it, or keeps it whole when one layer
+alone is above it (its per-layer copies were split over the threads anyway).
 """
 
 from __future__ import annotations
@@ -14,6 +20,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+# at::internal::GRAIN_SIZE (ATen/Parallel.h): elements below which torch's element-wise CPU
+# kernels (copy_, fill_) do not split an operation over threads.
+GRAIN_SIZE = 32768
+
+
+def chunks(count: int, per_item: int) -> list[slice]:
+    """Slices of ``range(count)`` items of ``per_item`` elements each: all of them when one item
+    reaches ``GRAIN_SIZE``, else the fewest slices of fewer than ``GRAIN_SIZE`` elements."""
+    if per_item >= GRAIN_SIZE or count * per_item < GRAIN_SIZE:
+        return [slice(0, count)]
+    step = max(1, (GRAIN_SIZE - 1) // max(per_item, 1))
+    return [slice(i, min(i + step, count)) for i in range(0, count, step)]
 
 
 def interleave(k: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cuda_ext.stacking import interleave, stacked
+from cuda_ext.stacking import chunks, interleave, stacked
 from hf_patch.cache import RadixCache
 from hf_patch.keys import RowKey, SharedPrefix, row_key
 from hf_patch.keys.inputs import log_once
@@ -217,7 +217,8 @@ class Request:
             if pad:  # pad columns are masked, but must be finite: NaN * 0 still poisons attn @ V
                 width = min(pad, common)
                 for bufs in groups:
-                    bufs[:, i, :, :width].zero_()
+                    for part in chunks(bufs.shape[0], width * bufs.shape[2] * bufs.shape[4]):
+                        bufs[part, i, :, :width].zero_()
         # One fused read per run of consecutive rows with equal padding (views stay views).
         start = 0
         while start < len(self.pads):

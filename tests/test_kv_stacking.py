@@ -91,9 +91,21 @@ def test_pools_and_cache_buffers_of_uniform_layers_are_one_allocation():
     assert len(stacking.layer_groups(other.k, other.v, other.k, other.v)) == 4
 
 
+def test_chunks_keep_small_copies_below_the_grain_size():
+    assert stacking.chunks(6, 40_000) == [slice(0, 6)]  # each layer's copy is split over threads anyway
+    assert stacking.chunks(6, 5_000) == [slice(0, 6)]  # 30,000 elements: one serial copy
+    assert stacking.chunks(6, 8_192) == [slice(0, 3), slice(3, 6)]  # 3 x 8,192 < 32,768
+    assert stacking.chunks(5, 20_000) == [slice(i, i + 1) for i in range(5)]
+    assert stacking.chunks(0, 10) == [slice(0, 0)]
+
+
+@pytest.mark.parametrize("grain", [stacking.GRAIN_SIZE, 700], ids=["grain", "small-grain"])
 @pytest.mark.parametrize("fragmented", [False, True], ids=["runs", "fragmented"])
 @pytest.mark.parametrize("outputs", ["stacked", "per-layer"])
-def test_gather_and_scatter_of_all_layers_equal_the_per_layer_reference(fragmented, outputs, group_sizes):
+def test_gather_and_scatter_of_all_layers_equal_the_per_layer_reference(
+    fragmented, outputs, grain, group_sizes, monkeypatch
+):
+    monkeypatch.setattr(stacking, "GRAIN_SIZE", grain)  # 700: groups split into slices of one to five layers
     gen = torch.Generator().manual_seed(7)
     pool = BlockPool(UNIFORM, 64, BS)
     fill(pool, gen)
