@@ -10,4 +10,4 @@ resume); which rank serves which request is ``hf_patch.planning.routing`` (share
 """
 
 # Before anything loads torch: passive OpenMP waits unless OMP_WAIT_POLICY is set (hf_patch.wait_policy)
-import hf_patch  # noqa: E402, F401
+import hf_patch  # noqa: F401

@@ -137,14 +137,19 @@ class AppendLayer(DynamicLayer):
 def allocate_stacked(layers, batch: int, specs, capacity: int) -> None:
     """Give every layer empty buffers of ``capacity`` tokens, per ``specs`` (radixkv.LayerSpec).
 
-    When every layer's K and V share shape, dtype and device, the buffers are slices ``[l, 0]``
-    / ``[l, 1]`` of one ``[layers, 2, batch, heads, capacity, head_dim]`` tensor, so the store's
-    copies move all layers at once (cuda_ext.stacking); each layer's views are as before. A
-    layer that outgrows its slice moves to a buffer of its own (``_ensure_capacity``).
+    When every layer's K and V share shape and dtype on the CPU, the buffers are slices
+    ``[l, 0]`` / ``[l, 1]`` of one ``[layers, 2, batch, heads, capacity, head_dim]`` tensor, so
+    the store's CPU copies move all layers at once (cuda_ext.stacking); each layer's views are
+    as before. A layer that outgrows its slice moves to a buffer of its own
+    (``_ensure_capacity``); the shared one is freed when the last layer has moved, so growing
+    past the capacity holds up to 1.5x the grown KV for that step (per-layer buffers: ~1x).
+    Elsewhere (CUDA: one kernel launch moves all layers already) one buffer per layer.
     """
     first = specs[0]
     shape = (first.num_kv_heads, first.k_head_dim, first.k_head_dim, first.dtype, first.device)
-    if all((s.num_kv_heads, s.k_head_dim, s.v_head_dim, s.dtype, s.device) == shape for s in specs):
+    if first.device.type == "cpu" and all(
+        (s.num_kv_heads, s.k_head_dim, s.v_head_dim, s.dtype, s.device) == shape for s in specs
+    ):
         both = torch.empty(
             len(specs), 2, batch, first.num_kv_heads, capacity, first.k_head_dim,
             dtype=first.dtype, device=first.device,

@@ -3,8 +3,8 @@
 Storage per layer: ``k[l]`` is ``[num_blocks, block_size, num_kv_heads, k_head_dim]`` and
 ``v[l]`` is ``[num_blocks, block_size, num_kv_heads, v_head_dim]``, in the layer's dtype and
 on the layer's own device (layers of one model may sit on different devices). When every
-layer's K and V share shape, dtype and device they are slices ``[l, 0]`` / ``[l, 1]`` of one
-``[layers, 2, ...]`` tensor, each still contiguous: the copies then move all layers at once. One block id
+layer's K and V share shape and dtype on the CPU they are slices ``[l, 0]`` / ``[l, 1]`` of
+one ``[layers, 2, ...]`` tensor, each still contiguous: the copies then move all layers at once. One block id
 addresses the same slot in every layer. Not thread-safe: ``KVStore`` serialises access.
 """
 
@@ -63,9 +63,10 @@ class LayerSpec:
 
 
 def _uniform(layers: Sequence[LayerSpec]) -> bool:
-    """Every layer's K and V have one shape, dtype and device (then one allocation holds them)."""
+    """Every layer's K and V have one shape and dtype, on the CPU (then one allocation holds
+    them: the CPU copies move all layers at once; on CUDA one kernel launch does already)."""
     first = layers[0]
-    return all(
+    return first.device.type == "cpu" and all(
         (s.num_kv_heads, s.k_head_dim, s.v_head_dim, s.dtype, s.device)
         == (first.num_kv_heads, first.k_head_dim, first.k_head_dim, first.dtype, first.device)
         for s in layers
