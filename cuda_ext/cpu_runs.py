@@ -10,9 +10,9 @@ Layers that are slices of one buffer (``cuda_ext.stacking``) move together: one 
 for all layers and K/V, not one per layer.
 
 Same contract as ``cuda_ext.reference`` (which validates nothing either: ``cuda_ext.ops``
-validates first), same bits: only slicing, indexing and ``copy_``. Heavily fragmented ids (many short runs)
-take one ``index_select`` / ``index_copy_`` per group of layers instead, as the reference
-does per layer: it beats many small Python-level copies.
+validates first), same bits: only slicing, indexing and ``copy_``. Heavily fragmented ids
+(many short runs) take one ``index_select`` / ``index_copy_`` per group of layers instead, as
+the reference does per layer: it beats many small Python-level copies.
 """
 
 from __future__ import annotations
