@@ -10,9 +10,9 @@ all of them to be scheduled, so fewer, larger operations wait less (docs/perform
 
 An operation on fewer than ``GRAIN_SIZE`` elements runs on the calling thread alone and waits
 for no one. Merging such small per-layer copies into one above that size would add a wait
-(measured: commits of a decode batch 5-15x slower on a busy machine), so :func:`chunks` splits
-a group into the fewest slices that each stay below it, or keeps it whole when one layer
-alone is above it (its per-layer copies were split over the threads anyway).
+(without this: the contention benchmark's commits 1.5-35x slower with spinning threads), so
+:func:`chunks` splits a group into the fewest slices that each stay below it, or keeps it
+whole when one layer alone is above it (its per-layer copies were split over the threads).
 """
 
 from __future__ import annotations
