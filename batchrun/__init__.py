@@ -8,3 +8,6 @@ An application on top of hf_patch (like demo/): it imports hf_patch and radixkv,
 imports it. Modules: ``openai_batch`` (the file format), ``runner`` (ranks, part files, merge,
 resume); which rank serves which request is ``hf_patch.planning.routing`` (shared with evalrun).
 """
+
+# Before anything loads torch: passive OpenMP waits unless OMP_WAIT_POLICY is set (hf_patch.wait_policy)
+import hf_patch  # noqa: F401

@@ -19,7 +19,7 @@ import time
 import torch
 
 import hf_patch
-import hf_patch.patch
+import hf_patch.call
 from benchmarks.bench_hf import build_model, document
 from hf_patch import RadixCache
 
@@ -50,17 +50,17 @@ def part_cold(model, args) -> None:
     rows = [doc + document(rng, rng.randrange(26, 35)) for _ in range(args.questions)]
     input_ids, mask = left_pad(rows)
     time_first_token(model, *left_pad([r[:64] for r in rows[:2]]))  # warm-up
-    share = hf_patch.patch.can_share
+    share = hf_patch.call.can_share  # what hf_patch.call.sharing asks before in-batch sharing
     results = {}
     stock_s, stock_out = time_first_token(model, input_ids, mask)
     results["stock batched generate"] = stock_s
-    hf_patch.patch.can_share = lambda model_kwargs: False  # RadixCache as it was before in-batch sharing
+    hf_patch.call.can_share = lambda model_kwargs: False  # RadixCache as it was before in-batch sharing
     try:
         before_s, before_out = time_first_token(
             model, input_ids, mask, RadixCache(store=hf_patch.build_store(model))
         )
     finally:
-        hf_patch.patch.can_share = share
+        hf_patch.call.can_share = share
     results["RadixCache, no in-batch sharing"] = before_s
     after = []
     for _ in range(args.repeats):

@@ -12,6 +12,11 @@
    ``split=affine`` (prefix-affine routing) vs ``split=docs`` (lm-eval's document striding):
    prompt tokens computed, per rank and in all.
 
+``--busy`` runs every comparison beside a competing load (bench_contention's: a process
+multiplying matrices on every core). torch's OpenMP wait policy is the environment's, as in
+any program that imports torch before hf_patch: ``OMP_WAIT_POLICY=PASSIVE python -m
+benchmarks.bench_eval ...`` is what ``python -m evalrun`` now runs with, unset is ``lm_eval``'s.
+
 Models (random weights, no download): ``builtin`` (demo's: hidden 512, 6 layers, vocab 2,048)
 and ``bench_hf`` (benchmarks/bench_hf.py's: hidden 512, 8 layers, vocab 32,000), both with the
 demo's byte-level BPE tokenizer (one token per word of these tasks).
@@ -30,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_contention import COMPETITOR
 from tests.eval_tasks import OFFLINE, compare_samples, offline_env, write_tasks
 
 # MMLU's shape: a description and five worked examples (~600 tokens), a question with its four
@@ -182,6 +188,7 @@ def main() -> None:
         default=1,
         help="torch threads (a second one spin-waits badly on a busy machine)",
     )
+    parser.add_argument("--busy", action="store_true", help="beside a competing load on every core")
     parser.add_argument("--workdir", default=None, help="default: a temporary directory")
     args = parser.parse_args()
     os.environ.update(OFFLINE)
@@ -189,7 +196,26 @@ def main() -> None:
     os.environ["HF_DATASETS_CACHE"] = str(tmp / "datasets")
     parts = args.parts.split(",")
     torch.set_num_threads(args.threads)
-    print(f"torch threads {torch.get_num_threads()}, load {os.getloadavg()}, workdir {tmp}", flush=True)
+    policy = os.environ.get("OMP_WAIT_POLICY", "unset")
+    print(
+        f"torch threads {torch.get_num_threads()}, OMP_WAIT_POLICY {policy}, busy {args.busy}, "
+        f"load {os.getloadavg()}, workdir {tmp}",
+        flush=True,
+    )
+    competitor = None
+    if args.busy:
+        competitor = subprocess.Popen([sys.executable, "-c", COMPETITOR])
+        time.sleep(2)
+    try:
+        run_parts(args, parts, tmp)
+    finally:
+        if competitor is not None:
+            competitor.kill()
+            competitor.wait()
+    print(f"load after: {os.getloadavg()}", flush=True)
+
+
+def run_parts(args, parts: list[str], tmp: Path) -> None:
     from lm_eval.tasks import TaskManager
 
     models = save_models(tmp / "models", args.models.split(","))
@@ -210,7 +236,6 @@ def main() -> None:
         compare("gen", models, gen, manager, args.batch_size, "exact_match,none", args.repeats)
     if "ranks" in parts:
         ranks(next(iter(models.values())), tasks_dir, subjects, tmp, args.batch_size)
-    print(f"load after: {os.getloadavg()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,7 @@ import time
 from demo.config import from_args
 
 
-def quiet_threads(environ=os.environ) -> None:
-    """OMP_WAIT_POLICY=PASSIVE unless the environment says otherwise; call before torch loads
-    (its OpenMP runtime reads it once). A torch thread that finishes its part of an operation
-    early then sleeps instead of spinning: on a busy machine a spinning thread holds the core
-    its partner needs to finish, and each of the many small operations of a decode step waits
-    for a scheduler slice (measured 4-8x slower; docs/batching.md, "A busy machine")."""
-    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def main(argv: list[str] | None = None) -> int:
-    quiet_threads()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["save-builtin"]:
@@ -36,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         config = from_args(argv)
     except ValueError as e:  # a flag's or variable's value (its syntax was argparse's to check)
         _fail(str(e))
+    # First to load torch, so that its OpenMP threads wait passively (hf_patch.wait_policy)
+    import hf_patch  # noqa: F401
     from demo.api.app import create_app
     from demo.api.auth import TenantSecretError
     from demo.api.server import Limits, serve_forever

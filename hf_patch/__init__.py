@@ -5,7 +5,15 @@
     scores = hf_patch.score(model, [(context_ids, continuation_ids), ...])   # log-likelihoods
 
 Importing installs the generate() integration once; for any other cache it changes nothing.
+Imported before torch, it also asks for passive OpenMP waits unless ``OMP_WAIT_POLICY`` is set
+(hf_patch.wait_policy: spinning threads are slow on a busy machine).
 """
+
+# ruff: noqa: E402 (imports after quiet_threads)
+# Before anything loads torch: its OpenMP runtime reads the wait policy once, when it loads.
+from hf_patch.wait_policy import quiet_threads
+
+quiet_threads()
 
 from hf_patch.cache import RadixCache
 from hf_patch.generate_many import Generated, generate_many

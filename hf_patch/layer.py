@@ -37,9 +37,16 @@ class AppendLayer(DynamicLayer):
         device: torch.device,
     ) -> None:
         """Create empty buffers of ``capacity`` tokens (contents undefined until written)."""
-        self._k_buf = torch.empty(batch, num_kv_heads, capacity, k_head_dim, dtype=dtype, device=device)
-        self._v_buf = torch.empty(batch, num_kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
-        self.dtype, self.device = dtype, torch.device(device)
+        self.adopt(
+            torch.empty(batch, num_kv_heads, capacity, k_head_dim, dtype=dtype, device=device),
+            torch.empty(batch, num_kv_heads, capacity, v_head_dim, dtype=dtype, device=device),
+        )
+
+    def adopt(self, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
+        """Use ``[B, H, capacity, D]`` buffers (contents undefined until written), length 0.
+        They may be views of a bigger tensor (``allocate_stacked``); the layer owns them now."""
+        self._k_buf, self._v_buf = k_buf, v_buf
+        self.dtype, self.device = k_buf.dtype, k_buf.device
         self.length = 0
         self.is_initialized = True
         self._refresh_views()
@@ -125,3 +132,30 @@ class AppendLayer(DynamicLayer):
     def prefetch(self) -> None:
         if self.is_initialized and self._k_buf.device != self.device:
             self._map_batch(lambda t: t.to(self.device, non_blocking=True))
+
+
+def allocate_stacked(layers, batch: int, specs, capacity: int) -> None:
+    """Give every layer empty buffers of ``capacity`` tokens, per ``specs`` (radixkv.LayerSpec).
+
+    When every layer's K and V share shape and dtype on the CPU, the buffers are slices
+    ``[l, 0]`` / ``[l, 1]`` of one ``[layers, 2, batch, heads, capacity, head_dim]`` tensor, so
+    the store's CPU copies move all layers at once (cuda_ext.stacking); each layer's views are
+    as before. A layer that outgrows its slice moves to a buffer of its own
+    (``_ensure_capacity``); the shared one is freed when the last layer has moved, so growing
+    past the capacity holds up to 1.5x the grown KV for that step (per-layer buffers: ~1x).
+    Elsewhere (CUDA: one kernel launch moves all layers already) one buffer per layer.
+    """
+    first = specs[0]
+    shape = (first.num_kv_heads, first.k_head_dim, first.k_head_dim, first.dtype, first.device)
+    if first.device.type == "cpu" and all(
+        (s.num_kv_heads, s.k_head_dim, s.v_head_dim, s.dtype, s.device) == shape for s in specs
+    ):
+        both = torch.empty(
+            len(specs), 2, batch, first.num_kv_heads, capacity, first.k_head_dim,
+            dtype=first.dtype, device=first.device,
+        )  # fmt: skip
+        for i, layer in enumerate(layers[: len(specs)]):
+            layer.adopt(both[i, 0], both[i, 1])
+        return
+    for layer, s in zip(layers, specs):
+        layer.allocate(batch, s.num_kv_heads, s.k_head_dim, s.v_head_dim, capacity, s.dtype, s.device)

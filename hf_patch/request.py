@@ -16,9 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cuda_ext.stacking import chunks, interleave, stacked
 from hf_patch.cache import RadixCache
 from hf_patch.keys import RowKey, SharedPrefix, row_key
 from hf_patch.keys.inputs import log_once
+from hf_patch.layer import allocate_stacked
 from radixkv import KVStore, LayerSpec, Lease
 
 logger = logging.getLogger(__name__)
@@ -194,10 +196,7 @@ class Request:
         self.rows_per_prompt = rows_per_prompt
         batch, length = input_ids.shape
         capacity = initial_capacity(length, max_length)
-        for layer, spec in zip(self.cache.layers, self.specs):
-            layer.allocate(
-                batch, spec.num_kv_heads, spec.k_head_dim, spec.v_head_dim, capacity, spec.dtype, spec.device
-            )
+        allocate_stacked(self.cache.layers, batch, self.specs, capacity)
         self.cache.cached_tokens = [0] * batch
         try:
             self.match(input_ids, attention_mask, keys, reuse, share, keep)
@@ -211,11 +210,15 @@ class Request:
         for the batch by row i (in-batch sharing): not cached for it, nor a hit in the store."""
         layers = self.cache.layers
         k_bufs, v_bufs = zip(*(layer.buffers() for layer in layers))
+        # [n, B, H, capacity, D] views: all layers at once when they are slices of one buffer
+        groups = [g for g in (stacked(interleave(k_bufs, v_bufs)),) if g is not None]
+        groups = groups or [buf.unsqueeze(0) for buf in (*k_bufs, *v_bufs)]
         for i, pad in enumerate(self.pads):
             if pad:  # pad columns are masked, but must be finite: NaN * 0 still poisons attn @ V
                 width = min(pad, common)
-                for buf in (*k_bufs, *v_bufs):
-                    buf[i, :, :width].zero_()
+                for bufs in groups:
+                    for part in chunks(bufs.shape[0], width * bufs.shape[2] * bufs.shape[4]):
+                        bufs[part, i, :, :width].zero_()
         # One fused read per run of consecutive rows with equal padding (views stay views).
         start = 0
         while start < len(self.pads):

@@ -77,16 +77,16 @@ def test_scatter_runs_match_naive(block_size, style, no_reference):
     assert_bits_equal(k_pools + v_pools, k_exp + v_exp)  # slots past n in the last block untouched
 
 
-def test_fragmented_ids_take_the_reference(monkeypatch):
-    calls = []
-    original = reference.paged_gather_ref
-    monkeypatch.setattr(reference, "paged_gather_ref", lambda *a: (calls.append(1), original(*a)))
+def test_fragmented_ids_take_one_indexed_copy_per_layer_group(no_reference):
+    """Many short runs: one index_select (gather) / index_copy_ (scatter), not the reference."""
     k_pools, v_pools, ids, n, k_out, v_out = runs_case(torch.float32, 4, run_length=1, seed=5)
     assert cpu_runs._row_runs(ids, 4, n) is None
     expected = naive_gather(k_pools, v_pools, ids, n)
     cuda_ext.paged_gather(k_pools, v_pools, ids, n, k_out, v_out)
-    assert calls == [1]
     assert_bits_equal(k_out + v_out, expected[0] + expected[1])
+    k_exp, v_exp = naive_scatter(k_out, v_out, ids.flip(1), k_pools, v_pools)
+    cuda_ext.paged_scatter(k_out, v_out, ids.flip(1), k_pools, v_pools)
+    assert_bits_equal(k_pools + v_pools, k_exp + v_exp)
 
 
 def test_forced_reference_matches_runs_path():

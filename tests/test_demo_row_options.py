@@ -415,17 +415,6 @@ def test_a_client_gone_while_its_request_is_paused_is_answered_and_never_resumed
     )
 
 
-def test_the_server_asks_for_passive_omp_threads_unless_told_otherwise():
-    from demo.__main__ import quiet_threads
-
-    env = {}
-    quiet_threads(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    quiet_threads(env)
-    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
-
-
 def test_a_hook_that_raises_fails_its_own_request_only(engine, monkeypatch):
     class Broken:
         def __init__(self):

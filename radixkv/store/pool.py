@@ -2,7 +2,9 @@
 
 Storage per layer: ``k[l]`` is ``[num_blocks, block_size, num_kv_heads, k_head_dim]`` and
 ``v[l]`` is ``[num_blocks, block_size, num_kv_heads, v_head_dim]``, in the layer's dtype and
-on the layer's own device (layers of one model may sit on different devices). One block id
+on the layer's own device (layers of one model may sit on different devices). When every
+layer's K and V share shape and dtype on the CPU they are slices ``[l, 0]`` / ``[l, 1]`` of
+one ``[layers, 2, ...]`` tensor, each still contiguous: the copies then move all layers at once. One block id
 addresses the same slot in every layer. Not thread-safe: ``KVStore`` serialises access.
 """
 
@@ -60,6 +62,17 @@ class LayerSpec:
         return self.num_kv_heads * (self.k_head_dim + self.v_head_dim) * elem
 
 
+def _uniform(layers: Sequence[LayerSpec]) -> bool:
+    """Every layer's K and V have one shape and dtype, on the CPU (then one allocation holds
+    them: the CPU copies move all layers at once; on CUDA one kernel launch does already)."""
+    first = layers[0]
+    return first.device.type == "cpu" and all(
+        (s.num_kv_heads, s.k_head_dim, s.v_head_dim, s.dtype, s.device)
+        == (first.num_kv_heads, first.k_head_dim, first.k_head_dim, first.dtype, first.device)
+        for s in layers
+    )
+
+
 class BlockPool:
     """Fixed-size pool of KV blocks; footprint is exactly ``num_blocks * block_size * bytes_per_token``."""
 
@@ -89,7 +102,15 @@ class BlockPool:
             shape = (num_blocks, block_size, s.num_kv_heads, head_dim)
             return torch.empty(shape, dtype=s.dtype, device=s.device, pin_memory=pin_memory)
 
-        if storage is None:
+        if storage is None and _uniform(self.layers):
+            # One allocation [layers, 2, ...]: K and V of every layer are evenly spaced slices,
+            # which the copy ops move with one operation per run of blocks (cuda_ext.stacking).
+            s = self.layers[0]
+            shape = (len(self.layers), 2, num_blocks, block_size, s.num_kv_heads, s.k_head_dim)
+            both = torch.empty(shape, dtype=s.dtype, device=s.device, pin_memory=pin_memory)
+            self.k = [both[i, 0] for i in range(len(self.layers))]
+            self.v = [both[i, 1] for i in range(len(self.layers))]
+        elif storage is None:
             self.k = [empty(s, s.k_head_dim) for s in self.layers]
             self.v = [empty(s, s.v_head_dim) for s in self.layers]
         else:
