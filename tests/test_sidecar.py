@@ -159,7 +159,7 @@ def test_a_sidecar_full_of_pinned_blocks_degrades(tmp_path_factory):
         assert stats["uncached_tokens"] > 0 and stats["pinned_blocks"] == DOC_LEN // BS
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
         assert f"radixkv_sidecar_pinned_blocks {DOC_LEN // BS}" in metrics
-        assert "radixkv_sidecar_clients 3" in metrics
+        assert "radixkv_sidecar_clients 3" in metrics, [l for l in metrics.splitlines() if "clients" in l]
         held.release()
         assert_same_as_stock(model, ids(document(8) + tokens(2, 81)), c, max_new_tokens=1, do_sample=False)
         assert c.remote.flush(30)
