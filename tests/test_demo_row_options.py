@@ -455,3 +455,47 @@ def test_a_hook_that_raises_fails_its_own_request_only(engine, monkeypatch):
 def test_engine_params_refuse_values_that_would_fail_a_whole_batch(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         Params(4, **bad)
+
+
+def test_newcomers_fill_free_slots_of_the_step_loop_beyond_rows_times_width():
+    """take_newcomers counts max_batch_tokens as the step loop's KV: slots (live or free) x padded
+    width. A newcomer that takes a free slot adds no KV and joins; one that needs a new slot or
+    wider columns joins only if slots x width stays within the cap; FIFO stops at the first
+    that does not fit."""
+    from demo.engine.generation import Generation
+    from demo.engine.scheduler import Scheduler
+
+    def gen(name, length):
+        g = Generation(list(range(1, length + 1)), Params(4, temperature=0.0), None, lambda ids: "", set())
+        g.name = name
+        return g
+
+    def take(sched, rows, width, slots, gens):
+        for g in gens:
+            sched.submit(g, sched.reserve())
+        taken, sliced, aside = sched.take_newcomers(rows, width, False, lambda g: True, slots)
+        assert sliced is None and aside is None
+        left = [g.name for g in sched._waiting]
+        sched._waiting.clear()
+        return [g.name for g in taken], left
+
+    # 4 rows in 6 slots of 20 columns, cap 100: two free slots take two newcomers at no cost
+    # (rows x width alone would refuse the second: 6 x 20 > 100); a third needs a 7th slot
+    sched = Scheduler(max_queue=32, max_batch_size=8, max_batch_tokens=100)
+    assert take(sched, 4, 20, 6, [gen("A", 3), gen("B", 5), gen("C", 3), gen("D", 3)]) == (
+        ["A", "B"],
+        ["C", "D"],
+    )
+    # without slots (None: as many as rows) the cap is rows x width
+    assert take(sched, 4, 20, None, [gen("A", 3), gen("B", 5)]) == (["A"], ["B"])
+    # a wider newcomer re-lays out every slot: 6 x 30 = 180 within 200, so it joins; then a
+    # free slot at the new width costs nothing; a 7th slot would be 7 x 30 > 200
+    sched = Scheduler(max_queue=32, max_batch_size=8, max_batch_tokens=200)
+    assert take(sched, 4, 20, 6, [gen("W", 30), gen("A", 3), gen("B", 3)]) == (["W", "A"], ["B"])
+    # the same wider newcomer in a batch of 8 slots: 8 x 30 > 200 even with free slots
+    assert take(sched, 4, 20, 8, [gen("W", 30), gen("A", 3)]) == ([], ["W", "A"])
+    # max_batch_size still bounds the rows, free slots or not
+    sched = Scheduler(max_queue=32, max_batch_size=5, max_batch_tokens=1000)
+    assert take(sched, 4, 20, 8, [gen("A", 3), gen("B", 3)]) == (["A"], ["B"])
+    with pytest.raises(ValueError, match="5 rows in 4 slots"):
+        sched.take_newcomers(5, 20, False, lambda g: True, 4)
