@@ -458,10 +458,10 @@ def test_engine_params_refuse_values_that_would_fail_a_whole_batch(bad):
 
 
 def test_newcomers_fill_free_slots_of_the_step_loop_beyond_rows_times_width():
-    """take_newcomers counts max_batch_tokens as the step loop's KV: slots (live or free) x padded
-    width. A newcomer that takes a free slot adds no KV and joins; one that needs a new slot or
-    wider columns joins only if slots x width stays within the cap; FIFO stops at the first
-    that does not fit."""
+    """take_newcomers: a newcomer that takes a free slot of the step loop at its width adds no KV
+    (the slot's columns are allocated and computed anyway) and joins beyond rows x padded
+    width; one that needs a new slot or wider columns joins only if rows x width stays within
+    max_batch_tokens; FIFO stops at the first that does not fit."""
     from demo.engine.generation import Generation
     from demo.engine.scheduler import Scheduler
 
@@ -488,12 +488,18 @@ def test_newcomers_fill_free_slots_of_the_step_loop_beyond_rows_times_width():
     )
     # without slots (None: as many as rows) the cap is rows x width
     assert take(sched, 4, 20, None, [gen("A", 3), gen("B", 5)]) == (["A"], ["B"])
-    # a wider newcomer re-lays out every slot: 6 x 30 = 180 within 200, so it joins; then a
-    # free slot at the new width costs nothing; a 7th slot would be 7 x 30 > 200
+    # a wider newcomer widens every slot: it joins if rows x width fits (5 x 30 = 150 within
+    # 200); then a free slot at the new width costs nothing; a 7th slot: 7 x 30 > 200
     sched = Scheduler(max_queue=32, max_batch_size=8, max_batch_tokens=200)
     assert take(sched, 4, 20, 6, [gen("W", 30), gen("A", 3), gen("B", 3)]) == (["W", "A"], ["B"])
-    # the same wider newcomer in a batch of 8 slots: 8 x 30 > 200 even with free slots
-    assert take(sched, 4, 20, 8, [gen("W", 30), gen("A", 3)]) == ([], ["W", "A"])
+    # too wide for rows x width (5 x 41 > 200) although a slot is free: it waits for a chunk
+    # aside (none due here), and the one behind it takes the free slot
+    assert take(sched, 4, 20, 6, [gen("X", 41), gen("A", 3)]) == (["A"], ["X"])
+    # a slot is free but a newcomer needs two rows (n=2 sampled): a 7th slot, 6 x 20 > 100
+    sched = Scheduler(max_queue=32, max_batch_size=8, max_batch_tokens=100)
+    two = Generation([1, 2, 3], Params(4, temperature=0.7, n=2), None, lambda ids: "", set())
+    two.name = "N2"
+    assert take(sched, 4, 20, 5, [two, gen("A", 3)]) == ([], ["N2", "A"])
     # max_batch_size still bounds the rows, free slots or not
     sched = Scheduler(max_queue=32, max_batch_size=5, max_batch_tokens=1000)
     assert take(sched, 4, 20, 8, [gen("A", 3), gen("B", 3)]) == (["A"], ["B"])

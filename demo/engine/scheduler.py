@@ -207,11 +207,11 @@ class Scheduler:
         for a free row, or that the loop cannot take (``takes(gen)`` False): the loop then
         drains and the worker runs that one. Requests whose client left are answered here.
 
-        max_batch_tokens bounds the KV the batch holds, slots x padded width (a free slot's
-        columns are allocated and computed at every step like a live row's): a newcomer no
-        wider than the batch that takes a free slot adds nothing and is admitted; one that
-        needs more slots or columns is admitted if slots x width after it stays within the cap.
-        O(queue)."""
+        max_batch_tokens counts rows x padded width, except for a newcomer no wider than the
+        batch that takes a free slot: that slot's columns are allocated and computed at every
+        step anyway (the batch holds slots x padded width whatever the rows), so it adds no KV
+        and joins. One that needs another slot or wider columns joins if rows x width after it
+        stays within the cap. O(queue)."""
         admitted: list[Generation] = []
         sliced = aside = None
         slots = rows if slots is None else slots
@@ -225,7 +225,7 @@ class Scheduler:
                 new_rows = rows + len(gen.open_rows)
                 new_width, new_slots = max(width, gen.width), max(slots, new_rows)
                 free = new_width == width and new_slots == slots  # into free slots: no new KV
-                wide = not free and new_width * new_slots > self.max_batch_tokens
+                wide = not free and new_width * new_rows > self.max_batch_tokens
                 if blocked or not takes(gen):
                     blocked = True
                     rest.append(gen)

@@ -19,8 +19,8 @@ removed and its prompt + reply KV committed under its key (cache_prompt=false ro
 and its request is told it is done once all its rows are.
 
 Who decides what: the scheduler picks newcomers (`Scheduler.take_newcomers`: FIFO, within
-max_batch_size rows and max_batch_tokens = the batch's slots x padded width, so a newcomer
-taking a free slot costs nothing; it stops at a request the loop cannot take, so the loop
+max_batch_size rows and max_batch_tokens = rows x padded width, a newcomer taking a free slot
+at the batch's width at no cost; it stops at a request the loop cannot take, so the loop
 drains and the worker runs that one its own way) and the long prompt whose next slice is due
 (every `slice_every` steps, `Runner.prefill`).
 """
