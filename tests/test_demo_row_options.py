@@ -444,3 +444,53 @@ def test_a_hook_that_raises_fails_its_own_request_only(engine, monkeypatch):
 def test_engine_params_refuse_values_that_would_fail_a_whole_batch(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         Params(4, **bad)
+
+
+def test_newcomers_fill_free_slots_of_the_step_loop_beyond_rows_times_width():
+    """take_newcomers: a newcomer that takes a free slot of the step loop at its width adds no KV
+    (the slot's columns are allocated and computed anyway) and joins beyond rows x padded
+    width; one that needs a new slot or wider columns joins only if rows x width stays within
+    max_batch_tokens; FIFO stops at the first that does not fit."""
+    from demo.engine.generation import Generation
+    from demo.engine.scheduler import Scheduler
+
+    def gen(name, length):
+        g = Generation(list(range(1, length + 1)), Params(4, temperature=0.0), None, lambda ids: "", set())
+        g.name = name
+        return g
+
+    def take(sched, rows, width, slots, gens):
+        for g in gens:
+            sched.submit(g, sched.reserve())
+        taken, sliced, aside = sched.take_newcomers(rows, width, False, lambda g: True, slots)
+        assert sliced is None and aside is None
+        left = [g.name for g in sched._waiting]
+        sched._waiting.clear()
+        return [g.name for g in taken], left
+
+    # 4 rows in 6 slots of 20 columns, cap 100: two free slots take two newcomers at no cost
+    # (rows x width alone would refuse the second: 6 x 20 > 100); a third needs a 7th slot
+    sched = Scheduler(max_queue=32, max_batch_size=8, max_batch_tokens=100)
+    assert take(sched, 4, 20, 6, [gen("A", 3), gen("B", 5), gen("C", 3), gen("D", 3)]) == (
+        ["A", "B"],
+        ["C", "D"],
+    )
+    # without slots (None: as many as rows) the cap is rows x width
+    assert take(sched, 4, 20, None, [gen("A", 3), gen("B", 5)]) == (["A"], ["B"])
+    # a wider newcomer widens every slot: it joins if rows x width fits (5 x 30 = 150 within
+    # 200); then a free slot at the new width costs nothing; a 7th slot: 7 x 30 > 200
+    sched = Scheduler(max_queue=32, max_batch_size=8, max_batch_tokens=200)
+    assert take(sched, 4, 20, 6, [gen("W", 30), gen("A", 3), gen("B", 3)]) == (["W", "A"], ["B"])
+    # too wide for rows x width (5 x 41 > 200) although a slot is free: it waits for a chunk
+    # aside (none due here), and the one behind it takes the free slot
+    assert take(sched, 4, 20, 6, [gen("X", 41), gen("A", 3)]) == (["A"], ["X"])
+    # a slot is free but a newcomer needs two rows (n=2 sampled): a 7th slot, 6 x 20 > 100
+    sched = Scheduler(max_queue=32, max_batch_size=8, max_batch_tokens=100)
+    two = Generation([1, 2, 3], Params(4, temperature=0.7, n=2), None, lambda ids: "", set())
+    two.name = "N2"
+    assert take(sched, 4, 20, 5, [two, gen("A", 3)]) == ([], ["N2", "A"])
+    # max_batch_size still bounds the rows, free slots or not
+    sched = Scheduler(max_queue=32, max_batch_size=5, max_batch_tokens=1000)
+    assert take(sched, 4, 20, 8, [gen("A", 3), gen("B", 3)]) == (["A"], ["B"])
+    with pytest.raises(ValueError, match="5 rows in 4 slots"):
+        sched.take_newcomers(5, 20, False, lambda g: True, 4)

@@ -190,26 +190,42 @@ class Scheduler:
 
     # -- the step loop's side (demo.engine.step_loop) -------------------------------------------
     def take_newcomers(
-        self, rows: int, width: int, slice_due: bool, takes: Callable[[Generation], bool]
+        self,
+        rows: int,
+        width: int,
+        slice_due: bool,
+        takes: Callable[[Generation], bool],
+        slots: int | None = None,
     ) -> tuple[list[Generation], Generation | None, Generation | None]:
-        """Between two steps of a running loop of ``rows`` rows of ``width`` columns, oldest
-        first: (the queued requests that join it now, within max_batch_size rows and
-        max_batch_tokens = rows x padded width; the long prompt whose next prefill slice is due
-        (`Generation.slice_to`); a request *aside*: one that fits no row of the loop under
-        max_batch_tokens however few rows run (a prompt far wider than the rows), to run one
-        decode chunk on the generate() path). Slices and asides only when ``slice_due``; the
-        worker `requeue`s them after. Taking stops at a request that waits for a free row, or
-        that the loop cannot take (``takes(gen)`` False): the loop then drains and the worker
-        runs that one. Requests whose client left are answered here. O(queue)."""
+        """Between two steps of a running loop of ``rows`` rows in ``slots`` slots (live or
+        free; None: ``rows``) of ``width`` columns, oldest first: (the queued requests that join
+        it now, within max_batch_size rows and max_batch_tokens; the long prompt whose next
+        prefill slice is due (`Generation.slice_to`); a request *aside*: one that fits no row
+        of the loop under max_batch_tokens however few rows run (a prompt far wider than the
+        rows), to run one decode chunk on the generate() path). Slices and asides only when
+        ``slice_due``; the worker `requeue`s them after. Taking stops at a request that waits
+        for a free row, or that the loop cannot take (``takes(gen)`` False): the loop then
+        drains and the worker runs that one. Requests whose client left are answered here.
+
+        max_batch_tokens counts rows x padded width, except for a newcomer no wider than the
+        batch that takes a free slot: that slot's columns are allocated and computed at every
+        step anyway (the batch holds slots x padded width whatever the rows), so it adds no KV
+        and joins. One that needs another slot or wider columns joins if rows x width after it
+        stays within the cap. O(queue)."""
         admitted: list[Generation] = []
         sliced = aside = None
+        slots = rows if slots is None else slots
+        if slots < rows:
+            raise ValueError(f"take_newcomers: {rows} rows in {slots} slots")
         with self._cond:
             rest: deque[Generation] = deque()
             blocked = False
             while self._waiting:
                 gen = self._waiting.popleft()
                 new_rows = rows + len(gen.open_rows)
-                wide = max(width, gen.width) * new_rows > self.max_batch_tokens
+                new_width, new_slots = max(width, gen.width), max(slots, new_rows)
+                free = new_width == width and new_slots == slots  # into free slots: no new KV
+                wide = not free and new_width * new_rows > self.max_batch_tokens
                 if blocked or not takes(gen):
                     blocked = True
                     rest.append(gen)
@@ -221,7 +237,7 @@ class Scheduler:
                         rest.append(gen)
                 elif gen.started is None and new_rows <= self.max_batch_size and not wide:
                     admitted.append(gen)
-                    rows, width = new_rows, max(width, gen.width)
+                    rows, width, slots = new_rows, new_width, new_slots
                 elif (wide and gen.width * new_rows > self.max_batch_tokens) or gen.started is not None:
                     # too wide beside the rows (or a reply already run aside): a chunk aside
                     if slice_due and aside is None:

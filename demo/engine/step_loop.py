@@ -19,9 +19,10 @@ removed and its prompt + reply KV committed under its key (cache_prompt=false ro
 and its request is told it is done once all its rows are.
 
 Who decides what: the scheduler picks newcomers (`Scheduler.take_newcomers`: FIFO, within
-max_batch_size rows and max_batch_tokens = rows x padded width; it stops at a request the loop
-cannot take, so the loop drains and the worker runs that one its own way) and the long prompt
-whose next slice is due (every `slice_every` steps, `Runner.prefill`).
+max_batch_size rows and max_batch_tokens = rows x padded width, a newcomer taking a free slot
+at the batch's width at no cost; it stops at a request the loop cannot take, so the loop
+drains and the worker runs that one its own way) and the long prompt whose next slice is due
+(every `slice_every` steps, `Runner.prefill`).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class StepLoop:
                     if self.scheduler.queued:
                         due = steps % self.slice_every == 0
                         newcomers, slice_, aside = self.scheduler.take_newcomers(
-                            len(self._live()), self.batch.width, due, self.takes
+                            len(self._live()), self.batch.width, due, self.takes, self.batch.size
                         )
                         if slice_ is not None:
                             self.scheduler.requeue(self.runner.prefill(slice_))
