@@ -73,3 +73,17 @@ def generate_path(engine, monkeypatch) -> None:
     """Make ``engine`` decode in generate() calls paused every decode_chunk steps (the path of
     adapter and image requests) instead of the step loop, for this test."""
     monkeypatch.setattr(engine, "loop", None)
+
+
+class Calls:
+    """Rows and whether pixels were given, per generate() call of the engine's model."""
+
+    def __init__(self, engine, monkeypatch):
+        self.rows: list[tuple[int, bool]] = []
+        generate = engine.model.generate
+
+        def spy(input_ids, *args, **kwargs):
+            self.rows.append((input_ids.shape[0], "pixel_values" in kwargs))
+            return generate(input_ids, *args, **kwargs)
+
+        monkeypatch.setattr(engine.model, "generate", spy)

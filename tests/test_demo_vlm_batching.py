@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from demo.engine.engine import Engine, Params
-from tests.engine_gate import Held, collect_all
+from tests.engine_gate import Calls, Held, collect_all
 from tests.hf_models import EOS, expected_full_hit, one_torch_thread, tokenizer  # noqa: F401
 from tests.vlm_models import IMAGE, VLMS, Item, build_vlm, family_inputs, image, pixels, token_types
 
@@ -85,20 +85,6 @@ def stock(name: str, ids: list[int], inputs: dict, max_new: int = MAX_NEW) -> li
 
 def words(engine, ids: list[int]) -> str:
     return engine.decode(ids)
-
-
-class Calls:
-    """Rows and whether pixels were given, per generate() call of the engine's model."""
-
-    def __init__(self, engine, monkeypatch):
-        self.rows: list[tuple[int, bool]] = []
-        generate = engine.model.generate
-
-        def spy(input_ids, *args, **kwargs):
-            self.rows.append((input_ids.shape[0], "pixel_values" in kwargs))
-            return generate(input_ids, *args, **kwargs)
-
-        monkeypatch.setattr(engine.model, "generate", spy)
 
 
 def asks(name: str, tag: int) -> list[tuple[list[int], dict]]:

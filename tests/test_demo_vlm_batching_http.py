@@ -14,24 +14,10 @@ import pytest
 
 from tests.demo_checkpoints import data_url, pil, png, save_vlm
 from tests.demo_vlm_checkpoints import save_gemma3, save_llava_onevision, save_qwen_vl
-from tests.engine_gate import Held
+from tests.engine_gate import Calls, Held
 
 BS = 4
 MAX_NEW = 5
-
-
-class Calls:
-    """Rows and whether pixels were given, per generate() call of the engine's model."""
-
-    def __init__(self, engine, monkeypatch):
-        self.rows: list[tuple[int, bool]] = []
-        generate = engine.model.generate
-
-        def spy(input_ids, *args, **kwargs):
-            self.rows.append((input_ids.shape[0], "pixel_values" in kwargs))
-            return generate(input_ids, *args, **kwargs)
-
-        monkeypatch.setattr(engine.model, "generate", spy)
 
 
 SAVERS = {
