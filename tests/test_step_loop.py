@@ -446,3 +446,34 @@ def test_shutdown_returns_once_the_cut_rows_left_with_their_kv_stored():
     block = e.store.pool.block_size
     assert e.stats()["cached_blocks"] * block >= (len(ids) + made - 1) // block * block
     e.check_invariants()
+
+
+def test_a_failure_after_the_admission_prefill_answers_the_newcomers_and_the_rows(engine, monkeypatch):
+    """Splicing newcomers into the batch can fail past the prefill call (memory, say): every
+    request of the loop, the newcomers included, gets the error (none waits forever), and the
+    next request is served as stock."""
+    from demo.engine.engine import Params
+    from hf_patch.running_batch import RunningBatch
+
+    ids = [engine.text_ids(f"request {i} about the harbour of Lima") for i in range(2)]
+    calls, admit = [], RunningBatch.admit
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (simulated)")
+        return admit(self, *args, **kwargs)
+
+    monkeypatch.setattr(RunningBatch, "admit", failing)
+    first = engine.submit(ids[0], Params(200, temperature=0.0))
+    wait_for(lambda: first.generated >= 3)
+    newcomer = engine.submit(ids[1], Params(5, temperature=0.0))
+    for gen in (first, newcomer):
+        with pytest.raises(RuntimeError, match="simulated"):
+            gen.collect()
+    monkeypatch.undo()
+    assert len(calls) == 2
+    after = engine.submit(ids[1], Params(5, temperature=0.0)).collect()
+    assert after.text == engine_stock(engine, ids[1], Params(5, temperature=0.0))
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0 and engine.running == 0

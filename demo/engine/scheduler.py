@@ -248,6 +248,9 @@ class Scheduler:
                     blocked = True
                     rest.append(gen)
             self._waiting = rest
+            # running from now on: a close() from here on cuts them (it reads _running), one
+            # before was seen above (_closed checked below)
+            self._running = [*self._running, *admitted, *(g for g in (sliced, aside) if g is not None)]
         now = time.perf_counter()
         out = []
         for gen in admitted + ([aside] if aside is not None and aside.started is None else []):
@@ -277,7 +280,8 @@ class Scheduler:
 
     def set_running(self, gens: Sequence[Generation]) -> None:
         """The requests now in the step loop (read by /get_load and close())."""
-        self._running = list(gens)
+        with self._cond:
+            self._running = list(gens)
 
     def _take(self) -> list[Generation]:
         """The oldest request (whatever its size), plus the queued ones that can share its

@@ -84,6 +84,7 @@ class StepLoop:
         self.sampler: RowSampler | None = None  # over the live slots `sampled`, in order
         self.sampled: list[int] = []
         self.failed: set[int] = set()  # id() of requests whose hook raised (told already)
+        self.admitting: list[Generation] = []  # the requests `_admit` is taking in
         self.processors: list = []  # the generation config's (see `ready`)
         self._refused: set[str] = set()  # reasons logged once
 
@@ -156,11 +157,14 @@ class StepLoop:
                     self._retire_gone()
         except Exception as e:  # report to every request still running; the worker keeps serving
             log.exception("the step loop failed")
-            for gen in self._gens():
+            for gen in [*self._gens(), *self.admitting]:  # those being admitted too: none hangs
                 self._close(gen, ("error", e))
             self.batch.clear()
             self.rows, self.made, self.sampler = [], [], None
         finally:
+            # no row is left: ids of requests that failed mean nothing now (a later request's
+            # Generation may get the same id())
+            self.admitting, self.failed = [], set()
             self.scheduler.set_running([])
 
     def _aside(self, gen: Generation) -> None:
@@ -184,11 +188,14 @@ class StepLoop:
     # -- admission ------------------------------------------------------------------------------
     def _admit(self, gens: list[Generation]) -> None:
         """Prefill ``gens`` (one generate() of one token per cache_prompt group) and splice their
-        rows into the batch; their first tokens are streamed."""
+        rows into the batch; their first tokens are streamed. If anything past the prefill call
+        raises, `serve` answers ``gens`` with the error too (`admitting`)."""
+        self.admitting = list(gens)
         for cache_prompt in (True, False):
             group = [g for g in gens if g.params.cache_prompt == cache_prompt and self._present(g)]
             if group:
                 self._admit_group(group)
+        self.admitting = []
         self.scheduler.set_running(self._gens())
 
     def _present(self, gen: Generation) -> bool:
