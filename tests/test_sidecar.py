@@ -157,9 +157,18 @@ def test_a_sidecar_full_of_pinned_blocks_degrades(tmp_path_factory):
         assert c.remote.flush(30)
         stats = sidecar_stats(path)
         assert stats["uncached_tokens"] > 0 and stats["pinned_blocks"] == DOC_LEN // BS
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        # The stats connection just closed leaves the sidecar's client table when the sidecar
+        # reads its end, which may come after this scrape: wait (bounded) for the 3 stores.
+        deadline = time.monotonic() + 30
+        while True:
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+            if "radixkv_sidecar_clients 3\n" in metrics or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
         assert f"radixkv_sidecar_pinned_blocks {DOC_LEN // BS}" in metrics
-        assert "radixkv_sidecar_clients 3" in metrics, [l for l in metrics.splitlines() if "clients" in l]
+        assert "radixkv_sidecar_clients 3\n" in metrics, [
+            line for line in metrics.splitlines() if "clients" in line
+        ]
         held.release()
         assert_same_as_stock(model, ids(document(8) + tokens(2, 81)), c, max_new_tokens=1, do_sample=False)
         assert c.remote.flush(30)
