@@ -234,6 +234,17 @@ def layout(gens: list[Generation]) -> tuple[list[Row], int]:
     return rows, width
 
 
+def padded_inputs(rows: list[Row], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), both ``[len(rows), width]`` int64 on the CPU: each row's context
+    (its prompt, then what it generated before) left-padded with ``pad_id`` from ``row.start``."""
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, row.start :] = torch.tensor(row.gen.contexts[row.row])
+        mask[i, row.start :] = 1
+    return ids, mask
+
+
 def image_inputs(rule, rows: list[Row], width: int) -> dict:
     """The batch's model inputs beside the ids: each row's request's image inputs (a resumed
     row's context is its prompt and reply so far; n sampled rows each carry the request's
@@ -264,12 +275,7 @@ def run_batch(runner, gens: list[Generation], pause=None, on_step=None) -> list[
     rows, width = layout(gens)
     remaining = max(g.params.max_new_tokens - min(g.replied(r) for r in g.open_rows) for g in gens)
     config = runner.config(Params(remaining, temperature=0.0))
-    ids = torch.full((len(rows), width), config.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        context = row.gen.contexts[row.row]
-        ids[i, width - len(context) :] = torch.tensor(context)
-        mask[i, width - len(context) :] = 1
+    ids, mask = padded_inputs(rows, width, config.pad_token_id)
     cache = runner.cache(gens, [r.gen for r in rows])
     state = Rows(rows, width, runner.eos, cache, pause, runner.placeholders)
     sampler = RowSampler(rows, state.closed, state.fail)

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 
+from demo.engine import batching
 from demo.engine.generation import Generation, Params
 from demo.engine.sampling import Row, RowSampler
 
@@ -211,18 +212,12 @@ class StepLoop:
         from hf_patch.running_batch import prefill_keys
 
         runner = self.runner
-        rows = [(g, r) for g in gens for r in g.open_rows]
         # a row's context: its prompt, plus what it generated before on the generate() path (a
         # reply run aside, or paused there): it goes on from there
-        contexts = [g.contexts[r] for g, r in rows]
-        width = max(len(c) for c in contexts)
+        prefill_rows, width = batching.layout(gens)
+        rows = [(row.gen, row.row) for row in prefill_rows]
         config = runner.config(Params(1, temperature=0.0))
-        ids = torch.full((len(rows), width), config.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, context in enumerate(contexts):
-            ids[i, width - len(context) :] = torch.tensor(context)
-            mask[i, width - len(context) :] = 1
-        prefill_rows = [Row(g, r, width - len(c)) for (g, r), c in zip(rows, contexts)]
+        ids, mask = batching.padded_inputs(prefill_rows, width, config.pad_token_id)
         self.scheduler.batch_sizes.observe(len(gens))  # requests per generate() call
         failed: set[int] = set()
 
