@@ -235,6 +235,15 @@ class Generation:
         self._events.put(("gone",))
         return True
 
+    def gone_before_running(self) -> bool:
+        """For the worker, about to run this request: True, with the request answered ("done",
+        what it had) and finished, when its client left (`client_gone`); False otherwise."""
+        if not self.client_gone():
+            return False
+        self._events.put(("done", self.cached or 0))
+        self.finished.set()
+        return True
+
     def _next_event(self) -> tuple:
         # Polls `alive` by the clock, not only on idle waits: tokens may arrive faster than
         # the poll interval for the whole reply.

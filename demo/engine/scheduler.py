@@ -161,10 +161,7 @@ class Scheduler:
             else:
                 self.resumes += 1
                 self.resume_waits.observe(now - gen.paused_at)
-            if gen.client_gone():  # cancelled, or its client left while it waited: never run
-                gen._events.put(("done", gen.cached or 0))
-                gen.finished.set()
-            else:
+            if not gen.gone_before_running():  # cancelled, or its client left while it waited
                 batch.append(gen)
         if batch:
             if batch[0].slice_to:
@@ -252,16 +249,10 @@ class Scheduler:
             # before was seen above (_closed checked below)
             self._running = [*self._running, *admitted, *(g for g in (sliced, aside) if g is not None)]
         now = time.perf_counter()
-        out = []
         for gen in admitted + ([aside] if aside is not None and aside.started is None else []):
             gen.started = now
             self.queue_waits.observe(now - gen.submitted)
-        for gen in admitted:
-            if gen.client_gone():
-                gen._events.put(("done", gen.cached or 0))
-                gen.finished.set()
-            else:
-                out.append(gen)
+        out = [gen for gen in admitted if not gen.gone_before_running()]
         self.admissions += len(out)
         if sliced is not None:
             self.prefill_slices += 1

@@ -193,18 +193,11 @@ class StepLoop:
         raises, `serve` answers ``gens`` with the error too (`admitting`)."""
         self.admitting = list(gens)
         for cache_prompt in (True, False):
-            group = [g for g in gens if g.params.cache_prompt == cache_prompt and self._present(g)]
+            group = [g for g in gens if g.params.cache_prompt == cache_prompt and not g.gone_before_running()]
             if group:
                 self._admit_group(group)
         self.admitting = []
         self.scheduler.set_running(self._gens())
-
-    def _present(self, gen: Generation) -> bool:
-        if gen.client_gone():
-            gen._events.put(("done", gen.cached or 0))
-            gen.finished.set()
-            return False
-        return True
 
     def _admit_group(self, gens: list[Generation]) -> None:
         from transformers import DynamicCache
