@@ -6,6 +6,8 @@ images; a family the key does not know runs without reuse. Tiny VLMs from config
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 
 import hf_patch
@@ -62,20 +64,23 @@ def check(model, prompt, store, name, images, **kwargs):
     images the vision tower encoded in the cached call)."""
     inputs = pixels(name, images)
     ref = stock(model, prompt, **inputs, **kwargs)
-    calls = VisionCalls.registry[id(model)]
+    calls = VisionCalls.registry[model]
     (cache, _), encoded = calls.during(
         lambda: assert_same_as_stock(model, prompt, store, reference=ref, **inputs, **kwargs)
     )
     return cache.cached_tokens, encoded
 
 
-VisionCalls.registry = {}
+# model -> its VisionCalls. Keyed by the model itself: an id() may be a collected model's, whose
+# hook never fires (counted 0 tower calls once in a full run).
+VisionCalls.registry = weakref.WeakKeyDictionary()
 
 
 @pytest.fixture
 def store(vlm):
     _, model, _ = vlm
-    VisionCalls.registry.setdefault(id(model), VisionCalls(model))
+    if model not in VisionCalls.registry:  # one hook per model
+        VisionCalls.registry[model] = VisionCalls(model)
     return hf_patch.build_store(model, block_size=BS, budget_tokens=2048)
 
 
