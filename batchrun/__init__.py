@@ -9,5 +9,5 @@ imports it. Modules: ``openai_batch`` (the file format), ``runner`` (ranks, part
 resume); which rank serves which request is ``hf_patch.planning.routing`` (shared with evalrun).
 """
 
-# Before anything loads torch: passive OpenMP waits unless OMP_WAIT_POLICY is set (hf_patch.wait_policy)
+# Before anything loads torch: passive OpenMP waits unless OMP_WAIT_POLICY is set (radixkv.wait_policy)
 import hf_patch  # noqa: F401

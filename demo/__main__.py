@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         config = from_args(argv)
     except ValueError as e:  # a flag's or variable's value (its syntax was argparse's to check)
         _fail(str(e))
-    # First to load torch, so that its OpenMP threads wait passively (hf_patch.wait_policy)
+    # First to load torch, so that its OpenMP threads wait passively (radixkv.wait_policy)
     import hf_patch  # noqa: F401
     from demo.api.app import create_app
     from demo.api.auth import TenantSecretError

@@ -14,7 +14,7 @@ lm-eval model type ``radixkv``), ``ranks`` (how requests are split over data-par
 evalrun``: lm-eval's own command line). lm-eval is an optional extra: ``pip install -e .[eval]``.
 """
 
-# Before anything loads torch: passive OpenMP waits unless OMP_WAIT_POLICY is set (hf_patch.wait_policy)
+# Before anything loads torch: passive OpenMP waits unless OMP_WAIT_POLICY is set (radixkv.wait_policy)
 import hf_patch  # noqa: F401
 
 try:

@@ -6,12 +6,13 @@
 
 Importing installs the generate() integration once; for any other cache it changes nothing.
 Imported before torch, it also asks for passive OpenMP waits unless ``OMP_WAIT_POLICY`` is set
-(hf_patch.wait_policy: spinning threads are slow on a busy machine).
+(radixkv.wait_policy, run by radixkv's import: spinning threads are slow on a busy machine).
 """
 
 # ruff: noqa: E402 (imports after quiet_threads)
 # Before anything loads torch: its OpenMP runtime reads the wait policy once, when it loads.
-from hf_patch.wait_policy import quiet_threads
+# (Importing radixkv runs it already; the call says so here and changes nothing more.)
+from radixkv.wait_policy import quiet_threads
 
 quiet_threads()
 

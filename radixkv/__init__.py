@@ -3,7 +3,16 @@
 Subpackages, imports pointing down: ``radixkv.persist`` (cache files) and ``radixkv.store``
 (``KVStore``: tree + ``BlockPool`` behind one lock, host tier, task pins) over
 ``radixkv.tree`` (``RadixTree``, pure Python). See docs/design.md.
+
+Importing it before torch asks for passive OpenMP waits unless ``OMP_WAIT_POLICY`` is set
+(``radixkv.wait_policy``: spinning threads are slow on a busy machine).
 """
+
+# ruff: noqa: E402 (imports after quiet_threads)
+# Before anything loads torch: its OpenMP runtime reads the wait policy once, when it loads.
+from radixkv.wait_policy import quiet_threads
+
+quiet_threads()
 
 from radixkv.persist import (
     CacheFileError,

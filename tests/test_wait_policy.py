@@ -1,6 +1,7 @@
 """OMP_WAIT_POLICY is PASSIVE when torch loads in every entry point (python -m demo, batchrun,
-evalrun, the lm-eval backend, a library import of hf_patch), unless the user set it; a process
-that loaded torch first keeps what it had (hf_patch.wait_policy).
+evalrun, the lm-eval backend, python -m radixkv.sidecar, a library import of hf_patch or
+radixkv), unless the user set it; a process that loaded torch first keeps what it had
+(radixkv.wait_policy, re-exported as hf_patch.wait_policy).
 
 Each case is a fresh interpreter whose audit hook records the variable at the moment ``import
 torch`` starts (the OpenMP runtime loads inside it and reads the variable then), run in parallel.
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_patch.wait_policy import quiet_threads
+from hf_patch.wait_policy import quiet_threads as reexported
+from radixkv.wait_policy import quiet_threads
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -49,6 +51,13 @@ CASES = {
     "python -m batchrun": ("batchrun --help", None, "PASSIVE"),
     "python -m demo (a model that is not there)": ("demo --model /nonexistent/model", None, "PASSIVE"),
     "import hf_patch": ("import hf_patch", None, "PASSIVE"),
+    "python -m radixkv.sidecar (its process loads torch through radixkv)": (
+        "radixkv.sidecar --help",
+        None,
+        "PASSIVE",
+    ),
+    "import radixkv": ("import radixkv", None, "PASSIVE"),
+    "the user's ACTIVE stays for radixkv": ("import radixkv", "ACTIVE", "ACTIVE"),
     "the user's ACTIVE stays": ("import hf_patch", "ACTIVE", "ACTIVE"),
 }
 
@@ -94,7 +103,11 @@ def test_quiet_threads_sets_only_an_unset_variable_before_torch(caplog):
         assert quiet_threads(env, modules={}) is False
         assert env == {"OMP_WAIT_POLICY": value}
     env = {}
-    with caplog.at_level(logging.INFO, logger="hf_patch.wait_policy"):
+    with caplog.at_level(logging.INFO, logger="radixkv.wait_policy"):
         assert quiet_threads(env, modules={"torch": object()}) is False
     assert env == {}
     assert "OMP_WAIT_POLICY=PASSIVE" in caplog.text  # how to choose, since it is too late here
+
+
+def test_hf_patch_re_exports_the_one_function():
+    assert reexported is quiet_threads
