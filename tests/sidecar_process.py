@@ -133,12 +133,12 @@ def _half_write(args) -> None:
     assert tier.flush(30)
     ident, ns = sidecar_namer(model, store.pool)((model_scope(model), None))
     key = {"ident": ident.hex(), "ns": ns.decode()}
-    pinned, _, _ = tier._call(
+    pinned, _, _ = tier.call(
         {"op": "match", **key, "have": 0}, torch.tensor(document(args.pin_seed)).numpy().tobytes()
     )
     assert pinned["lease"] and pinned["slots"], pinned
     doc = torch.tensor(document(args.doc_seed)).numpy().tobytes()
-    taken, view, _ = tier._call({"op": "alloc", **key}, doc)
+    taken, view, _ = tier.call({"op": "alloc", **key}, doc)
     assert taken["start"] == 0 and len(taken["slots"]) == DOC_LEN // BS, taken
     for slot in taken["slots"][: len(taken["slots"]) // 2]:
         for t in (*view.k, *view.v):

@@ -8,12 +8,8 @@
   and ``KVStore.read`` copies those blocks straight from the shared-memory pool into the caller's
   buffers (one copy, as a host-tier hit). Nothing is promoted into the local pool: the commit after
   generate() caches the whole sequence locally from the caller's buffers anyway.
-- Writes (write-through): every commit queues its key (``push``); a background thread pins the
-  local blocks, asks the sidecar which blocks it lacks (``alloc``), copies them from the local
-  pools into the shared pool and commits them. Bounded: at most ``max_queue`` commits wait; more
-  are dropped (counted). Why write-through, not on eviction: another process can read a prefix
-  as soon as it is computed (a replica's first request on a document, ranks sharing a prompt);
-  on eviction it would reach the sidecar only once this process's pool is full.
+- Writes (write-through, ``write_through.WriteThrough``): every commit queues its key
+  (``push``); a background thread copies the blocks the sidecar lacks into the shared pool.
 - Prefixes in flight (``wait_s`` > 0, ``RADIXKV_SIDECAR_WAIT_S``): a request's lookup claims what
   it misses; a lookup that finds another process's claim over its prefix polls for that
   process's commit instead of computing the prefix again (``lookup``).
@@ -22,6 +18,12 @@
   ``max_retry_s``) on the next calls: a new sidecar on the socket is used again without a restart.
   Blocks a lease pinned stay mapped, so a read in flight when the sidecar dies still reads the
   bytes it pinned (no process writes them any more).
+- Timeouts (``connection``): ``connect_timeout_s`` (``RADIXKV_SIDECAR_CONNECT_TIMEOUT_S``, 5 s)
+  bounds attaching, ``timeout_s`` (``RADIXKV_SIDECAR_TIMEOUT_S``, 10 s) each call, waiting for
+  another thread's call on the socket included. A call past it is a miss or a write not made,
+  with one warning naming the socket and the timeout; the connection, its pins and claims stay
+  (a sidecar that is only slow keeps its client), later calls skip the sidecar at once until
+  the late reply arrives, and that reply is read and undone, never taken for another call's.
 
 ``namer(store namespace) -> (identity digest, namespace key) | None`` maps the store's keys to
 the sidecar's (hf_patch: the model's identity and the encoded namespace); None keeps a key local.
@@ -29,34 +31,32 @@ the sidecar's (hf_patch: the model's identity and the encoded namespace); None k
 
 from __future__ import annotations
 
-import atexit
 import collections
 import dataclasses
 import logging
 import mmap
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Hashable
 
 import torch
 
+from radixkv.sidecar.connection import Connection, SidecarDown, SidecarTimeout
 from radixkv.sidecar.layout import KVLayout, PoolGeometry
-from radixkv.sidecar.protocol import FrameBuffer, ProtocolError, recv, send
+from radixkv.sidecar.protocol import ProtocolError
+from radixkv.sidecar.write_through import WriteThrough
 from radixkv.store.pool import BlockPool
-from radixkv.store.tier import copy_blocks
 from radixkv.tree.node import PackedTokens
 
 logger = logging.getLogger(__name__)
 
-EXIT_FLUSH_S = 5.0
+TIMEOUT_S = 10.0  # per call (RADIXKV_SIDECAR_TIMEOUT_S)
+CONNECT_TIMEOUT_S = 5.0  # connect + hello (RADIXKV_SIDECAR_CONNECT_TIMEOUT_S)
 POLL_S = 0.01  # between polls for a prefix another process is computing
 Namer = Callable[[Hashable], "tuple[bytes, bytes] | None"]
 
-
-class SidecarDown(ConnectionError):
-    """No sidecar answers now (the caller serves from its own pools)."""
+__all__ = ["RemoteHit", "SidecarDown", "SidecarTier", "SidecarTimeout", "shared_pool_view"]
 
 
 @dataclasses.dataclass
@@ -102,7 +102,11 @@ def shared_pool_view(pool: BlockPool, buf, num_blocks: int) -> BlockPool:
 
 
 class SidecarTier:
-    """The client end of one sidecar socket, for one store (see the module docstring)."""
+    """The client end of one sidecar socket, for one store (see the module docstring).
+
+    ``timeout_s``: each call's bound (waiting for another thread's call included);
+    ``connect_timeout_s``: connecting and the hello reply; both in (0, 3600] seconds.
+    """
 
     def __init__(
         self,
@@ -110,75 +114,117 @@ class SidecarTier:
         pool: BlockPool,
         namer: Namer,
         *,
-        timeout_s: float = 2.0,
+        timeout_s: float = TIMEOUT_S,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
         max_retry_s: float = 2.0,
         max_queue: int = 256,
         wait_s: float = 0.0,
     ) -> None:
+        for name, value in (("timeout_s", timeout_s), ("connect_timeout_s", connect_timeout_s)):
+            if not (isinstance(value, (int, float)) and 0 < value <= 3600):
+                raise ValueError(f"{name} must be seconds in (0, 3600], got {value!r}")
         self.path = path
         self.namer = namer
         self.layout = layout_json(pool)
         self.local_pool = pool
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self.max_retry_s = max_retry_s
-        self.max_queue = max_queue
         self.wait_s = wait_s
-        self._store = None
-        self._lock = threading.Lock()  # one request/reply at a time on the socket
-        self._sock: socket.socket | None = None
-        self._buffer = FrameBuffer()
-        self._view: BlockPool | None = None
+        self.store = None
+        self.counters = collections.Counter()
+        self.writer = WriteThrough(self, max_queue)
+        self._lock = threading.Lock()  # one call at a time on the connection
+        self._conn: Connection | None = None
+        self._view: BlockPool | None = None  # the shared pool, mapped once the hello reply came
         self._generation = 0
         self._retry_at = 0.0
         self._retry_s = 0.1
-        self._warned = False
+        self._warned = False  # "gone" said, until attached again
+        self._late = False  # "did not answer" said, until the next answer
         self._closed = False
-        self._queue: collections.deque = collections.deque()
-        self._cond = threading.Condition()
-        self._busy = False
-        self._writer: threading.Thread | None = None
-        self.counters = collections.Counter()
 
     def bind(self, store) -> None:
         """Called by ``KVStore.__init__``: the store whose commits are written through."""
-        if self._store is not None and self._store is not store:
+        if self.store is not None and self.store is not store:
             raise ValueError("a SidecarTier serves one KVStore")
-        self._store = store
+        self.store = store
 
-    # -- connection -------------------------------------------------------------------------
-    def _connect_locked(self) -> None:
-        now = time.monotonic()
-        if self._closed:
-            raise SidecarDown("closed")
-        if now < self._retry_at:
-            raise SidecarDown("retry later")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout_s)
+    # -- calls ------------------------------------------------------------------------------
+    def call(self, header: dict, body: bytes = b"") -> tuple[dict, BlockPool, int]:
+        """One request's reply, with the shared pool and the connection generation its slots
+        belong to, within ``timeout_s`` all told. Raises ``SidecarDown`` (``SidecarTimeout``: out
+        of time, the connection kept) or ``ValueError`` (the sidecar refused it)."""
+        op = header["op"]
+        deadline = time.monotonic() + self.timeout_s
+        limit = f"{self.timeout_s:g} s (timeout_s, RADIXKV_SIDECAR_TIMEOUT_S)"
+        if not self._lock.acquire(timeout=self.timeout_s):
+            msg = f"the sidecar on {self.path} did not answer {op!r} within {limit}: another call held it"
+            raise self._timed_out(SidecarTimeout(msg, op, waited=True))
         try:
-            sock.connect(self.path)
-            buffer = FrameBuffer()
-            send(sock, {"op": "hello", "layout": self.layout})
-            reply, _, fds = recv(sock, buffer, with_fds=True)
+            self._attached_locked()
+            answer = self._conn.call(header, body, deadline=deadline, limit=limit)
+        except SidecarTimeout as e:
+            raise self._timed_out(e) from None
+        except SidecarDown:
+            raise
+        except (OSError, ConnectionError, ProtocolError) as e:  # a broken stream: start again
+            self._lost_locked(e)
+            raise SidecarDown(str(e)) from None
+        finally:
+            self._lock.release()
+        if self._late:
+            self._late = False
+            logger.warning("radixkv: the sidecar on %s answers again", self.path)
+        if "error" in answer:
+            self.counters["refused"] += 1
+            logger.debug("radixkv: the sidecar refused %s: %s", op, answer["error"])
+            raise ValueError(answer["error"])
+        return answer, self._view, self._generation
+
+    def tell(self, header: dict, generation: int) -> None:
+        """A request with no reply (release, abort) on the connection of ``generation``; nothing
+        when that connection is gone (its pins and writes went with it). What the socket cannot
+        take now goes out before the next request: never lost while the connection lives."""
+        with self._lock:  # held at most one call's timeout
+            if self._view is None or generation != self._generation:
+                return
+            try:
+                self._conn.call(header, deadline=time.monotonic(), reply=False)
+            except (OSError, ConnectionError, ProtocolError) as e:
+                self._lost_locked(e)
+
+    def _attached_locked(self) -> None:
+        """Connect and say hello (within ``connect_timeout_s``) when there is no connection; map
+        the shared pool once the hello reply is in (it may come late: taken by a later call)."""
+        if self._conn is None:
+            now = time.monotonic()
+            if self._closed or now < self._retry_at:
+                raise SidecarDown("closed" if self._closed else "retry later")
+            try:
+                self._conn = Connection(self.path, self.connect_timeout_s)
+            except OSError as e:
+                self._lost_locked(e, f"no sidecar on {self.path} ({e}); serving from this process's pool")
+                raise SidecarDown(str(e)) from None
+            limit = f"{self.connect_timeout_s:g} s (connect_timeout_s, RADIXKV_SIDECAR_CONNECT_TIMEOUT_S)"
+            hello = {"op": "hello", "layout": self.layout}
+            self._conn.call(hello, deadline=now + self.connect_timeout_s, limit=limit)
+        if self._view is not None:
+            return
+        reply, fds = self._conn.hello_reply()
+        try:
             if "error" in reply:
                 raise ValueError(reply["error"])
             if len(fds) != 1:
                 raise ConnectionError(f"the hello reply carried {len(fds)} file descriptors, expected 1")
-            try:
-                buf = mmap.mmap(fds[0], reply["pool_bytes"])
-            finally:
-                os.close(fds[0])
-            view = shared_pool_view(self.local_pool, buf, reply["num_blocks"])
+            buf = mmap.mmap(fds[0], reply["pool_bytes"])
+            self._view = shared_pool_view(self.local_pool, buf, reply["num_blocks"])
         except (OSError, ConnectionError, ValueError, KeyError) as e:
-            sock.close()
-            self._retry_at = now + self._retry_s
-            self._retry_s = min(self.max_retry_s, self._retry_s * 2)
-            if not self._warned:
-                self._warned = True
-                logger.warning(
-                    "radixkv: no sidecar on %s (%s); serving from this process's pool", self.path, e
-                )
+            self._lost_locked(e, f"the sidecar on {self.path} refused this client: {e}")
             raise SidecarDown(str(e)) from None
-        self._sock, self._buffer, self._view = sock, buffer, view
+        finally:
+            for fd in fds:
+                os.close(fd)
         self._generation += 1
         self._retry_s = 0.1
         self.counters["connects"] += 1
@@ -186,35 +232,30 @@ class SidecarTier:
             logger.warning("radixkv: sidecar on %s attached again", self.path)
         self._warned = False
 
-    def _lost_locked(self, error: Exception) -> None:
-        if self._sock is not None:
-            self._sock.close()
-        self._sock = None
+    def _lost_locked(self, error: Exception, message: str = "") -> None:
+        """Close the connection (the sidecar frees what it held for us); retry with backoff."""
+        if self._conn is not None:
+            self._conn.close()
+            self.counters["disconnects"] += int(self._view is not None)
+        self._conn = self._view = None
         self._retry_at = time.monotonic() + self._retry_s
-        self.counters["disconnects"] += 1
+        self._retry_s = min(self.max_retry_s, self._retry_s * 2)
         if not self._warned:
             self._warned = True
+            message = message or f"sidecar on {self.path} gone ({error}); serving from this process's pool"
+            logger.warning("radixkv: %s", message)
+
+    def _timed_out(self, error: SidecarTimeout) -> SidecarTimeout:
+        """Count a call that went without the sidecar; one warning per slow spell."""
+        self.counters["timeouts" if error.waited else "skipped_calls"] += 1
+        if error.waited and not self._late:
+            self._late = True
             logger.warning(
-                "radixkv: sidecar on %s gone (%s); serving from this process's pool, reconnecting",
-                self.path,
+                "radixkv: %s; served without it. The connection stays; calls skip the sidecar "
+                "until that reply arrives",
                 error,
             )
-
-    def _call(self, header: dict, body: bytes = b"", *, reply: bool = True) -> tuple[dict, BlockPool, int]:
-        with self._lock:
-            if self._sock is None:
-                self._connect_locked()
-            try:
-                send(self._sock, header, body)
-                answer = recv(self._sock, self._buffer)[0] if reply else {}
-            except (OSError, ConnectionError, ProtocolError) as e:  # a broken stream: start again
-                self._lost_locked(e)
-                raise SidecarDown(str(e)) from None
-            if "error" in answer:
-                self.counters["refused"] += 1
-                logger.debug("radixkv: the sidecar refused %s: %s", header.get("op"), answer["error"])
-                raise ValueError(answer["error"])
-            return answer, self._view, self._generation
+        return error
 
     # -- reads ------------------------------------------------------------------------------
     def lookup(
@@ -239,7 +280,7 @@ class SidecarTier:
         polled = False
         while True:
             try:
-                answer, view, generation = self._call(header, body)
+                answer, view, generation = self.call(header, body)
             except (SidecarDown, ValueError):
                 return hit
             if answer.get("lease"):
@@ -260,130 +301,33 @@ class SidecarTier:
             time.sleep(POLL_S)
 
     def release(self, hit: RemoteHit) -> None:
-        with self._lock:
-            if self._sock is None or hit.generation != self._generation:
-                return  # that sidecar is gone, and its pins with it
-            try:
-                send(self._sock, {"op": "release", "lease": hit.lease})
-            except OSError as e:
-                self._lost_locked(e)
+        self.tell({"op": "release", "lease": hit.lease}, hit.generation)
 
-    # -- writes -----------------------------------------------------------------------------
+    # -- writes (write_through.WriteThrough) -------------------------------------------------
     def push(self, tokens: PackedTokens, namespace: Hashable) -> None:
         """Queue a committed key for write-through (returns at once; dropped when the queue is full)."""
-        key = self.namer(namespace)
-        if key is None:
-            return
-        with self._cond:
-            if len(self._queue) >= self.max_queue:
-                self.counters["dropped_writes"] += 1
-                return
-            self._queue.append((tokens, namespace, key))
-            if self._writer is None:
-                self._writer = threading.Thread(
-                    target=self._write_loop, name="radixkv-sidecar-writer", daemon=True
-                )
-                self._writer.start()
-                # A process that commits and exits (a batch rank, a script) still hands its last
-                # prefixes over; bounded, so a hung sidecar cannot hold the exit for long.
-                atexit.register(self.flush, EXIT_FLUSH_S)
-            self._cond.notify()
+        self.writer.push(tokens, namespace)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every queued write is done or dropped; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+        return self.writer.flush(timeout)
 
     def drain(self, timeout: float) -> tuple[int, int]:
-        """Flush for at most ``timeout`` seconds, then drop what still waits: for a process about
-        to exit without running its ``atexit`` hooks (the demo's ``os._exit``). Returns (commits
-        written to the sidecar meanwhile, commits lost: dropped here, failed, or still being
-        written at the timeout). A dead sidecar fails every write at once (connection refused);
-        a hung one costs at most ``timeout``."""
-        before = self.counters["written_commits"], self.counters["failed_writes"]
-        done = self.flush(timeout)
-        with self._cond:
-            lost = len(self._queue) + (0 if done else int(self._busy))
-            self.counters["dropped_writes"] += len(self._queue)
-            self._queue.clear()
-        written = self.counters["written_commits"] - before[0]
-        return written, lost + self.counters["failed_writes"] - before[1]
-
-    def _write_loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queue)
-                item = self._queue.popleft()
-                self._busy = True
-            try:
-                self._write(*item)
-            except Exception as e:  # never let a bug here stop later writes; reads are unaffected
-                self.counters["failed_writes"] += 1
-                logger.warning("radixkv: sidecar write failed: %s", e)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-
-    def _write(self, tokens: PackedTokens, namespace: Hashable, key: tuple[bytes, bytes]) -> None:
-        store = self._store
-        with store.acquire(tokens, namespace, count=False, remote=False) as lease:
-            if lease.num_tokens == 0:
-                return  # evicted (or flushed) since the commit
-            held = tokens.head(lease.num_tokens)
-            try:
-                answer, view, _ = self._call(
-                    {"op": "alloc", "ident": key[0].hex(), "ns": key[1].decode()}, bytes(held)
-                )
-            except (SidecarDown, ValueError):
-                self.counters["failed_writes"] += 1
-                return
-            slots, start, txn = answer["slots"], answer["start"], answer["txn"]
-            if not slots:  # the sidecar holds it all already, or its pool is pinned full
-                has_all = start * self.layout["block_size"] >= held.num_tokens
-                self.counters["written_commits" if has_all else "failed_writes"] += 1
-                return
-            try:
-                ids = list(lease.block_ids)
-                first_host = len(ids) - lease.num_host_blocks
-                span = range(start, start + len(slots))
-                dev = [(ids[j], s) for j, s in zip(span, slots) if j < first_host]
-                host = [(ids[j], s) for j, s in zip(span, slots) if j >= first_host]
-                if dev:
-                    copy_blocks(store.pool, [a for a, _ in dev], view, [b for _, b in dev])
-                if host:
-                    copy_blocks(store.host_pool, [a for a, _ in host], view, [b for _, b in host])
-            except BaseException:
-                self._send_quiet({"op": "abort", "txn": txn})
-                raise
-        try:
-            self._call({"op": "commit", "txn": txn})
-            self.counters["written_blocks"] += len(slots)
-            self.counters["written_commits"] += 1
-        except (SidecarDown, ValueError):
-            self.counters["failed_writes"] += 1
-
-    def _send_quiet(self, header: dict) -> None:
-        with self._lock:
-            if self._sock is not None:
-                try:
-                    send(self._sock, header)
-                except OSError as e:
-                    self._lost_locked(e)
+        """(commits written, commits lost) flushing for at most ``timeout`` s (``WriteThrough.drain``)."""
+        return self.writer.drain(timeout)
 
     # -- observation ------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            out = {f"sidecar_{k}": v for k, v in self.counters.items()}
-            out["sidecar_connected"] = int(self._sock is not None)
-        with self._cond:
-            out["sidecar_queued_writes"] = len(self._queue)
+        """Counters (taking no lock: a call waiting on a slow sidecar never holds up /metrics)."""
+        out = {f"sidecar_{k}": v for k, v in self.counters.copy().items()}
+        out["sidecar_connected"] = int(self._view is not None)
+        out["sidecar_queued_writes"] = self.writer.queued
         return out
 
     def close(self) -> None:
         """Detach for good: later calls are misses, later commits stay local."""
         with self._lock:
             self._closed = True
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = self._view = None

@@ -1,0 +1,179 @@
+"""One client connection to a sidecar: framed requests under deadlines, never cut mid-frame.
+
+Owned by ``client.SidecarTier``, which runs one call at a time on it (not thread-safe itself).
+
+Timeouts, as a Redis client has them (redis-py's ``socket_connect_timeout`` and
+``socket_timeout``): the connect timeout bounds ``connect()`` and the ``hello`` reply; each
+call's ``deadline`` bounds sending its request and reading its reply.
+
+A call that runs out of time does not close the connection. Closing would drop every pin, claim
+and open write this process holds in the sidecar, for a sidecar that may only be slow: blocks a
+read of this process is still copying could then be evicted and rewritten for another client.
+The reply is *owed* instead. Replies come back in request order and are length-framed, so none
+is ever taken for another: the ``FrameBuffer`` keeps a half-read reply, the bytes of a request
+the socket did not take in time wait in ``_out`` and go out first, and each owed reply is read
+and settled (a lease it granted released, a write it opened aborted) before a later call reads
+its own. While a reply is owed and has not arrived, later calls fail at once
+(``SidecarTimeout``) instead of waiting again: a stopped sidecar costs one call its timeout, not
+every call. Requests that get no reply (``release``, ``abort``) are queued even then, so pins
+are let go once the sidecar reads again. The connection closes only when the sidecar closes it
+or breaks the format (``SidecarDown`` then, and the sidecar frees what this client held).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import time
+
+from radixkv.sidecar.protocol import FrameBuffer, ProtocolError, encode
+
+logger = logging.getLogger(__name__)
+
+MAX_FDS = 4  # per receive; only the hello reply carries one
+
+
+class SidecarDown(ConnectionError):
+    """No sidecar answers now (the caller serves from its own pools)."""
+
+
+class SidecarTimeout(SidecarDown):
+    """The sidecar did not answer in time; the connection stays open and the reply is owed.
+
+    ``waited``: True when this call waited out its deadline, False when it was skipped at once
+    because an earlier call's reply is still owed. ``op``: the request's op."""
+
+    def __init__(self, message: str, op: str, waited: bool) -> None:
+        super().__init__(message)
+        self.op, self.waited = op, waited
+
+
+class Connection:
+    """An open socket to the sidecar on ``path`` (``connect()`` bounded by ``connect_timeout_s``;
+    raises ``OSError`` when nothing listens there). ``hello`` holds ``(reply, fds)`` once the
+    hello reply arrived (the fds are the caller's to close)."""
+
+    def __init__(self, path: str, connect_timeout_s: float) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(connect_timeout_s)
+        try:
+            self.sock.connect(path)
+        except OSError:
+            self.sock.close()
+            raise
+        self._in = FrameBuffer()
+        self._out = bytearray()  # request bytes the socket has not taken yet (go out first)
+        self._owed: collections.deque[str] = collections.deque()  # ops whose replies are due, in order
+        self._fds: list[int] = []
+        self.hello: tuple[dict, list[int]] | None = None
+        self.late_replies = 0  # replies read after their call had given up
+
+    @property
+    def owed(self) -> int:
+        return len(self._owed)
+
+    def call(
+        self, header: dict, body: bytes = b"", *, deadline: float, reply: bool = True, limit: str = ""
+    ) -> dict:
+        """Send one request and return its reply header by ``deadline`` (``time.monotonic()``);
+        ``{}`` for a request with no reply (queued; sent as far as the socket takes it now).
+
+        Raises ``SidecarTimeout`` (the reply is owed; nothing else changes; its message names
+        the socket and ``limit``, the timeout as the caller set it) when the deadline passes, or
+        at once when an earlier call's reply is still owed; ``OSError``, ``ConnectionError`` or
+        ``ProtocolError`` when the connection broke (close it then). A reply with ``"error"``
+        is returned as it came.
+        """
+        op = header.get("op", "?")
+        self.catch_up()
+        if reply and self._owed:
+            msg = f"the sidecar on {self.path} still owes the reply to an earlier {self._owed[0]!r}"
+            raise SidecarTimeout(f"{msg}; {op!r} goes without it", op, waited=False)
+        self._out += encode(header, body)
+        if not reply:
+            self._flush(deadline)
+            return {}
+        self._owed.append(op)
+        self._flush(deadline)
+        while True:
+            got = self._next_reply(deadline)
+            if got is None:
+                msg = f"the sidecar on {self.path} did not answer {op!r} within {limit or 'its deadline'}"
+                raise SidecarTimeout(msg, op, waited=True)
+            done, answer = got
+            if not self._owed:
+                return answer  # the last one owed: this call's
+            self._settle(done, answer)
+
+    def hello_reply(self) -> tuple[dict, list[int]]:
+        """The hello reply and the fds it carried (the caller's to close), once it came (taken
+        once: the caller maps the pool then); raises ``SidecarTimeout`` while it is owed."""
+        self.catch_up()
+        if self.hello is None:
+            msg = f"the sidecar on {self.path} has not answered this client's hello yet"
+            raise SidecarTimeout(msg, "hello", waited=False)
+        hello, self.hello = self.hello, None
+        return hello
+
+    def catch_up(self) -> None:
+        """Without waiting: send queued bytes, read and settle the owed replies that arrived."""
+        now = time.monotonic()
+        self._flush(now)
+        while self._owed:
+            got = self._next_reply(now)
+            if got is None:
+                return
+            self.late_replies += 1
+            self._settle(*got)
+        self._flush(now)  # releases and aborts the settling queued
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        self.sock.close()
+
+    # -- internals --------------------------------------------------------------------------
+    def _settle(self, op: str, answer: dict) -> None:
+        """Undo what an abandoned call's late reply granted (sent with the next bytes out)."""
+        if op == "match" and answer.get("lease"):
+            self._out += encode({"op": "release", "lease": answer["lease"]})
+        elif op == "alloc" and answer.get("txn"):
+            self._out += encode({"op": "abort", "txn": answer["txn"]})
+        # hello: kept in self.hello; commit and stats: nothing to undo.
+
+    def _flush(self, deadline: float) -> bool:
+        """Send queued bytes until ``deadline`` (a past one: what the socket takes at once)."""
+        while self._out:
+            self.sock.settimeout(max(0.0, deadline - time.monotonic()))  # 0: non-blocking
+            try:
+                sent = self.sock.send(self._out)
+            except (BlockingIOError, TimeoutError):
+                return False
+            del self._out[:sent]
+        return True
+
+    def _next_reply(self, deadline: float) -> tuple[str, dict] | None:
+        """(op, reply header) of the first owed reply, or None when it is not complete by
+        ``deadline`` (a past one: what has arrived already)."""
+        while True:
+            for header, _body in self._in.frames():
+                if not self._owed:
+                    raise ProtocolError(f"a reply nobody asked for: {sorted(header)}")
+                op = self._owed.popleft()
+                if op == "hello":
+                    self.hello, self._fds = (header, self._fds), []
+                return op, header
+            self._flush(deadline)  # a request still partly queued cannot be answered yet
+            self.sock.settimeout(max(0.0, deadline - time.monotonic()))
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, 1 << 16, MAX_FDS)
+            except (BlockingIOError, TimeoutError):
+                return None
+            self._fds += fds
+            if not data:
+                raise ConnectionError(f"the sidecar on {self.path} closed the connection")
+            self._in.feed(data)

@@ -1,0 +1,139 @@
+"""Write-through to a sidecar, in the background (owned by ``client.SidecarTier``).
+
+Every commit of the tier's store queues its key (``push``); one thread per tier pins the local
+blocks, asks the sidecar which blocks it lacks (``alloc``: slots private to this client), copies
+them from the local pools into the shared pool and commits them (visible to others only then).
+Bounded: at most ``max_queue`` commits wait; more are dropped (counted). Why write-through, not
+on eviction: another process can read a prefix as soon as it is computed (a replica's first
+request on a document, ranks sharing a prompt); on eviction it would reach the sidecar only once
+this process's pool is full, and never from a process that exits.
+
+Counters (the tier's): ``written_commits`` (commits the sidecar holds now), ``written_blocks``,
+``failed_writes`` (refused, timed out, or the sidecar gone), ``dropped_writes``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import threading
+from collections.abc import Hashable
+
+from radixkv.sidecar.connection import SidecarDown
+from radixkv.store.tier import copy_blocks
+from radixkv.tree.node import PackedTokens
+
+logger = logging.getLogger(__name__)
+
+EXIT_FLUSH_S = 5.0
+
+
+class WriteThrough:
+    """The queue and background writer of one ``SidecarTier`` (``tier``: its calls, store and
+    counters)."""
+
+    def __init__(self, tier, max_queue: int) -> None:
+        self.tier = tier
+        self.max_queue = max_queue
+        self._queue: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def push(self, tokens: PackedTokens, namespace: Hashable) -> None:
+        """Queue a committed key (returns at once; dropped when the queue is full)."""
+        key = self.tier.namer(namespace)
+        if key is None:
+            return
+        with self._cond:
+            if len(self._queue) >= self.max_queue:
+                self.tier.counters["dropped_writes"] += 1
+                return
+            self._queue.append((tokens, namespace, key))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="radixkv-sidecar-writer", daemon=True)
+                self._thread.start()
+                # A process that commits and exits (a batch rank, a script) still hands its last
+                # prefixes over; bounded, so a hung sidecar cannot hold the exit for long.
+                atexit.register(self.flush, EXIT_FLUSH_S)
+            self._cond.notify()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued write is done or dropped; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def drain(self, timeout: float) -> tuple[int, int]:
+        """Flush for at most ``timeout`` seconds, then drop what still waits: for a process about
+        to exit without running its ``atexit`` hooks (the demo's ``os._exit``). Returns (commits
+        written to the sidecar meanwhile, commits lost: dropped here, failed, or still being
+        written at the timeout). A dead sidecar fails every write at once (connection refused);
+        a hung one costs at most ``timeout``."""
+        counters = self.tier.counters
+        before = counters["written_commits"], counters["failed_writes"]
+        done = self.flush(timeout)
+        with self._cond:
+            lost = len(self._queue) + (0 if done else int(self._busy))
+            counters["dropped_writes"] += len(self._queue)
+            self._queue.clear()
+        written = counters["written_commits"] - before[0]
+        return written, lost + counters["failed_writes"] - before[1]
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue)
+                item = self._queue.popleft()
+                self._busy = True
+            try:
+                self._write(*item)
+            except Exception as e:  # never let a bug here stop later writes; reads are unaffected
+                self.tier.counters["failed_writes"] += 1
+                logger.warning("radixkv: sidecar write failed: %s", e)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _write(self, tokens: PackedTokens, namespace: Hashable, key: tuple[bytes, bytes]) -> None:
+        tier, store, counters = self.tier, self.tier.store, self.tier.counters
+        with store.acquire(tokens, namespace, count=False, remote=False) as lease:
+            if lease.num_tokens == 0:
+                return  # evicted (or flushed) since the commit
+            held = tokens.head(lease.num_tokens)
+            try:
+                answer, view, generation = tier.call(
+                    {"op": "alloc", "ident": key[0].hex(), "ns": key[1].decode()}, bytes(held)
+                )
+            except (SidecarDown, ValueError):
+                counters["failed_writes"] += 1
+                return
+            slots, start, txn = answer["slots"], answer["start"], answer["txn"]
+            if not slots:  # the sidecar holds it all already, or its pool is pinned full
+                has_all = start * tier.layout["block_size"] >= held.num_tokens
+                counters["written_commits" if has_all else "failed_writes"] += 1
+                return
+            try:
+                ids = list(lease.block_ids)
+                first_host = len(ids) - lease.num_host_blocks
+                span = range(start, start + len(slots))
+                dev = [(ids[j], s) for j, s in zip(span, slots) if j < first_host]
+                host = [(ids[j], s) for j, s in zip(span, slots) if j >= first_host]
+                if dev:
+                    copy_blocks(store.pool, [a for a, _ in dev], view, [b for _, b in dev])
+                if host:
+                    copy_blocks(store.host_pool, [a for a, _ in host], view, [b for _, b in host])
+            except BaseException:
+                tier.tell({"op": "abort", "txn": txn}, generation)
+                raise
+        try:
+            tier.call({"op": "commit", "txn": txn})
+            counters["written_blocks"] += len(slots)
+            counters["written_commits"] += 1
+        except (SidecarDown, ValueError):
+            counters["failed_writes"] += 1  # a late commit still lands: its blocks were written
