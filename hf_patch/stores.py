@@ -22,7 +22,7 @@ from hf_patch.keys.weights import model_scope
 from hf_patch.model_spec import layer_specs
 from radixkv import BlockPool, KVStore
 from radixkv.persist.manifest import encode_namespace
-from radixkv.sidecar.client import SidecarTier
+from radixkv.sidecar.client import CONNECT_TIMEOUT_S, TIMEOUT_S, SidecarTier
 from radixkv.store.tier import host_pool_for
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,22 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
     if value <= 0:
         raise ValueError(f"environment variable {name} must be positive, got {value}")
+    return value
+
+
+def _env_seconds(name: str, default: float, most: float, *, zero: bool = False) -> float:
+    """Seconds from environment variable ``name`` (unset or empty: ``default``), in (0, most]
+    (``zero``: [0, most]); ValueError naming the variable otherwise."""
+    raw = os.environ.get(name) or ""
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be seconds, got {raw!r}") from None
+    if not (0 <= value <= most if zero else 0 < value <= most):
+        bounds = f"[0, {most:g}]" if zero else f"(0, {most:g}]"
+        raise ValueError(f"environment variable {name} must be seconds in {bounds}, got {raw!r}")
     return value
 
 
@@ -78,6 +94,9 @@ def build_store(
     ``RADIXKV_SIDECAR_WAIT_S`` (default 0: off): a prompt prefix another process is computing
     right now is waited for, up to that many seconds, instead of computed again (batch and
     eval ranks that meet one preamble at the same moment; docs/sidecar.md).
+    ``RADIXKV_SIDECAR_TIMEOUT_S`` (10) bounds each call to it and
+    ``RADIXKV_SIDECAR_CONNECT_TIMEOUT_S`` (5) attaching: past them a call is a miss (or a write
+    not made), with a warning naming the socket and the timeout, and the connection stays.
     """
     if budget_tokens is not None and budget_bytes is not None:
         raise ValueError("give at most one of budget_tokens= and budget_bytes=")
@@ -99,16 +118,14 @@ def build_store(
         host = host_pool_for(pool, tokens=host_cache_tokens, bytes=host_cache_bytes)
     remote = None
     if sidecar is not None:
-        wait = os.environ.get("RADIXKV_SIDECAR_WAIT_S") or "0"
-        try:
-            wait_s = float(wait)
-        except ValueError:
-            raise ValueError(
-                f"environment variable RADIXKV_SIDECAR_WAIT_S must be seconds, got {wait!r}"
-            ) from None
-        if not 0 <= wait_s <= 60:
-            raise ValueError(f"environment variable RADIXKV_SIDECAR_WAIT_S must be in [0, 60], got {wait_s}")
-        remote = SidecarTier(os.fspath(sidecar), pool, sidecar_namer(model, pool), wait_s=wait_s)
+        remote = SidecarTier(
+            os.fspath(sidecar),
+            pool,
+            sidecar_namer(model, pool),
+            wait_s=_env_seconds("RADIXKV_SIDECAR_WAIT_S", 0.0, 60, zero=True),
+            timeout_s=_env_seconds("RADIXKV_SIDECAR_TIMEOUT_S", TIMEOUT_S, 3600),
+            connect_timeout_s=_env_seconds("RADIXKV_SIDECAR_CONNECT_TIMEOUT_S", CONNECT_TIMEOUT_S, 3600),
+        )
     store = KVStore(pool, host, remote=remote)
     logger.info(
         "radixkv store for %s: %d blocks x %d tokens, %.1f MiB, %d layers%s%s",

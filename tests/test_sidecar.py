@@ -339,7 +339,7 @@ def test_drain_reports_commits_written_and_lost_and_never_hangs_on_a_hung_sideca
         started = time.monotonic()
         with caplog.at_level(logging.INFO, logger="demo.shutdown_sidecar"):
             assert flush_sidecar(live, time.monotonic() + 4) == (0, 2)  # bound: a quarter of 4 s
-        assert time.monotonic() - started < 1.0 + 1.0  # the socket's own timeout is 2 s
+        assert time.monotonic() - started < 1.0 + 1.0  # the bound, not the call timeout (10 s)
         assert "2 commits queued for the sidecar" in caplog.text and "were dropped" in caplog.text
         assert live.stats()["sidecar_queued_writes"] == 0
     finally:

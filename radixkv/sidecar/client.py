@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 TIMEOUT_S = 10.0  # per call (RADIXKV_SIDECAR_TIMEOUT_S)
 CONNECT_TIMEOUT_S = 5.0  # connect + hello (RADIXKV_SIDECAR_CONNECT_TIMEOUT_S)
+# store.stats() carries each as sidecar_<name> (docs/sidecar.md), 0 until counted
+COUNTERS = ("connects", "disconnects", "timeouts", "skipped_calls", "late_replies", "refused", "waited",
+            "wait_timeouts", "written_commits", "written_blocks", "failed_writes", "dropped_writes")  # fmt: skip
 POLL_S = 0.01  # between polls for a prefix another process is computing
 Namer = Callable[[Hashable], "tuple[bytes, bytes] | None"]
 
@@ -132,7 +135,7 @@ class SidecarTier:
         self.max_retry_s = max_retry_s
         self.wait_s = wait_s
         self.store = None
-        self.counters = collections.Counter()
+        self.counters = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self.writer = WriteThrough(self, max_queue)
         self._lock = threading.Lock()  # one call at a time on the connection
         self._conn: Connection | None = None
@@ -202,7 +205,7 @@ class SidecarTier:
             if self._closed or now < self._retry_at:
                 raise SidecarDown("closed" if self._closed else "retry later")
             try:
-                self._conn = Connection(self.path, self.connect_timeout_s)
+                self._conn = Connection(self.path, self.connect_timeout_s, self.counters)
             except OSError as e:
                 self._lost_locked(e, f"no sidecar on {self.path} ({e}); serving from this process's pool")
                 raise SidecarDown(str(e)) from None

@@ -52,10 +52,12 @@ class SidecarTimeout(SidecarDown):
 
 class Connection:
     """An open socket to the sidecar on ``path`` (``connect()`` bounded by ``connect_timeout_s``;
-    raises ``OSError`` when nothing listens there). ``hello`` holds ``(reply, fds)`` once the
-    hello reply arrived (the fds are the caller's to close)."""
+    raises ``OSError`` when nothing listens there). ``counters["late_replies"]`` counts replies
+    read after their call had given up (the caller's Counter, or a new one)."""
 
-    def __init__(self, path: str, connect_timeout_s: float) -> None:
+    def __init__(
+        self, path: str, connect_timeout_s: float, counters: collections.Counter | None = None
+    ) -> None:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(connect_timeout_s)
@@ -68,8 +70,8 @@ class Connection:
         self._out = bytearray()  # request bytes the socket has not taken yet (go out first)
         self._owed: collections.deque[str] = collections.deque()  # ops whose replies are due, in order
         self._fds: list[int] = []
-        self.hello: tuple[dict, list[int]] | None = None
-        self.late_replies = 0  # replies read after their call had given up
+        self.hello: tuple[dict, list[int]] | None = None  # (reply, fds) once it came
+        self.counters = collections.Counter() if counters is None else counters
 
     @property
     def owed(self) -> int:
@@ -126,7 +128,7 @@ class Connection:
             got = self._next_reply(now)
             if got is None:
                 return
-            self.late_replies += 1
+            self.counters["late_replies"] += 1
             self._settle(*got)
         self._flush(now)  # releases and aborts the settling queued
 
