@@ -1,7 +1,7 @@
 """The sidecar: what sharing one prefix cache between processes saves. Run by hand (never a test)::
 
     python -m benchmarks.bench_sidecar                         # all parts
-    python -m benchmarks.bench_sidecar --parts ttft,memory     # a subset: ranks, ttft, memory, write
+    python -m benchmarks.bench_sidecar --parts ttft,memory     # a subset: ranks, ttft, memory, write, calls
 
 1. ``ranks``: two CPU ranks under torchrun, without and with one sidecar, against one process:
    evalrun (lm-eval, ``split=docs``: lm-eval's document striding, so both ranks meet every task's
@@ -22,6 +22,9 @@
    either way.
 4. ``write``: the cost of write-through: generate() of a 2,000-token miss with a local store vs
    one with a sidecar (the copy to the sidecar is queued), and the background write's duration.
+5. ``calls``: one look-up's round trip (``SidecarTier.call``, a 2,000-token prompt, a miss and
+   a hit of the whole document pinned then released), ``--calls`` times: median, p99, max
+   (what ``RADIXKV_SIDECAR_TIMEOUT_S``, 10 s by default, is measured against).
 
 Model: benchmarks/bench_hf.py's random Llama (hidden 512, 8 layers, 4 KV heads, fp32: 16 KiB of
 KV per token) for parts 2-3; demo's builtin (Llama 512x6) for part 1, as bench_eval/bench_batch.
@@ -273,6 +276,55 @@ def part_write(args) -> None:
           f"({n // 16} blocks of 16 tokens, {n * 16 / 1024:.0f} MiB)", flush=True)  # fmt: skip
 
 
+# -- 5. call round trips ---------------------------------------------------------------------------
+def part_calls(args) -> None:
+    """A look-up's round trip to a live sidecar: a miss, and a hit whose lease is released."""
+    import hf_patch
+    from benchmarks.bench_hf import build_model, document, ids
+    from hf_patch.keys.weights import model_scope
+    from hf_patch.stores import sidecar_namer
+    from radixkv import pack_tokens
+
+    model = build_model()
+    work = Path(tempfile.mkdtemp(prefix="bench_sidecar_"))
+    path = work / "s.sock"
+    proc = start_sidecar(path)
+    rng = random.Random(5)
+    n = args.ttft_tokens
+    try:
+        store = hf_patch.build_store(model, block_size=16, budget_tokens=4 * n, sidecar=path)
+        tier = store.remote
+        ident, ns = sidecar_namer(model, store.pool)((model_scope(model), None))
+        key = {"ident": ident.hex(), "ns": ns.decode(), "have": 0}
+        cached = document(rng, n)
+        model.generate(
+            ids(cached), past_key_values=hf_patch.RadixCache(store), max_new_tokens=1, do_sample=False
+        )
+        assert tier.flush(60)
+        bodies = {"miss": bytes(pack_tokens(document(rng, n))), "hit": bytes(pack_tokens(cached))}
+        times: dict[str, list[float]] = {k: [] for k in bodies}
+        for _ in range(args.calls):
+            for name, body in bodies.items():
+                t0 = time.perf_counter()
+                answer, _, generation = tier.call({"op": "match", **key}, body)
+                times[name].append(time.perf_counter() - t0)
+                if answer["lease"]:
+                    tier.tell({"op": "release", "lease": answer["lease"]}, generation)
+        assert answer["num_tokens"] > 0, "the hit side missed"
+        stats = tier.stats()
+    finally:
+        proc.kill()
+        proc.wait()
+    print(
+        f"\n5. a look-up's round trip to the sidecar, {n}-token prompt, {args.calls} calls each", flush=True
+    )
+    for name, values in times.items():
+        q = statistics.quantiles(values, n=100)
+        print(f"   {name:<5} median {statistics.median(values) * 1e3:7.3f} ms, p99 {q[98] * 1e3:7.3f} ms, "
+              f"max {max(values) * 1e3:7.1f} ms")  # fmt: skip
+    print(f"   timeouts {stats['sidecar_timeouts']} (timeout_s {tier.timeout_s:g} s)", flush=True)
+
+
 # -- 3. memory ------------------------------------------------------------------------------------
 WORKER = r"""
 import sys, time, random, torch
@@ -380,6 +432,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--docs", type=int, default=12)
     parser.add_argument("--doc-tokens", type=int, default=600)
+    parser.add_argument("--calls", type=int, default=1000, help="part calls: look-ups per side")
     args = parser.parse_args()
     print(f"load {os.getloadavg()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     parts = args.parts.split(",")
@@ -391,6 +444,8 @@ def main() -> None:
         part_write(args)
     if "ranks" in parts:
         part_ranks(args)
+    if "calls" in parts:
+        part_calls(args)
     print(f"load after {os.getloadavg()}", flush=True)
 
 
