@@ -13,8 +13,8 @@ import hf_patch
 from cuda_ext import cpu_runs, stacking
 from hf_patch.layer import AppendLayer, allocate_stacked
 from radixkv import BlockPool, KVStore, LayerSpec
-from radixkv.sidecar.client import shared_pool_view
 from radixkv.sidecar.layout import KVLayout, PoolGeometry
+from radixkv.sidecar.shared_view import shared_pool_view
 from radixkv.store.tier import host_pool_for
 from tests.hf_models import assert_same_as_stock, ids, shared, tokens
 from tests.test_cuda_ext import assert_bits_equal, rand_bits

@@ -40,11 +40,9 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 
-import torch
-
 from radixkv.sidecar.connection import Connection, SidecarDown, SidecarTimeout
-from radixkv.sidecar.layout import KVLayout, PoolGeometry
 from radixkv.sidecar.protocol import ProtocolError
+from radixkv.sidecar.shared_view import layout_json, shared_pool_view
 from radixkv.sidecar.write_through import WriteThrough
 from radixkv.store.pool import BlockPool
 from radixkv.tree.node import PackedTokens
@@ -59,7 +57,7 @@ COUNTERS = ("connects", "disconnects", "timeouts", "skipped_calls", "late_replie
 POLL_S = 0.01  # between polls for a prefix another process is computing
 Namer = Callable[[Hashable], "tuple[bytes, bytes] | None"]
 
-__all__ = ["RemoteHit", "SidecarDown", "SidecarTier", "SidecarTimeout", "shared_pool_view"]
+__all__ = ["RemoteHit", "SidecarDown", "SidecarTier", "SidecarTimeout"]
 
 
 @dataclasses.dataclass
@@ -72,36 +70,6 @@ class RemoteHit:
     pool: BlockPool  # a view over the shared memory these slots index
     lease: int
     generation: int
-
-
-def layout_json(pool: BlockPool) -> dict:
-    return {
-        "block_size": pool.block_size,
-        "layers": [
-            {
-                "num_kv_heads": s.num_kv_heads,
-                "k_head_dim": s.k_head_dim,
-                "v_head_dim": s.v_head_dim,
-                "dtype": str(s.dtype).removeprefix("torch."),
-            }
-            for s in pool.layers
-        ],
-    }
-
-
-def shared_pool_view(pool: BlockPool, buf, num_blocks: int) -> BlockPool:
-    """A ``BlockPool`` over the sidecar's memory ``buf`` laid out as ``radixkv.sidecar.layout`` says."""
-    geometry = PoolGeometry(KVLayout.from_json(layout_json(pool)), num_blocks)
-    flat = torch.frombuffer(buf, dtype=torch.uint8, count=geometry.total_bytes)
-    specs = [dataclasses.replace(s, device=torch.device("cpu")) for s in pool.layers]
-    tensors = []
-    for (offset, per_block), spec, which in zip(
-        geometry.regions(), [s for s in specs for _ in (0, 1)], [0, 1] * len(specs)
-    ):
-        dim = spec.k_head_dim if which == 0 else spec.v_head_dim
-        region = flat[offset : offset + per_block * num_blocks].view(spec.dtype)
-        tensors.append(region.view(num_blocks, pool.block_size, spec.num_kv_heads, dim))
-    return BlockPool(specs, num_blocks, pool.block_size, storage=(tensors[0::2], tensors[1::2]))
 
 
 class SidecarTier:
@@ -146,6 +114,7 @@ class SidecarTier:
         self._warned = False  # "gone" said, until attached again
         self._late = False  # "did not answer" said, until the next answer
         self._closed = False
+        self._tells: collections.deque = collections.deque()  # (header, generation) to send
 
     def bind(self, store) -> None:
         """Called by ``KVStore.__init__``: the store whose commits are written through."""
@@ -176,6 +145,7 @@ class SidecarTier:
             raise SidecarDown(str(e)) from None
         finally:
             self._lock.release()
+            self._send_tells()
         if self._late:
             self._late = False
             logger.warning("radixkv: the sidecar on %s answers again", self.path)
@@ -186,16 +156,27 @@ class SidecarTier:
         return answer, self._view, self._generation
 
     def tell(self, header: dict, generation: int) -> None:
-        """A request with no reply (release, abort) on the connection of ``generation``; nothing
-        when that connection is gone (its pins and writes went with it). What the socket cannot
-        take now goes out before the next request: never lost while the connection lives."""
-        with self._lock:  # held at most one call's timeout
-            if self._view is None or generation != self._generation:
-                return
+        """A request with no reply (release, abort) on the connection of ``generation``; dropped
+        when that connection is gone (its pins and writes went with it). Never waits: while
+        another thread's call holds the connection, that thread sends it when its call ends.
+        What the socket cannot take now goes out before the next request."""
+        self._tells.append((header, generation))
+        self._send_tells()
+
+    def _send_tells(self) -> None:
+        # Every holder of the lock calls this after letting it go, so no tell is left behind.
+        while self._tells and self._lock.acquire(blocking=False):
             try:
-                self._conn.call(header, deadline=time.monotonic(), reply=False)
-            except (OSError, ConnectionError, ProtocolError) as e:
-                self._lost_locked(e)
+                while self._tells:
+                    header, generation = self._tells.popleft()
+                    if self._view is None or generation != self._generation:
+                        continue
+                    try:
+                        self._conn.call(header, deadline=time.monotonic(), reply=False)
+                    except (OSError, ConnectionError, ProtocolError) as e:
+                        self._lost_locked(e)
+            finally:
+                self._lock.release()
 
     def _attached_locked(self) -> None:
         """Connect and say hello (within ``connect_timeout_s``) when there is no connection; map
@@ -207,6 +188,9 @@ class SidecarTier:
             try:
                 self._conn = Connection(self.path, self.connect_timeout_s, self.counters)
             except OSError as e:
+                if isinstance(e, TimeoutError):  # listening, but not accepting (its backlog full)
+                    e = TimeoutError(f"not accepted within {self.connect_timeout_s:g} s (connect_timeout_s, "
+                                     "RADIXKV_SIDECAR_CONNECT_TIMEOUT_S)")  # fmt: skip
                 self._lost_locked(e, f"no sidecar on {self.path} ({e}); serving from this process's pool")
                 raise SidecarDown(str(e)) from None
             limit = f"{self.connect_timeout_s:g} s (connect_timeout_s, RADIXKV_SIDECAR_CONNECT_TIMEOUT_S)"
