@@ -324,3 +324,39 @@ def test_a_timed_out_call_leaves_the_tier_usable_by_other_threads(tmp_path, monk
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait()
+
+
+def test_a_release_never_waits_behind_a_call_to_a_paused_sidecar(tmp_path, monkeypatch):
+    """A lease released (end of a request's prefill) while the writer's call waits on a paused
+    sidecar returns at once; the release goes out after that call and reaches the sidecar."""
+    monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "5")
+    path = tmp_path / "s.sock"
+    proc = start_sidecar(path)
+    model = build("llama-sdpa")
+    try:
+        a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        assert_same_as_stock(model, ids(prompt_of(70)), a, max_new_tokens=1, do_sample=False)
+        assert a.remote.flush(30)
+        held = b.acquire(prompt_of(70), (model_scope(model), None))
+        assert held.remote is not None and sidecar_stats(path)["pinned_blocks"] == PROMPT_BLOCKS
+        proc.send_signal(signal.SIGSTOP)
+        waiting = threading.Thread(
+            target=lambda: pytest.raises(SidecarTimeout, b.remote.call, {"op": "stats"})
+        )
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while not b.remote._lock.locked():  # the call holds the connection, waiting
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        held.release()
+        assert len(b.remote._tells) == 1  # queued behind the call, which still waits (5 s)
+        waiting.join(60)
+        proc.send_signal(signal.SIGCONT)
+        until_stats(path, pinned_blocks=0)
+        until_answered(b.remote)
+        assert b.stats()["sidecar_disconnects"] == 0
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
