@@ -140,6 +140,20 @@ def test_a_closed_connection_is_an_error_not_a_timeout(wire):
     assert not isinstance(raised.value, SidecarTimeout)
 
 
+@pytest.mark.parametrize(
+    "junk", [encode({"stats": {}}), b"\xff\xff\xff\x7f\0\0\0\0"], ids=["unasked", "oversized"]
+)
+def test_a_reply_nobody_asked_for_or_a_broken_frame_breaks_the_connection(wire, junk):
+    from radixkv.sidecar.protocol import ProtocolError
+
+    _, conn, peer = wire
+    peer.sock.sendall(junk)
+    with pytest.raises(ProtocolError):  # found before any request is sent
+        for _ in range(1000):  # until the bytes have arrived (at once, on one machine)
+            conn.catch_up()
+            time.sleep(0.01)
+
+
 # -- configuration ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "variable, value",

@@ -124,12 +124,13 @@ class Connection:
         """Without waiting: send queued bytes, read and settle the owed replies that arrived."""
         now = time.monotonic()
         self._flush(now)
-        while self._owed:
-            got = self._next_reply(now)
-            if got is None:
-                return
+        # With nothing owed this still reads once: a frame then is one nobody asked for (raises)
+        # and an end of stream a sidecar gone, both found before a request is sent.
+        while (got := self._next_reply(now)) is not None:
             self.counters["late_replies"] += 1
             self._settle(*got)
+            if not self._owed:
+                break
         self._flush(now)  # releases and aborts the settling queued
 
     def close(self) -> None:
