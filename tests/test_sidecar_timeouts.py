@@ -374,3 +374,15 @@ def test_a_release_never_waits_behind_a_call_to_a_paused_sidecar(tmp_path, monke
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait()
+
+
+def test_the_stats_command_says_when_the_sidecar_does_not_answer(tmp_path, monkeypatch, capsys):
+    from radixkv.sidecar import __main__ as cli
+
+    monkeypatch.setattr(cli, "STATS_TIMEOUT_S", 0.2)
+    path = str(tmp_path / "mute.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(1)
+        assert cli.stats_main(["--socket", path]) == 1
+    assert f"the sidecar on {path} did not answer within 0.2 s" in capsys.readouterr().err

@@ -12,6 +12,7 @@ import sys
 from radixkv.sidecar.protocol import FrameBuffer, recv, send
 
 logger = logging.getLogger("radixkv.sidecar")
+STATS_TIMEOUT_S = 5.0
 
 
 def _size(text: str) -> int:
@@ -40,14 +41,21 @@ def stats_main(argv: list[str]) -> int:
     parser.add_argument("--socket", required=True)
     args = parser.parse_args(argv)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(5)
+    sock.settimeout(STATS_TIMEOUT_S)
     try:
         sock.connect(args.socket)
     except OSError as e:
         print(f"no sidecar on {args.socket}: {e}", file=sys.stderr)
         return 1
-    send(sock, {"op": "stats"})
-    reply, _, _ = recv(sock, FrameBuffer())
+    try:
+        send(sock, {"op": "stats"})
+        reply, _, _ = recv(sock, FrameBuffer())
+    except TimeoutError:
+        print(f"the sidecar on {args.socket} did not answer within {STATS_TIMEOUT_S:g} s", file=sys.stderr)
+        return 1
+    except (OSError, ConnectionError) as e:
+        print(f"the sidecar on {args.socket} failed: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(reply.get("stats", reply), indent=1, sort_keys=True))
     return 0
 
