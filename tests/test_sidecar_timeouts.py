@@ -386,3 +386,85 @@ def test_the_stats_command_says_when_the_sidecar_does_not_answer(tmp_path, monke
         listener.listen(1)
         assert cli.stats_main(["--socket", path]) == 1
     assert f"the sidecar on {path} did not answer within 0.2 s" in capsys.readouterr().err
+
+
+def read_kv(store, prompt, ns):
+    """(tokens read, K, V) of ``prompt``'s cached prefix in ``store`` (local or sidecar), and
+    whether the sidecar served it."""
+    import torch
+
+    lease = store.acquire(prompt, ns, count=False)
+    try:
+        n, remote = lease.num_tokens, lease.remote is not None
+        specs = store.pool.layers
+        k = [torch.zeros(1, s.num_kv_heads, n, s.k_head_dim, dtype=s.dtype) for s in specs]
+        v = [torch.zeros(1, s.num_kv_heads, n, s.v_head_dim, dtype=s.dtype) for s in specs]
+        store.read([lease], n, k, v, count=False)
+    finally:
+        lease.release()
+    return n, k, v, remote
+
+
+def test_reads_while_the_sidecar_pauses_and_resumes_are_right_or_misses(tmp_path, monkeypatch):
+    """Three threads read documents through one tier while the sidecar is paused and resumed
+    six times around a 0.3 s timeout: every read is bit-equal to the KV the writer computed, or
+    a miss; at the end no pin, claim or write is left in the sidecar and the connection is the
+    first one."""
+    import random
+
+    import torch
+
+    monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "0.3")
+    path = tmp_path / "s.sock"
+    proc = start_sidecar(path)
+    model = build("llama-sdpa")
+    ns = (model_scope(model), None)
+    try:
+        a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        prompts = [prompt_of(seed) for seed in range(80, 84)]
+        for prompt in prompts:
+            assert_same_as_stock(model, ids(prompt), a, max_new_tokens=1, do_sample=False)
+        assert a.remote.flush(30)
+        reference = [read_kv(a, p, ns) for p in prompts]
+        b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        stop = threading.Event()
+        seen = collections.Counter()
+        errors = []
+
+        def reader(seed):
+            rng = random.Random(seed)
+            while not stop.is_set():
+                i = rng.randrange(len(prompts))
+                try:
+                    n, k, v, remote = read_kv(b, prompts[i], ns)
+                    seen["hit" if remote else "miss"] += 1
+                    _, rk, rv, _ = reference[i]
+                    for got, want in zip(k + v, rk + rv):
+                        assert torch.equal(got, want[:, :, :n]), f"prompt {i}: {n} tokens differ"
+                except Exception as e:  # reported below, with the thread's first failure
+                    errors.append(e)
+                    return
+
+        threads = [threading.Thread(target=reader, args=(s,)) for s in range(3)]
+        for t in threads:
+            t.start()
+        for _ in range(6):
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGSTOP)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGCONT)
+        time.sleep(0.3)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[0]
+        assert seen["hit"] > 0 and seen["miss"] > 0, seen
+        until_answered(b.remote)
+        until_stats(path, pinned_blocks=0, open_txns=0, claims=0)
+        stats = b.stats()
+        assert stats["sidecar_timeouts"] > 0 and stats["sidecar_disconnects"] == 0, stats
+        assert stats["sidecar_connects"] == 1
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
