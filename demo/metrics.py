@@ -56,6 +56,12 @@ _TIERS = [
         "gauge",
         "1 while a sidecar answers (0: none or gone).",
     ),
+    (
+        "sidecar_timeouts",
+        "radixkv_sidecar_timeouts_total",
+        "counter",
+        "Calls to the sidecar that waited out RADIXKV_SIDECAR_TIMEOUT_S: each a miss or a write not made.",
+    ),
     ("host_num_blocks", "radixkv_host_pool_capacity_blocks", "gauge", "Blocks in the host tier (0: none)."),
     ("host_pool_bytes", "radixkv_host_pool_bytes", "gauge", "Bytes of host-tier storage."),
     (

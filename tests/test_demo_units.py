@@ -183,5 +183,8 @@ def test_sidecar_flag_env_and_metrics():
     assert from_args(["--sidecar", "/tmp/a.sock"], env={"RADIXKV_SIDECAR": "/b"}).sidecar == "/tmp/a.sock"
     from demo.metrics import Metrics
 
-    text = Metrics().render({"remote_hit_tokens": 48, "sidecar_connected": 1}, reuse=True, queued=0)
+    text = Metrics().render(
+        {"remote_hit_tokens": 48, "sidecar_connected": 1, "sidecar_timeouts": 2}, reuse=True, queued=0
+    )
     assert "radixkv_sidecar_hits_total 48" in text and "radixkv_sidecar_connected 1" in text
+    assert "radixkv_sidecar_timeouts_total 2" in text
