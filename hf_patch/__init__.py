@@ -9,13 +9,9 @@ Imported before torch, it also asks for passive OpenMP waits unless ``OMP_WAIT_P
 (radixkv.wait_policy, run by radixkv's import: spinning threads are slow on a busy machine).
 """
 
-# ruff: noqa: E402 (imports after quiet_threads)
-# Before anything loads torch: its OpenMP runtime reads the wait policy once, when it loads.
-# (Importing radixkv runs it already; the call says so here and changes nothing more.)
-from radixkv.wait_policy import quiet_threads
-
-quiet_threads()
-
+# First, before anything loads torch (its OpenMP runtime reads the wait policy once, when it
+# loads): importing radixkv sets the policy (radixkv.wait_policy); isort keeps it first.
+import radixkv  # noqa: F401
 from hf_patch.cache import RadixCache
 from hf_patch.generate_many import Generated, generate_many
 from hf_patch.identity import model_identity
