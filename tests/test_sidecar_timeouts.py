@@ -49,6 +49,16 @@ def test_bad_timeouts_name_the_variable(monkeypatch, tmp_path, variable, value):
         hf_patch.build_store(build("llama-sdpa"), block_size=BS, budget_tokens=256, sidecar=tmp_path / "s")
 
 
+@pytest.mark.parametrize("name", ["timeout_s", "connect_timeout_s"])
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "10"])
+def test_a_tier_refuses_bad_timeouts_naming_them(tmp_path, name, value):
+    from radixkv.sidecar.client import SidecarTier
+
+    pool = hf_patch.build_store(build("llama-sdpa"), block_size=BS, budget_tokens=64).pool
+    with pytest.raises(ValueError, match=f"{name} must be seconds"):
+        SidecarTier(str(tmp_path / "s"), pool, lambda ns: None, **{name: value})
+
+
 def test_timeouts_from_the_environment_and_their_defaults(monkeypatch, tmp_path):
     model = build("llama-sdpa")
     tier = hf_patch.build_store(model, block_size=BS, budget_tokens=256, sidecar=tmp_path / "s").remote
