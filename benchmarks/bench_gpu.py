@@ -56,7 +56,7 @@ def build(args) -> LlamaForCausalLM:
 
 def sync() -> None:
     if DEVICE == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def doc(rng: random.Random, n: int) -> list[int]:
