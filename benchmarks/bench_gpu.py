@@ -99,6 +99,16 @@ def part_repeat(model, store, args, rng) -> None:
         radix.append(timed(model, one(q), cache=cache)[0])
         cached.append(cache.cached_tokens[0])
     s, r = statistics.median(stock), statistics.median(radix)
+    if args.profile:  # where a warm radix call's time goes (Python level; GPU waits show at syncs)
+        import cProfile
+        import pstats
+
+        profile = cProfile.Profile()
+        profile.enable()
+        for q in questions[1:]:
+            timed(model, one(q), cache=RadixCache(store=store))
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(18)
     print(f"\n1. repeat questions over a {args.doc_tokens}-token document (+30-token question), TTFT median")
     print(f"   stock {s * 1e3:8.1f} ms   radix {r * 1e3:8.1f} ms   {s / r:5.1f}x   cached {cached[:3]}")
 
@@ -160,6 +170,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--agree", type=int, default=20)
     p.add_argument("--parts", default="repeat,cold,decode,agree")
+    p.add_argument("--profile", action="store_true", help="part 1: cProfile the warm radix calls")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run, tiny sizes")
     args = p.parse_args()
     global DEVICE
