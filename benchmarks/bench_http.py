@@ -87,7 +87,9 @@ def start_server(
     reuse: bool, model: str | None, threads: int | None, extra: list[str] = (), root: str = ROOT
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "RADIXKV_REUSE": "1" if reuse else "0", "PYTHONPATH": root}
+    # the checkout first; the rest of PYTHONPATH stays (packages installed to a --target folder)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "RADIXKV_REUSE": "1" if reuse else "0", "PYTHONPATH": path}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     cmd = [sys.executable, "-m", "demo", "--host", "127.0.0.1", "--port", str(port)]

@@ -51,14 +51,14 @@ def open_request(model, cache: RadixCache, reason: str | None = None) -> Iterato
     else:
         store = cache.store
         check_store_fits(store, model)
-    flush_if_weights_changed(store, model)
+    before = fingerprint(model)
+    flush_if_weights_changed(store, model, before)
     if cache._request is not None:
         raise RuntimeError("this RadixCache is already in use by a running call")
     cache.start(len(specs))
     request = cache._request = Request(cache, store, specs)
     # Weights changed while the call ran (another thread's optimizer step): its KV is of no one
     # weights, and the identity a sidecar would file it under is already the new one.
-    before = fingerprint(model)
     request.weights_unchanged = lambda: fingerprint(model) == before
     reason = reason or unkeyable_reason(model)
     if reason is not None:

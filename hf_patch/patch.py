@@ -28,6 +28,7 @@ import logging
 import threading
 
 import torch
+import transformers
 from transformers.generation.utils import GenerationMixin
 
 from hf_patch.cache import RadixCache
@@ -242,8 +243,46 @@ def _wrap_prefill(original):
     return _prefill
 
 
+# The transformers releases the suite passes on (setup.cfg's range): generate()'s internals that
+# the wrappers hook move between releases. 5.17 lacks _maybe_prepare_encoder_kwargs_for_generation;
+# 5.18-5.22 import but give other logits for Gemma 3 image prompts and other prefill_chunk_size splits.
+TESTED_TRANSFORMERS = ("5.23", "5.24")  # [from, to)
+_HOOKED = ("generate", "_prefill", "_maybe_prepare_encoder_kwargs_for_generation")
+
+
+def check_transformers(version: str, generation_mixin=GenerationMixin) -> None:
+    """Raise ImportError naming ``version`` and the tested range when generate()'s internals that
+    the wrappers hook are missing; log a warning when ``version`` is outside the tested range."""
+    missing = [name for name in _HOOKED if not hasattr(generation_mixin, name)]
+    low, high = TESTED_TRANSFORMERS
+    if missing:
+        raise ImportError(
+            f"radixkv needs transformers >={low},<{high} (tested); transformers {version} has no "
+            f"GenerationMixin.{', '.join(missing)}: pip install 'transformers>={low},<{high}'"
+        )
+    if not _in_range(version, low, high):
+        logger.warning(
+            "transformers %s is outside the range radixkv is tested with (>=%s,<%s): outputs may "
+            "differ from stock generate(); pip install 'transformers>=%s,<%s'",
+            version, low, high, low, high,
+        )  # fmt: skip
+
+
+def _in_range(version: str, low: str, high: str) -> bool:
+    def parts(v: str) -> tuple[int, ...]:
+        out = []
+        for piece in v.split(".")[:2]:
+            digits = "".join(c for c in piece if c.isdigit())
+            out.append(int(digits or 0))
+        return tuple(out)
+
+    return parts(low) <= parts(version) < parts(high)
+
+
 def install() -> None:
-    """Install the wrappers on GenerationMixin once; calling again is a no-op."""
+    """Install the wrappers on GenerationMixin once; calling again is a no-op. Raises
+    ImportError when this transformers lacks what they hook (``check_transformers``)."""
+    check_transformers(transformers.__version__)
     watch_fused_optimizers()
     with _install_lock:
         if not getattr(GenerationMixin.generate, _MARK, False):

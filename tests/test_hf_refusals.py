@@ -267,3 +267,26 @@ def test_one_cache_in_two_generate_calls_at_once():
     assert torch.equal(out, model.generate(ids(PROMPT), max_new_tokens=3, do_sample=False))
     assert store.stats()["pinned_blocks"] == 0
     store.check_invariants()
+
+
+def test_a_transformers_without_the_hooked_internals_is_refused_naming_its_version(caplog):
+    """transformers 5.17 has no _maybe_prepare_encoder_kwargs_for_generation: importing hf_patch
+    must say which release it is and what to install, not fail on a missing attribute; a release
+    outside the tested range only warns."""
+    from hf_patch.patch import TESTED_TRANSFORMERS, check_transformers
+
+    class Old:  # GenerationMixin of a release without one hooked method
+        generate = _prefill = object()
+
+    with pytest.raises(ImportError, match=r"transformers 5\.17\.0 has no GenerationMixin\._maybe_prepare"):
+        check_transformers("5.17.0", Old)
+    low, high = TESTED_TRANSFORMERS
+    with caplog.at_level("WARNING", logger="hf_patch.patch"):
+        check_transformers(f"{low}.1")
+        assert not caplog.records
+        check_transformers("5.22.0")
+        check_transformers(f"{high}.0.dev0")
+    assert [r.getMessage().split(" is outside")[0] for r in caplog.records] == [
+        "transformers 5.22.0",
+        f"transformers {high}.0.dev0",
+    ]

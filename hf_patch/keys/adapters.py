@@ -13,7 +13,7 @@ transformers model itself; generate() runs on that model, so the wrapper sees th
   autograd version, so a call costs a walk over the tuner layers, not a pass over the weights.
 
 Merging (``merge_adapter``) writes the adapter into the base weights through ``.data``, which no
-version counter sees: ``merge_state`` feeds the merged adapter lists into the weights fingerprint
+version counter sees: the merged adapter lists are part of the weights fingerprint
 (hf_patch.keys.weights), so a merge or unmerge flushes the store like any other weight change.
 
 Prompt learning (prompt tuning, p-tuning, prefix tuning) replaces the model's
@@ -64,16 +64,26 @@ def _base_part(layer: torch.nn.Module) -> str:
     )
 
 
+def is_tuner_layer(module: torch.nn.Module) -> bool:
+    return BaseTunerLayer is not None and isinstance(module, BaseTunerLayer)
+
+
+def is_adapter_holder(module: torch.nn.Module) -> bool:
+    """A tuner layer or one of PEFT's auxiliary wrappers (``modules_to_save`` copies, trainable
+    tokens): a module holding adapter weights beside the model's own module."""
+    return is_tuner_layer(module) or (
+        AuxiliaryTrainingWrapper is not None and isinstance(module, AuxiliaryTrainingWrapper)
+    )
+
+
 def adapter_holders(model) -> list[tuple[str, torch.nn.Module]]:
-    """Tuner layers and PEFT's auxiliary wrappers (``modules_to_save`` copies, trainable tokens):
-    every module holding adapter weights beside the model's own module, in module order."""
+    """Every adapter holder (``is_adapter_holder``) in ``model``, in module order."""
     if BaseTunerLayer is None:
         return []
-    kinds = (BaseTunerLayer, AuxiliaryTrainingWrapper) if AuxiliaryTrainingWrapper else (BaseTunerLayer,)
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, kinds)]
+    return [(name, m) for name, m in model.named_modules() if is_adapter_holder(m)]
 
 
-def _adapter_tensors(layer: torch.nn.Module):
+def adapter_tensors(layer: torch.nn.Module):
     """``(name, tensor)`` of a tuner layer's or wrapper's own adapter parameters and buffers (not
     those of the model's module it wraps)."""
     own = _base_part(layer)
@@ -82,19 +92,12 @@ def _adapter_tensors(layer: torch.nn.Module):
             yield tname, t
 
 
-def adapter_parameter_ids(model) -> set[int]:
-    """``id()`` of every adapter parameter in ``model`` (tuner layers' and wrappers' own, not the
-    modules they wrap): what the per-adapter weights digests cover, so the weights fingerprint
-    can leave them out."""
-    return {id(p) for _, layer in adapter_holders(model) for _, p in _adapter_tensors(layer)}
-
-
 def base_named_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     """``model``'s parameters without any adapter's, named as in the model without PEFT
     (``q_proj.base_layer.weight`` -> ``q_proj.weight``, ``embed_tokens.original_module.weight``
     -> ``embed_tokens.weight``): the base model's weights, whatever adapters are loaded."""
     layers = adapter_holders(model)
-    skip = {id(p) for _, layer in layers for _, p in _adapter_tensors(layer)}
+    skip = {id(p) for _, layer in layers for _, p in adapter_tensors(layer)}
     # Longest first: a layer wrapped inside another's wrapped module is renamed inside out.
     wrapped = sorted((f"{name}.{_base_part(layer)}." for name, layer in layers), key=len, reverse=True)
     out = []
@@ -141,11 +144,6 @@ def unwrap_peft(model):
     return model
 
 
-def merge_state(model) -> tuple:
-    """The merged adapters of every tuner layer (part of the weights fingerprint)."""
-    return tuple(tuple(layer.merged_adapters) for _, layer in tuner_layers(model) if layer.merged_adapters)
-
-
 def _forget(ref: weakref.ref, ident: int) -> None:
     with _lock:
         if ident in _digests and _digests[ident][0] is ref:
@@ -175,7 +173,7 @@ def _adapter_digest(layers: list[tuple[str, torch.nn.Module]], adapter: str) -> 
     (``adapter_holders``) holding it."""
     h = hashlib.sha256()
     for name, layer in layers:
-        for tname, t in _adapter_tensors(layer):
+        for tname, t in adapter_tensors(layer):
             if adapter in tname.split("."):
                 h.update(f"{name}.{tname}|".encode())
                 h.update(_tensor_digest(t))

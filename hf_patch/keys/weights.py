@@ -26,7 +26,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from hf_patch.keys.adapters import adapter_digests, adapter_parameter_ids, merge_state
+from hf_patch.keys.adapters import adapter_digests, adapter_tensors, is_adapter_holder, is_tuner_layer
 from radixkv import KeyedNamespace, KVStore
 
 logger = logging.getLogger(__name__)
@@ -51,15 +51,31 @@ def fingerprint(model) -> int:
     """The base weights' addresses and versions, and PEFT's merge state (a merge or unmerge writes
     the base weights through ``.data``: no version bump). Adapter parameters are left out: each
     adapter's KV is keyed by its own weights digest (hf_patch.keys.adapters), so loading, deleting or
-    training an adapter changes that adapter's key, not every prefix's."""
-    adapter = adapter_parameter_ids(model)
-    versions = tuple((p.data_ptr(), p._version) for p in model.parameters() if id(p) not in adapter)
-    return hash((versions, merge_state(model)))
+    training an adapter changes that adapter's key, not every prefix's.
+
+    One walk over the module tree (it runs on every generate() call, twice: the walks of
+    ``model.parameters()``, the adapter holders and the tuner layers were three); parameters in
+    ``model.parameters()``'s order, each once."""
+    modules = list(model.modules())
+    holders = [m for m in modules if is_adapter_holder(m)]
+    adapter = {id(p) for layer in holders for _, p in adapter_tensors(layer)}
+    merged = tuple(tuple(m.merged_adapters) for m in holders if is_tuner_layer(m) and m.merged_adapters)
+    seen: set[int] = set()
+    versions = []
+    for module in modules:
+        for p in module._parameters.values():
+            if p is None or id(p) in seen or id(p) in adapter:
+                continue
+            seen.add(id(p))
+            versions.append((p.data_ptr(), p._version))
+    return hash((tuple(versions), merged))
 
 
-def flush_if_weights_changed(store: KVStore, model) -> bool:
-    """Flush ``store`` when ``model``'s weights differ from those of its last call on it."""
-    scope, current = model_scope(model), fingerprint(model)
+def flush_if_weights_changed(store: KVStore, model, current: int | None = None) -> bool:
+    """Flush ``store`` when ``model``'s weights differ from those of its last call on it.
+    ``current``: ``fingerprint(model)`` if the caller has it already."""
+    scope = model_scope(model)
+    current = fingerprint(model) if current is None else current
     with _lock:
         seen = _seen.setdefault(store, {})
         previous = seen.get(scope)

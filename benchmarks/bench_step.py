@@ -1,0 +1,122 @@
+"""The step loop's two costs, alone: one decode step of B running rows, and one admission
+prefill of k newcomers (hf_patch.running_batch.RunningBatch, as demo/engine/step_loop.py runs
+them), on the built-in model; with a torch.profiler table of the step's top ops.
+
+These two numbers bound a newcomer's TTFT under load: it waits for the step in progress, then
+for its own admission prefill (with whoever arrived with it).
+
+    python benchmarks/bench_step.py                         # cpu, builtin, 32 rows
+    python benchmarks/bench_step.py --device cuda --rows 32 --width 1100 --newcomers 1,4,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import hf_patch
+from demo.model.loading import build_builtin
+from hf_patch.running_batch import RunningBatch, prefill_keys
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+def prefill(model, store, rows: list[list[int]], pad: int, device: str):
+    """The admission: generate(max_new_tokens=1) over the rows with a RadixCache."""
+    ids, mask = left_pad(rows, pad)
+    cache = hf_patch.RadixCache(store=store)
+    with torch.no_grad():
+        out = model.generate(
+            ids.to(device), attention_mask=mask.to(device), past_key_values=cache, max_new_tokens=1,
+            do_sample=False, pad_token_id=pad, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    first = out.logits[0].argmax(dim=-1).tolist()
+    return cache, ids.to(device), mask.to(device), first
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default="builtin", choices=("builtin", "builtin-tiny"))
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--width", type=int, default=600, help="the widest running row's tokens")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--newcomers", default="1,4,16", help="admission sizes to time (30-token prompts)")
+    args = p.parse_args()
+    device = args.device
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model, tok = build_builtin(args.model, device, dtype)
+    pad = tok.pad_token_id
+    vocab = len(tok)
+    g = torch.Generator().manual_seed(0)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(10, vocab, (n,), generator=g).tolist()
+
+    store = hf_patch.build_store(model, budget_tokens=1 << 16)
+    batch = RunningBatch(model, store, pad, [])
+    rows = [prompt(args.width if i == 0 else 40) for i in range(args.rows)]
+    cache, ids, mask, first = prefill(model, store, rows, pad, device)
+    batch.admit([(layer.keys, layer.values) for layer in cache.layers], ids, mask, first)
+
+    def step() -> None:
+        logits = batch.step()
+        batch.set_next(logits.argmax(dim=-1).tolist())
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    print(
+        f"{device} {dtype}, {args.model}; {args.rows} rows, width {batch.width}: one step "
+        f"median {statistics.median(times) * 1e3:.2f} ms (min {min(times) * 1e3:.2f})"
+    )
+    for k in (int(x) for x in args.newcomers.split(",")):
+        spent = []
+        for _ in range(5):
+            new = [prompt(30) for _ in range(k)]
+            sync(device)
+            t0 = time.perf_counter()
+            cache, ids, mask, first = prefill(model, store, new, pad, device)
+            prefill_keys(model, cache, k)
+            sync(device)
+            spent.append(time.perf_counter() - t0)
+        print(
+            f"admission prefill of {k:>2} newcomers (30 tokens each): median {statistics.median(spent) * 1e3:.2f} ms"
+        )
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(5):
+            step()
+        sync(device)
+    sort = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48))
+    if device.startswith("cuda"):
+        print(prof.key_averages().table(sort_by=sort, row_limit=10, max_name_column_width=48))
+
+
+if __name__ == "__main__":
+    main()
