@@ -51,9 +51,9 @@ class Config:
     # slices between decode chunks, docs/batching.md); 0: a long prompt is prefilled at once
     prefill_chunk: int = 256
     # step loop: prompt tokens newcomers may compute between two decode steps (the first one
-    # in line always joins); 0: every newcomer that fits joins at once; None: 256 on CPU,
-    # 2048 on an accelerator (demo.engine.step_loop.default_prefill_budget)
-    max_prefill_tokens: int | None = None
+    # in line always joins); 0: no budget, every newcomer that fits joins at once
+    # (docs/batching.md#the-admission-budget: why it is off by default)
+    max_prefill_tokens: int = 0
     # open connections one client address may hold; None: half of the server's connection
     # limit, 0: no cap (behind a trusted proxy or gateway, which is one address for everyone)
     connections_per_address: int | None = None
@@ -124,7 +124,7 @@ class Config:
             raise ValueError(
                 f"prefill_chunk must be 0 (off) or a multiple of block_size {self.block_size}, got {self.prefill_chunk}"
             )
-        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 0:
+        if self.max_prefill_tokens < 0:
             raise ValueError(f"max_prefill_tokens must be >= 0 (0: no budget), got {self.max_prefill_tokens}")
         if self.connections_per_address is not None and self.connections_per_address < 0:
             raise ValueError(f"connections_per_address must be >= 0, got {self.connections_per_address}")
@@ -372,8 +372,8 @@ def parser() -> argparse.ArgumentParser:
         "--max-prefill-tokens",
         type=int,
         help="step loop: prompt tokens newcomers compute between two decode steps (the first in "
-        "line always joins; the rest join at the next steps, in order; default 256 on CPU, 2048 on "
-        "a GPU; 0 = no budget; env RADIXKV_MAX_PREFILL_TOKENS)",
+        "line always joins; the rest join at the next steps, in order; default 0 = no budget; env "
+        "RADIXKV_MAX_PREFILL_TOKENS)",
     )
     p.add_argument(
         "--connections-per-address",

@@ -89,7 +89,7 @@ def test_the_flag_and_env_var_set_the_budget(monkeypatch):
         == 48
     )
     assert from_args(["--model", "builtin-tiny", "--max-prefill-tokens", "0"], env={}).max_prefill_tokens == 0
-    assert from_args(["--model", "builtin-tiny"], env={}).max_prefill_tokens is None  # by device
+    assert from_args(["--model", "builtin-tiny"], env={}).max_prefill_tokens == 0  # off by default
 
 
 def test_a_burst_over_the_budget_joins_over_several_steps_each_equal_to_alone(engine, monkeypatch):  # noqa: F811
@@ -126,15 +126,3 @@ def test_a_burst_over_the_budget_joins_over_several_steps_each_equal_to_alone(en
         assert r.text == engine_stock(engine, x, options(i)) and r.completion_tokens == 6
     engine.check_invariants()
     assert engine.stats()["pinned_blocks"] == 0
-
-
-def test_the_default_budget_is_one_slice_on_cpu_and_vllms_on_an_accelerator(engine):  # noqa: F811
-    from types import SimpleNamespace
-
-    import torch
-
-    from demo.engine.step_loop import default_prefill_budget
-
-    assert engine.scheduler.max_prefill_tokens == 256  # built with no budget given, on CPU
-    assert default_prefill_budget(SimpleNamespace(device=torch.device("cpu"))) == 256
-    assert default_prefill_budget(SimpleNamespace(device=torch.device("cuda", 0))) == 2048

@@ -27,7 +27,7 @@ from collections.abc import Hashable, Sequence
 from demo.engine.generation import Disconnected, Generation, Params, Result
 from demo.engine.runner import Runner
 from demo.engine.scheduler import Busy, Scheduler, Slot
-from demo.engine.step_loop import StepLoop, default_prefill_budget, step_loop_reason
+from demo.engine.step_loop import StepLoop, step_loop_reason
 from demo.model import chat_tokens, vision
 from demo.model.loading import CHAT_TEMPLATE
 
@@ -55,7 +55,7 @@ class Engine:
         max_batch_tokens: int = 16384,
         decode_chunk: int = 16,
         prefill_chunk: int = 256,
-        max_prefill_tokens: int | None = None,
+        max_prefill_tokens: int = 0,
         adapters=None,
         processor=None,
         step_loop: bool = True,
@@ -68,8 +68,6 @@ class Engine:
         self._special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         self._special |= set(tokenizer.all_special_ids)
         self._keep: set[int] = set()
-        if max_prefill_tokens is None:  # the step loop's admission budget (docs/batching.md)
-            max_prefill_tokens = default_prefill_budget(model)
         # Prefill slices need the store (a slice commits its KV for the next to read).
         self.scheduler = Scheduler(
             max_queue,

@@ -38,7 +38,7 @@ from demo.engine import batching
 from demo.engine.generation import Generation, Params
 from demo.engine.sampling import Row, RowSampler
 
-__all__ = ["StepLoop", "default_prefill_budget", "step_loop_reason"]
+__all__ = ["StepLoop", "step_loop_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +66,6 @@ def step_loop_reason(model, processor=None) -> str | None:
     if reason is not None:
         return reason
     return None
-
-
-# The admission budget when --max-prefill-tokens is not given: prompt tokens newcomers compute
-# between two decode steps. On CPU one prefill slice's worth (--prefill-chunk's default): on the
-# 2-core machine of docs/batching.md 128-256 cut the short requests' steady p99 TTFT by about a
-# quarter at no req/s loss, 64 cost a quarter of the req/s. On an accelerator, where a few
-# hundred prompt tokens cost about one decode step, vLLM's online-serving default (not measured
-# here: no GPU was lent).
-CPU_PREFILL_BUDGET = 256
-ACCELERATOR_PREFILL_BUDGET = 2048
-
-
-def default_prefill_budget(model) -> int:
-    """The step loop's admission budget for ``model`` when none is configured (see above)."""
-    device = getattr(model, "device", None)
-    return CPU_PREFILL_BUDGET if getattr(device, "type", "cpu") == "cpu" else ACCELERATOR_PREFILL_BUDGET
 
 
 class StepLoop:
