@@ -61,6 +61,16 @@ def test_the_first_batch_of_an_idle_step_loop_keeps_the_budget_too():
         sched.submit(g, sched.reserve())
     assert [g.name for g in sched.next_batch()] == ["A", "B"]
     assert take(sched) == ["C", "D"]
+    # a long prompt in between takes its slices first: it neither joins nor uses the budget
+    sched = Scheduler(
+        max_queue=32, max_batch_size=32, max_batch_tokens=1 << 20, prefill_chunk=16, max_prefill_tokens=10
+    )
+    sched.path = lambda g: True
+    for g in [gen("A", 6), gen("L", 40), gen("B", 3), gen("C", 2)]:
+        sched.submit(g, sched.reserve())
+    assert [g.name for g in sched.next_batch()] == ["A", "B"]  # C: 11 > 10, next step
+    assert [g.name for g in sched._waiting] == ["L", "C"]
+    sched._waiting.clear()
     # the generate() path's batches are not the step loop's: no budget there
     sched.path = lambda g: False
     for g in [gen("A", 6), gen("B", 6)]:

@@ -325,10 +325,7 @@ class Scheduler:
             while self._waiting:
                 gen = self._waiting.popleft()
                 new_width, new_rows = max(width, gen.width), rows + len(gen.open_rows)
-                if budget and (over or prefill + self.prefill_cost(gen) > budget):
-                    over = True  # FIFO: none behind it joins ahead of it
-                    rest.append(gen)
-                elif (
+                if (
                     (
                         not newcomers_only
                         or (gen.started is None and new + len(gen.open_rows) <= newcomer_rows)
@@ -338,7 +335,8 @@ class Scheduler:
                     and batching.batch_key(gen) == key
                     and self.path(gen) == path
                     and not self._long(gen)  # it takes its slices first
-                ):
+                    and not (over := over or (budget > 0 and prefill + self.prefill_cost(gen) > budget))
+                ):  # over the budget: it and those behind it (FIFO) join the loop at its next steps
                     batch.append(gen)
                     width, rows = new_width, new_rows
                     prefill += self.prefill_cost(gen)
