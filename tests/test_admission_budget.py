@@ -100,6 +100,8 @@ def test_the_flag_and_env_var_set_the_budget(monkeypatch):
     )
     assert from_args(["--model", "builtin-tiny", "--max-prefill-tokens", "0"], env={}).max_prefill_tokens == 0
     assert from_args(["--model", "builtin-tiny"], env={}).max_prefill_tokens == 0  # off by default
+    with pytest.raises(ValueError, match="RADIXKV_MAX_PREFILL_TOKENS"):
+        from_args(["--model", "builtin-tiny"], env={"RADIXKV_MAX_PREFILL_TOKENS": "lots"})
 
 
 def test_a_burst_over_the_budget_joins_over_several_steps_each_equal_to_alone(engine, monkeypatch):  # noqa: F811
