@@ -27,8 +27,10 @@ streaming clients for `--seconds`: half ask for 16 tokens, a quarter for 256, a 
 over temperature, top_p, seed, logit_bias and logprobs. `--long-prompt-every S`: one more
 client sends a ~4,000-token prompt every S seconds. `--server-root DIR` starts the server from
 another checkout (before/after in one sitting); `--server-args` adds flags to each server.
-It prints the short requests' TTFT p50/p99 against an idle server's, req/s, and the
-inter-token latency (mean gap between streamed chunks) of the long replies.
+It prints the short requests' TTFT p50/p99 against an idle server's (all of them, and
+*steady*: those sent after the first `--warmup` seconds, default 5, since every client starts
+at once), req/s, and the inter-token latency (mean gap between streamed chunks) of the long
+replies.
 
     python benchmarks/bench_http.py --mixed --model builtin --seconds 60
     python benchmarks/bench_http.py --mixed --options mixed --chunks 16 --server-root /work/main
@@ -309,7 +311,7 @@ def mixed_main(args) -> None:
         f"{args.max_batch_size}; half ask for 16 tokens, a quarter 256, a quarter 1,024; options "
         f"{args.options}; a 4,000-token prompt every {args.long_prompt_every or '-'} s; server "
         f"{args.server_root or ROOT} {args.server_args}; load {os.getloadavg()[0]:.1f}; steady: "
-        f"requests sent after the first {args.warmup:g} s (all 32 clients start at once)\n"
+        f"requests sent after the first {args.warmup:g} s (all {args.clients} clients start at once)\n"
     )
     print(
         f"{'decode chunk':>12} {'done':>5} {'req/s':>6} {'short TTFT p50':>15} {'p99':>7} {'steady p50':>11} "
