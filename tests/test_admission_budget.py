@@ -128,11 +128,15 @@ def test_a_burst_over_the_budget_joins_over_several_steps_each_equal_to_alone(en
     long_ids = engine.text_ids("a long row about the harbour of Porto and its ships")
     held = Held(engine, monkeypatch)
     admitted.clear()
+    waits, admissions = sum(engine.scheduler.queue_waits.counts), engine.scheduler.admissions
     running = engine.submit(long_ids, Params(40, temperature=0.0))
     burst = [engine.submit(x, options(i)) for i, x in enumerate(ids)]
     held.go()
     results = collect_all([running, *burst])
     assert admitted == [[id(running)], *[[id(g)] for g in burst]]  # one per step, in order
+    # /metrics: each request's admission wait observed once, when it joined; 5 joined the loop
+    assert sum(engine.scheduler.queue_waits.counts) == waits + 6
+    assert engine.scheduler.admissions == admissions + 5
     assert results[0].text == engine_stock(engine, long_ids, Params(40, temperature=0.0))
     for i, (x, r) in enumerate(zip(ids, results[1:])):
         assert r.text == engine_stock(engine, x, options(i)) and r.completion_tokens == 6
