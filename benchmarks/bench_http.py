@@ -27,8 +27,10 @@ streaming clients for `--seconds`: half ask for 16 tokens, a quarter for 256, a 
 over temperature, top_p, seed, logit_bias and logprobs. `--long-prompt-every S`: one more
 client sends a ~4,000-token prompt every S seconds. `--server-root DIR` starts the server from
 another checkout (before/after in one sitting); `--server-args` adds flags to each server.
-It prints the short requests' TTFT p50/p99 against an idle server's, req/s, and the
-inter-token latency (mean gap between streamed chunks) of the long replies.
+It prints the short requests' TTFT p50/p99 against an idle server's (all of them, and
+*steady*: those sent after the first `--warmup` seconds, default 5, since every client starts
+at once), req/s, and the inter-token latency (mean gap between streamed chunks) of the long
+replies.
 
     python benchmarks/bench_http.py --mixed --model builtin --seconds 60
     python benchmarks/bench_http.py --mixed --options mixed --chunks 16 --server-root /work/main
@@ -267,7 +269,8 @@ def run_mixed(decode_chunk: int, args) -> tuple[list[dict], float, list[float], 
         for i in range(5):  # a short request on the idle server: the reference TTFT
             idle.append(load_request(url, f"Idle probe {i}: tell me about Lima.", 16, True)["ttft"])
         results: list[dict] = []
-        deadline = time.perf_counter() + args.seconds
+        t0 = time.perf_counter()
+        deadline = t0 + args.seconds
         lengths = (16, 16, 256, 1024)
 
         def client(c: int) -> None:
@@ -275,8 +278,9 @@ def run_mixed(decode_chunk: int, args) -> tuple[list[dict], float, list[float], 
             while time.perf_counter() < deadline:
                 max_tokens = lengths[c % 4]
                 content = f"Client {c} asks question {k}: tell me about {CITIES[(c + k) % len(CITIES)]}."
+                sent = time.perf_counter() - t0
                 r = load_request(url, content, max_tokens, True, options=client_options(c, args.options))
-                results.append({**r, "max_tokens": max_tokens})
+                results.append({**r, "max_tokens": max_tokens, "sent": sent})
                 time.sleep(r.get("retry_after", 0))
                 k += 1
 
@@ -286,11 +290,10 @@ def run_mixed(decode_chunk: int, args) -> tuple[list[dict], float, list[float], 
                 t = time.perf_counter()
                 doc = f"Document {k}.\n" + table(228)
                 r = load_request(url, doc + "Who lives in Lima?", 16, True)
-                results.append({**r, "max_tokens": "long prompt"})
+                results.append({**r, "max_tokens": "long prompt", "sent": t - t0})
                 time.sleep(max(0.0, args.long_prompt_every - (time.perf_counter() - t)))
                 k += 1
 
-        t0 = time.perf_counter()
         jobs = [(client, c) for c in range(args.clients)]
         jobs += [(long_prompts, None)] if args.long_prompt_every else []
         with ThreadPoolExecutor(len(jobs)) as pool:
@@ -309,20 +312,27 @@ def mixed_main(args) -> None:
         f"\nmixed: {args.clients} streaming clients for {args.seconds:.0f} s each, --max-batch-size "
         f"{args.max_batch_size}; half ask for 16 tokens, a quarter 256, a quarter 1,024; options "
         f"{args.options}; a 4,000-token prompt every {args.long_prompt_every or '-'} s; server "
-        f"{args.server_root or ROOT} {args.server_args}; load {os.getloadavg()[0]:.1f}\n"
+        f"{args.server_root or ROOT} {args.server_args}; load {os.getloadavg()[0]:.1f}; steady: "
+        f"requests sent after the first {args.warmup:g} s (all {args.clients} clients start at once)\n"
     )
     print(
-        f"{'decode chunk':>12} {'done':>5} {'req/s':>6} {'short TTFT p50':>15} {'p99':>7} {'idle TTFT':>10} "
-        f"{'503':>4} {'long ITL p50':>12} {'p99':>7} {'long-prompt TTFT':>16}"
+        f"{'decode chunk':>12} {'done':>5} {'req/s':>6} {'short TTFT p50':>15} {'p99':>7} {'steady p50':>11} "
+        f"{'p99':>7} {'idle TTFT':>10} {'503':>4} {'long ITL p50':>12} {'p99':>7} {'long-prompt TTFT':>16}"
     )
     for chunk, (results, wall, idle, _) in rows.items():
         ok = [r for r in results if r["status"] == 200]
         short = [r["ttft"] for r in ok if r["max_tokens"] == 16 and r["ttft"] is not None]
+        steady = [
+            r["ttft"]
+            for r in ok
+            if r["max_tokens"] == 16 and r["ttft"] is not None and r["sent"] >= args.warmup
+        ]
         gaps = [g for r in ok if r["max_tokens"] in (256, 1024) for g in r["gaps"]]
         docs = [r["ttft"] for r in ok if r["max_tokens"] == "long prompt" and r["ttft"] is not None]
         print(
             f"{chunk if chunk else 'off (0)':>12} {len(ok):>5} {len(ok) / wall:>6.2f} "
             f"{pct(short, 0.5) * 1e3:>12.0f} ms {pct(short, 0.99) * 1e3:>4.0f} ms "
+            f"{pct(steady, 0.5) * 1e3:>8.0f} ms {pct(steady, 0.99) * 1e3:>4.0f} ms "
             f"{statistics.median(idle) * 1e3:>7.0f} ms {sum(r['status'] == 503 for r in results):>4} "
             f"{pct(gaps, 0.5) * 1e3:>9.0f} ms {pct(gaps, 0.99) * 1e3:>4.0f} ms "
             f"{(statistics.median(docs) * 1e3 if docs else float('nan')):>13.0f} ms"
@@ -403,6 +413,12 @@ def main() -> None:
         type=float,
         default=0.0,
         help="mixed mode: a 4,000-token prompt every S seconds",
+    )
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=5.0,
+        help="mixed mode: the steady columns leave out requests sent in the first S seconds",
     )
     p.add_argument("--server-root", help="mixed mode: start the server from this checkout (e.g. /work/main)")
     p.add_argument("--server-args", default="", help="mixed mode: more flags for each server")

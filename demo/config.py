@@ -50,6 +50,10 @@ class Config:
     # prompt tokens a long prompt computes per turn while other requests decode (prefilled in
     # slices between decode chunks, docs/batching.md); 0: a long prompt is prefilled at once
     prefill_chunk: int = 256
+    # step loop: prompt tokens newcomers may compute between two decode steps (the first one
+    # in line always joins); 0: no budget, every newcomer that fits joins at once
+    # (docs/batching.md#the-admission-budget: why it is off by default)
+    max_prefill_tokens: int = 0
     # open connections one client address may hold; None: half of the server's connection
     # limit, 0: no cap (behind a trusted proxy or gateway, which is one address for everyone)
     connections_per_address: int | None = None
@@ -120,6 +124,8 @@ class Config:
             raise ValueError(
                 f"prefill_chunk must be 0 (off) or a multiple of block_size {self.block_size}, got {self.prefill_chunk}"
             )
+        if self.max_prefill_tokens < 0:
+            raise ValueError(f"max_prefill_tokens must be >= 0 (0: no budget), got {self.max_prefill_tokens}")
         if self.connections_per_address is not None and self.connections_per_address < 0:
             raise ValueError(f"connections_per_address must be >= 0, got {self.connections_per_address}")
         if any(not k for k in self.api_keys):
@@ -270,6 +276,7 @@ _ENV = {
     "trusted_proxies": ("RADIXKV_TRUSTED_PROXIES", _keys),
     "decode_chunk": ("RADIXKV_DECODE_CHUNK", int),
     "prefill_chunk": ("RADIXKV_PREFILL_CHUNK", int),
+    "max_prefill_tokens": ("RADIXKV_MAX_PREFILL_TOKENS", int),
     "lora_modules": ("RADIXKV_LORA_MODULES", _lora_env),
     "lora_download_timeout": ("RADIXKV_LORA_DOWNLOAD_TIMEOUT", float),
     "limit_mm": ("RADIXKV_LIMIT_MM_PER_PROMPT", parse_limit_mm),  # -> limit_images, limit_videos
@@ -360,6 +367,13 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         help="prompt tokens a long prompt computes per turn while others decode (default 256, a "
         "multiple of the block size; 0 = all at once; env RADIXKV_PREFILL_CHUNK)",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        help="step loop: prompt tokens newcomers compute between two decode steps (the first in "
+        "line always joins; the rest join at the next steps, in order; default 0 = no budget; env "
+        "RADIXKV_MAX_PREFILL_TOKENS)",
     )
     p.add_argument(
         "--connections-per-address",

@@ -36,7 +36,11 @@ OPTIONS = [
 
 @pytest.fixture(scope="module")
 def engine():
-    e = build_engine(Config(model="builtin-tiny", cache_tokens=1 << 15, max_batch_size=16))
+    # no admission budget: the requests queued while the worker is held join in one prefill
+    # (the budget is tests/test_admission_budget.py's)
+    e = build_engine(
+        Config(model="builtin-tiny", cache_tokens=1 << 15, max_batch_size=16, max_prefill_tokens=0)
+    )
     cfg = e.model.generation_config
     cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *e.runner.eos]  # rows end only where we say
     return e

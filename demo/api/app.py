@@ -97,6 +97,7 @@ def build_engine(config: Config) -> Engine:
         max_batch_tokens=config.max_batch_tokens,
         decode_chunk=config.decode_chunk,
         prefill_chunk=config.prefill_chunk,
+        max_prefill_tokens=config.max_prefill_tokens,
         adapters=adapters,
         processor=processor,
     )

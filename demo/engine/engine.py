@@ -55,6 +55,7 @@ class Engine:
         max_batch_tokens: int = 16384,
         decode_chunk: int = 16,
         prefill_chunk: int = 256,
+        max_prefill_tokens: int = 0,
         adapters=None,
         processor=None,
         step_loop: bool = True,
@@ -69,7 +70,12 @@ class Engine:
         self._keep: set[int] = set()
         # Prefill slices need the store (a slice commits its KV for the next to read).
         self.scheduler = Scheduler(
-            max_queue, max_batch_size, max_batch_tokens, decode_chunk, prefill_chunk if reuse else 0
+            max_queue,
+            max_batch_size,
+            max_batch_tokens,
+            decode_chunk,
+            prefill_chunk if reuse else 0,
+            max_prefill_tokens,
         )
         self.store = None
         if reuse:

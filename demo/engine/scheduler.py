@@ -21,6 +21,10 @@ prefilled at once.)
 With the step loop (demo.engine.step_loop), nothing pauses: between two steps
 `take_newcomers` hands out the queued requests that join the running rows, a due slice of a
 long prompt, and a request too wide to join them (run aside, one decode chunk at a time).
+`max_prefill_tokens` (0: none) is the admission budget of one step (vLLM's
+max_num_batched_tokens, SGLang's chunked prefill size in spirit): newcomers join only while the
+prompt tokens they compute (`prefill_cost`) stay within it, the first in line always, the rest
+at the next steps in order; it also bounds the first batch of an idle loop (`next_batch`).
 
 A queue place is taken with `reserve()` before the prompt is tokenised, so a full queue
 refuses at no cost; `submit(gen, slot)` then fills it. Thread-safe: HTTP threads reserve and
@@ -63,7 +67,7 @@ class Scheduler:
     """The request queue, batch selection and the pause decision of continuous batching."""
 
     def __init__(self, max_queue: int = 32, max_batch_size: int = 8, max_batch_tokens: int = 16384,
-                 decode_chunk: int = 16, prefill_chunk: int = 0):  # fmt: skip
+                 decode_chunk: int = 16, prefill_chunk: int = 0, max_prefill_tokens: int = 0):  # fmt: skip
         if max_queue < 1 or max_batch_size < 1 or max_batch_tokens < 1:
             raise ValueError("max_queue, max_batch_size and max_batch_tokens must be >= 1")
         if decode_chunk < 0:
@@ -78,6 +82,11 @@ class Scheduler:
                 f"prefill_chunk must be >= 0 (0: a prompt is prefilled at once), got {prefill_chunk}"
             )
         self.decode_chunk, self.prefill_chunk = decode_chunk, prefill_chunk
+        if max_prefill_tokens < 0:
+            raise ValueError(
+                f"max_prefill_tokens must be >= 0 (0: no budget, every newcomer that fits joins), got {max_prefill_tokens}"
+            )
+        self.max_prefill_tokens = max_prefill_tokens
         self._cond = threading.Condition()
         self._waiting: deque[Generation] = deque()
         self._reserved = 0  # slots handed out, not yet submitted
@@ -208,8 +217,11 @@ class Scheduler:
         batch that takes a free slot: that slot's columns are allocated and computed at every
         step anyway (the batch holds slots x padded width whatever the rows), so it adds no KV
         and joins. One that needs another slot or wider columns joins if rows x width after it
-        stays within the cap. O(queue)."""
+        stays within the cap. With a `max_prefill_tokens` budget, newcomers join while their
+        `prefill_cost` sum stays within it (the first in line always: none starves); taking stops
+        at the first over it. O(queue)."""
         admitted: list[Generation] = []
+        prefill = 0  # the admitted newcomers' prompt tokens to compute (`prefill_cost`)
         sliced = aside = None
         slots = rows if slots is None else slots
         if slots < rows:
@@ -233,7 +245,13 @@ class Scheduler:
                     else:
                         rest.append(gen)
                 elif gen.started is None and new_rows <= self.max_batch_size and not wide:
+                    cost = self.prefill_cost(gen)
+                    if admitted and self.max_prefill_tokens and prefill + cost > self.max_prefill_tokens:
+                        blocked = True  # over this step's budget: first in line at the next
+                        rest.append(gen)
+                        continue
                     admitted.append(gen)
+                    prefill += cost
                     rows, width, slots = new_rows, new_width, new_slots
                 elif (wide and gen.width * new_rows > self.max_batch_tokens) or gen.started is not None:
                     # too wide beside the rows (or a reply already run aside): a chunk aside
@@ -260,6 +278,13 @@ class Scheduler:
         if self._closed is not None:
             self._cut(out + extra)
         return out, sliced, aside
+
+    @staticmethod
+    def prefill_cost(gen: Generation) -> int:
+        """The tokens admitting ``gen`` computes, as the budget counts them: its longest open
+        row's context less what its prefill slices already put in the store (n rows share one
+        prompt; a cached prefix is not looked up, so it counts too). O(n)."""
+        return max(1, gen.width - gen.prefilled)
 
     def requeue(self, gens: Sequence[Generation]) -> None:
         """Put ``gens`` (a long prompt after one slice, a reply paused aside) back at the front
@@ -291,6 +316,10 @@ class Scheduler:
             return batch
         newcomer_rows = max(1, self.max_batch_size // 2)
         new = len(first.open_rows) if first.started is None else 0  # newcomers' rows taken
+        # the step loop admits this batch in one prefill: within max_prefill_tokens (the first
+        # always), the rest join at the next steps in order (take_newcomers)
+        budget = self.max_prefill_tokens if path is True else 0
+        prefill, over = self.prefill_cost(first), False
         for newcomers_only in (True, False):
             rest: deque[Generation] = deque()  # one pass: no deque.remove
             while self._waiting:
@@ -306,9 +335,11 @@ class Scheduler:
                     and batching.batch_key(gen) == key
                     and self.path(gen) == path
                     and not self._long(gen)  # it takes its slices first
-                ):
+                    and not (over := over or (budget > 0 and prefill + self.prefill_cost(gen) > budget))
+                ):  # over the budget: it and those behind it (FIFO) join the loop at its next steps
                     batch.append(gen)
                     width, rows = new_width, new_rows
+                    prefill += self.prefill_cost(gen)
                     new += len(gen.open_rows) if newcomers_only else 0
                 else:
                     rest.append(gen)
