@@ -22,6 +22,7 @@ import torch
 
 import hf_patch
 from batchrun.openai_batch import BatchRequest, encode, error_line, parse_line, result_line
+from hf_patch.attention_backend import avoid_cudnn_sdpa
 from hf_patch.planning.routing import assign_ranks, round_robin
 from radixkv import pack_tokens
 
@@ -201,6 +202,7 @@ def run(argv: list[str] | None = None) -> int:
     rank, world = state.process_index, state.num_processes
     output = Path(args.output)
     started = time.perf_counter()
+    avoid_cudnn_sdpa(state.device)
     model, tokenizer = _load(args, state.device)
     requests = read_requests(args.input)
     done = finished(output)  # read by every rank before any rank writes

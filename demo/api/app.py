@@ -55,6 +55,7 @@ from demo.model.adapters import Adapters
 from demo.model.loading import BUILTIN
 from demo.task_prompts import TaskPrompts
 from demo.task_prompts import load as load_task_prompts
+from hf_patch.attention_backend import avoid_cudnn_sdpa
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
@@ -77,6 +78,7 @@ def build_engine(config: Config) -> Engine:
     from demo.model import loading as model_lib
 
     device = config.resolve_device()
+    avoid_cudnn_sdpa(device)
     options = model_lib.LoadOptions(config.revision, config.trust_remote_code, config.device_map)
     model, tokenizer, processor = model_lib.load(config.model, device, config.resolve_dtype(device), options)
     adapters = Adapters(
