@@ -170,9 +170,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--agree", type=int, default=20)
     p.add_argument("--parts", default="repeat,cold,decode,agree")
+    p.add_argument(
+        "--no-cudnn-sdpa",
+        action="store_true",
+        help="torch's cuDNN attention off, as the demo and batchrun run",
+    )
     p.add_argument("--profile", action="store_true", help="part 1: cProfile the warm radix calls")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run, tiny sizes")
     args = p.parse_args()
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():

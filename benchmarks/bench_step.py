@@ -57,8 +57,15 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--width", type=int, default=600, help="the widest running row's tokens")
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument(
+        "--no-cudnn-sdpa",
+        action="store_true",
+        help="torch's cuDNN attention off, as the demo and batchrun run",
+    )
     p.add_argument("--newcomers", default="1,4,16", help="admission sizes to time (30-token prompts)")
     args = p.parse_args()
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     device = args.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model, tok = build_builtin(args.model, device, dtype)
