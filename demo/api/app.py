@@ -78,9 +78,10 @@ def build_engine(config: Config) -> Engine:
     from demo.model import loading as model_lib
 
     device = config.resolve_device()
-    avoid_cudnn_sdpa(device)
     options = model_lib.LoadOptions(config.revision, config.trust_remote_code, config.device_map)
     model, tokenizer, processor = model_lib.load(config.model, device, config.resolve_dtype(device), options)
+    # where the weights are (a --device-map may put them on CUDA whatever --device says)
+    avoid_cudnn_sdpa(next((p.device for p in model.parameters() if p.is_cuda), device))
     adapters = Adapters(
         model, config.model_id, aliases=(config.model,), download_timeout=config.lora_download_timeout
     )
