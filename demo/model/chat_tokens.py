@@ -6,7 +6,7 @@ control tokens inside message contents are wrapped in two private-use marker cha
 before rendering; after rendering, the text is split at the markers, the marked tokens are
 encoded as plain text and everything else (the template's own markers included) as usual.
 This is the scheme of transformers' `apply_chat_template(sanitize_control_tokens=True)`
-(5.23; absent from 5.17, which this project also supports), kept here in one small module.
+(5.23), kept here in one small module.
 
 A conversation whose contents hold no control token renders with no marker and is encoded
 exactly as before (one `tokenizer(text)` call), so cache keys and multi-turn reuse are

@@ -6,7 +6,7 @@ tokenizer and chat template). Chat messages are rendered by the processor's own
 ``apply_chat_template``, images as content parts, so the prompt ids and ``pixel_values`` are what
 the checkpoint's code makes for a user calling it offline. Control tokens written in a message's
 text are encoded as plain text (transformers' ``sanitize_control_tokens``, 5.23 on); where the
-processor cannot do that (5.17), a message containing one is refused.
+processor cannot do that (one without the option), a message containing one is refused.
 
 Text-only chats on such a server go the same way (one rendering for every prompt, so a pinned
 task prompt and later turns share their prefixes). hf_patch keys images for the families in
