@@ -343,3 +343,45 @@ def test_reads_while_the_sidecar_pauses_and_resumes_are_right_or_misses(tmp_path
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait()
+
+
+def test_a_connection_lost_right_after_a_lookup_is_a_miss_not_a_hit_without_a_pool(tmp_path, monkeypatch):
+    """The sidecar dies just after answering a match, while a release from another thread is
+    queued: the call's own tells (after it lets the lock go) find the connection broken and drop
+    it. The lookup is then a miss (or a hit with its pool), never a hit whose pool is None."""
+    import torch
+
+    import radixkv.sidecar.connection as connmod
+
+    path = tmp_path / "s.sock"
+    proc = start_sidecar(path)
+    model = build("llama-sdpa")
+    ns = (model_scope(model), None)
+    try:
+        a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        assert_same_as_stock(model, ids(prompt_of(50)), a, max_new_tokens=2, do_sample=False)
+        assert a.remote.flush(30)
+        b.remote.call({"op": "stats"})
+        orig = connmod.Connection.call
+
+        def call(self, header, *args, **kw):
+            out = orig(self, header, *args, **kw)
+            if header.get("op") == "match" and self.counters is b.remote.counters:
+                b.remote._tells.append(({"op": "release", "lease": 999}, b.remote._generation))
+                proc.kill()
+                proc.wait()
+            return out
+
+        monkeypatch.setattr(connmod.Connection, "call", call)
+        n, k, v, remote = read_kv(b, prompt_of(50), ns)
+        assert b.stats()["sidecar_connected"] == 0
+        if remote:  # read from the pool the hit was pinned in (still mapped): a's KV
+            _, rk, rv, _ = read_kv(a, prompt_of(50), ns)
+            for got, want in zip(k + v, rk + rv):
+                assert torch.equal(got, want[:, :, :n])
+        else:
+            assert n == 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -136,6 +136,9 @@ class SidecarTier:
         try:
             self._attached_locked()
             answer = self._conn.call(header, body, deadline=deadline, limit=limit)
+            # Taken under the lock: the tells sent after it is let go (by this thread or another)
+            # may find the connection broken and drop it (view None) before this call returns.
+            view, generation = self._view, self._generation
         except SidecarTimeout as e:
             raise self._timed_out(e) from None
         except SidecarDown:
@@ -153,7 +156,7 @@ class SidecarTier:
             self.counters["refused"] += 1
             logger.debug("radixkv: the sidecar refused %s: %s", op, answer["error"])
             raise ValueError(answer["error"])
-        return answer, self._view, self._generation
+        return answer, view, generation
 
     def tell(self, header: dict, generation: int) -> None:
         """A request with no reply (release, abort) on the connection of ``generation``; dropped
@@ -270,7 +273,7 @@ class SidecarTier:
                 answer, view, generation = self.call(header, body)
             except (SidecarDown, ValueError):
                 return hit
-            if answer.get("lease"):
+            if answer.get("lease") and view is not None:
                 if hit is not None:
                     self.release(hit)
                 hit = RemoteHit(
