@@ -242,9 +242,15 @@ def test_a_release_never_waits_behind_a_call_to_a_paused_sidecar(tmp_path, monke
         held = b.acquire(prompt_of(70), (model_scope(model), None))
         assert held.remote is not None and sidecar_stats(path)["pinned_blocks"] == PROMPT_BLOCKS
         proc.send_signal(signal.SIGSTOP)
-        waiting = threading.Thread(
-            target=lambda: pytest.raises(SidecarTimeout, b.remote.call, {"op": "stats"})
-        )
+        outcome = []
+
+        def wait_on_paused():
+            try:
+                outcome.append(b.remote.call({"op": "stats"}))
+            except Exception as e:  # asserted in the test's thread below
+                outcome.append(e)
+
+        waiting = threading.Thread(target=wait_on_paused)
         waiting.start()
         deadline = time.monotonic() + 30
         while not b.remote._lock.locked():  # the call holds the connection, waiting
@@ -253,6 +259,8 @@ def test_a_release_never_waits_behind_a_call_to_a_paused_sidecar(tmp_path, monke
         held.release()
         assert len(b.remote._tells) == 1  # queued behind the call, which still waits (3 s)
         waiting.join(60)
+        assert len(outcome) == 1 and isinstance(outcome[0], SidecarTimeout), outcome
+        assert outcome[0].waited
         proc.send_signal(signal.SIGCONT)
         until_stats(path, pinned_blocks=0)
         until_answered(b.remote)
