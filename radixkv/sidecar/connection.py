@@ -134,9 +134,12 @@ class Connection:
         self._flush(now)  # releases and aborts the settling queued
 
     def close(self) -> None:
-        for fd in self._fds:
+        """Close the socket and every fd received and not handed out (a hello reply nobody
+        took carries the pool's)."""
+        fds, self._fds = self._fds + (self.hello[1] if self.hello else []), []
+        self.hello = None
+        for fd in fds:
             os.close(fd)
-        self._fds = []
         self.sock.close()
 
     # -- internals --------------------------------------------------------------------------
