@@ -393,3 +393,57 @@ def test_a_connection_lost_right_after_a_lookup_is_a_miss_not_a_hit_without_a_po
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("why", ["owed", "lock"])
+def test_a_commit_never_sent_aborts_its_write(tmp_path, monkeypatch, why):
+    """The writer's commit is never sent: another thread's reply is owed (the call is refused at
+    once), or another thread holds the connection past the timeout. The write is aborted (queued
+    with the connection's generation): once the sidecar reads again it holds no open transaction
+    and no private block, on the same connection."""
+    import radixkv.sidecar.write_through as wt
+
+    monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "0.5")
+    path = tmp_path / "s.sock"
+    proc = start_sidecar(path)
+    model = build("llama-sdpa")
+    try:
+        a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        orig = wt.copy_blocks
+        release = threading.Event()
+
+        def copy(*args):
+            orig(*args)
+            if copy.done:
+                return
+            copy.done = True
+            if why == "owed":  # another thread's call waits out its timeout: its reply is owed
+                proc.send_signal(signal.SIGSTOP)
+                with pytest.raises(SidecarTimeout):
+                    a.remote.call({"op": "stats"})
+            else:  # another thread holds the connection past the writer's lock wait
+                held = threading.Event()
+
+                def hold():
+                    with a.remote._lock:
+                        held.set()
+                        release.wait(30)
+
+                threading.Thread(target=hold, daemon=True).start()
+                held.wait(30)
+
+        copy.done = False
+        monkeypatch.setattr(wt, "copy_blocks", copy)
+        assert_same_as_stock(model, ids(prompt_of(50)), a, max_new_tokens=2, do_sample=False)
+        assert a.remote.flush(30)
+        assert a.stats()["sidecar_failed_writes"] == 1
+        release.set()
+        proc.send_signal(signal.SIGCONT)
+        until_answered(a.remote)
+        until_stats(path, open_txns=0, private_blocks=0, pinned_blocks=0)
+        assert a.stats()["sidecar_disconnects"] == 0
+    finally:
+        release.set()
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
