@@ -447,3 +447,43 @@ def test_a_commit_never_sent_aborts_its_write(tmp_path, monkeypatch, why):
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("then", ["resume", "close"])
+def test_an_idle_client_settles_its_late_replies_in_the_background(tmp_path, monkeypatch, then):
+    """A look-up times out on a paused sidecar; the client makes no other call. Once the sidecar
+    reads again, the late reply is read and its lease released in the background (its pins go
+    without a next call); a tier closed meanwhile stops that settling."""
+    monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "0.5")
+    path = tmp_path / "s.sock"
+    proc = start_sidecar(path)
+    model = build("llama-sdpa")
+    try:
+        a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        assert_same_as_stock(model, ids(prompt_of(50)), a, max_new_tokens=2, do_sample=False)
+        assert a.remote.flush(30)
+        b.remote.call({"op": "stats"})
+        proc.send_signal(signal.SIGSTOP)
+        lease = b.acquire(prompt_of(50), (model_scope(model), None))
+        assert lease.remote is None and b.stats()["sidecar_timeouts"] == 1
+        lease.release()
+        settler = b.remote._settler
+        assert settler is not None and settler.is_alive()
+        if then == "close":
+            b.remote.close()
+            settler.join(30)
+            assert not settler.is_alive()
+            proc.send_signal(signal.SIGCONT)  # closing dropped the connection: the sidecar frees it
+            until_stats(path, pinned_blocks=0)
+            return
+        proc.send_signal(signal.SIGCONT)
+        until_stats(path, pinned_blocks=0)  # no call from b meanwhile
+        settler.join(30)
+        assert not settler.is_alive() and b.remote._conn.owed == 0
+        stats = b.stats()
+        assert stats["sidecar_late_replies"] == 1 and stats["sidecar_disconnects"] == 0, stats
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()

@@ -23,7 +23,8 @@
   another thread's call on the socket included. A call past it is a miss or a write not made,
   with one warning naming the socket and the timeout; the connection, its pins and claims stay
   (a sidecar that is only slow keeps its client), later calls skip the sidecar at once until
-  the late reply arrives, and that reply is read and undone, never taken for another call's.
+  the late reply arrives, and that reply is read and undone, never taken for another call's,
+  by a background settler (``_settle_loop``) even when no call follows.
 
 ``namer(store namespace) -> (identity digest, namespace key) | None`` maps the store's keys to
 the sidecar's (hf_patch: the model's identity and the encoded namespace); None keeps a key local.
@@ -55,6 +56,7 @@ CONNECT_TIMEOUT_S = 5.0  # connect + hello (RADIXKV_SIDECAR_CONNECT_TIMEOUT_S)
 COUNTERS = ("connects", "disconnects", "timeouts", "skipped_calls", "late_replies", "refused", "waited",
             "wait_timeouts", "written_commits", "written_blocks", "failed_writes", "dropped_writes")  # fmt: skip
 POLL_S = 0.01  # between polls for a prefix another process is computing
+SETTLE_S = 0.05  # between the settler's catch-ups while a reply is owed
 Namer = Callable[[Hashable], "tuple[bytes, bytes] | None"]
 
 __all__ = ["RemoteHit", "SidecarDown", "SidecarTier", "SidecarTimeout"]
@@ -115,6 +117,8 @@ class SidecarTier:
         self._late = False  # "did not answer" said, until the next answer
         self._closed = False
         self._tells: collections.deque = collections.deque()  # (header, generation) to send
+        self._settler: threading.Thread | None = None  # set and cleared under _lock
+        self._stop = threading.Event()  # close(): the settler ends
 
     def bind(self, store) -> None:
         """Called by ``KVStore.__init__``: the store whose commits are written through."""
@@ -147,6 +151,7 @@ class SidecarTier:
             self._lost_locked(e)
             raise SidecarDown(str(e)) from None
         finally:
+            self._settle_later_locked()
             self._lock.release()
             self._send_tells()
         if self._late:
@@ -178,8 +183,38 @@ class SidecarTier:
                         self._conn.call(header, deadline=time.monotonic(), reply=False)
                     except (OSError, ConnectionError, ProtocolError) as e:
                         self._lost_locked(e)
+                self._settle_later_locked()
             finally:
                 self._lock.release()
+
+    def _settle_later_locked(self) -> None:
+        """Start the settler when the connection has a reply owed or bytes unsent: an idle
+        client would otherwise hold what a late reply granted (pins, a transaction) and its
+        queued releases until its next call."""
+        if self._settler is None and self._conn is not None and self._conn.pending and not self._closed:
+            self._settler = threading.Thread(
+                target=self._settle_loop, name="radixkv-sidecar-settler", daemon=True
+            )
+            self._settler.start()
+
+    def _settle_loop(self) -> None:
+        """Every ``SETTLE_S``: catch up (send what is queued, read and undo the late replies
+        that came) without waiting on the socket, until nothing is owed or unsent, the
+        connection is gone, or ``close()``. Takes the lock for at most ``timeout_s`` a try."""
+        while not self._stop.wait(SETTLE_S):
+            if not self._lock.acquire(timeout=self.timeout_s):
+                continue
+            try:
+                if self._closed or self._conn is None or not self._conn.pending:
+                    self._settler = None
+                    return
+                try:
+                    self._conn.catch_up()
+                except (OSError, ConnectionError, ProtocolError) as e:
+                    self._lost_locked(e)
+            finally:
+                self._lock.release()
+                self._send_tells()
 
     def _attached_locked(self) -> None:
         """Connect and say hello (within ``connect_timeout_s``) when there is no connection; map
@@ -316,6 +351,7 @@ class SidecarTier:
 
     def close(self) -> None:
         """Detach for good: later calls are misses, later commits stay local."""
+        self._stop.set()
         with self._lock:
             self._closed = True
             if self._conn is not None:

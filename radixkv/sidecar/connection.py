@@ -77,6 +77,11 @@ class Connection:
     def owed(self) -> int:
         return len(self._owed)
 
+    @property
+    def pending(self) -> bool:
+        """A reply still owed or request bytes not sent yet (``catch_up`` has work to do)."""
+        return bool(self._owed or self._out)
+
     def call(
         self, header: dict, body: bytes = b"", *, deadline: float, reply: bool = True, limit: str = ""
     ) -> dict:
