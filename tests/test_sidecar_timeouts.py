@@ -487,3 +487,57 @@ def test_an_idle_client_settles_its_late_replies_in_the_background(tmp_path, mon
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait()
+
+
+def test_a_call_that_waited_for_the_lock_gets_time_of_its_own_and_owes_nothing(tmp_path, monkeypatch):
+    """A call whose wait for another thread's call used up its deadline still gets a short
+    time of its own on the connection (not a spurious timeout); a call that never got the
+    connection owes no reply, so it does not make later calls skip the sidecar."""
+    monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "1")
+    path = tmp_path / "s.sock"
+    proc = start_sidecar(path)
+    model = build("llama-sdpa")
+    try:
+        b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        tier = b.remote
+        tier.call({"op": "stats"})
+        real = tier._lock
+
+        class SlowLock:  # the wait ends just as the call's whole timeout has gone
+            def acquire(self, blocking=True, timeout=-1):
+                if timeout > 0:
+                    time.sleep(timeout)
+                return real.acquire(blocking, timeout)
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        monkeypatch.setattr(tier, "_lock", SlowLock())
+        assert "stats" in tier.call({"op": "stats"})[0]
+        monkeypatch.setattr(tier, "_lock", real)
+        assert b.stats()["sidecar_timeouts"] == 0
+
+        held, done = threading.Event(), threading.Event()
+
+        def hold():
+            with real:
+                held.set()
+                done.wait(30)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(30)
+        try:
+            with pytest.raises(SidecarTimeout) as raised:
+                tier.call({"op": "stats"})
+            assert "another call held it" in str(raised.value)
+        finally:
+            done.set()
+            holder.join(30)
+        assert not tier._late and tier._conn.owed == 0
+        assert "stats" in tier.call({"op": "stats"})[0]  # not skipped: nothing was owed
+        stats = b.stats()
+        assert stats["sidecar_timeouts"] == 1 and stats["sidecar_skipped_calls"] == 0, stats
+    finally:
+        proc.kill()
+        proc.wait()

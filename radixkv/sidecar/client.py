@@ -57,6 +57,7 @@ COUNTERS = ("connects", "disconnects", "timeouts", "skipped_calls", "late_replie
             "wait_timeouts", "written_commits", "written_blocks", "failed_writes", "dropped_writes")  # fmt: skip
 POLL_S = 0.01  # between polls for a prefix another process is computing
 SETTLE_S = 0.05  # between the settler's catch-ups while a reply is owed
+MIN_CALL_S = 1.0  # a call's own time on the connection at least, however long it waited for it
 Namer = Callable[[Hashable], "tuple[bytes, bytes] | None"]
 
 __all__ = ["RemoteHit", "SidecarDown", "SidecarTier", "SidecarTimeout"]
@@ -77,7 +78,8 @@ class RemoteHit:
 class SidecarTier:
     """The client end of one sidecar socket, for one store (see the module docstring).
 
-    ``timeout_s``: each call's bound (waiting for another thread's call included);
+    ``timeout_s``: each call's bound (waiting for another thread's call included; a call that
+    got the connection late still has ``MIN_CALL_S``, at most ``timeout_s``, on it);
     ``connect_timeout_s``: connecting and the hello reply; both in (0, 3600] seconds.
     """
 
@@ -136,7 +138,10 @@ class SidecarTier:
         limit = f"{self.timeout_s:g} s (timeout_s, RADIXKV_SIDECAR_TIMEOUT_S)"
         if not self._lock.acquire(timeout=self.timeout_s):
             msg = f"the sidecar on {self.path} did not answer {op!r} within {limit}: another call held it"
-            raise self._timed_out(SidecarTimeout(msg, op, waited=True))
+            raise self._timed_out(SidecarTimeout(msg, op, waited=True), owes=False)
+        # A call that waited long for another's (a live call is ~0.1 ms) still gets a time of its
+        # own, not a spurious timeout that would make later calls skip the sidecar.
+        deadline = max(deadline, time.monotonic() + min(self.timeout_s, MIN_CALL_S))
         try:
             self._attached_locked()
             answer = self._conn.call(header, body, deadline=deadline, limit=limit)
@@ -270,10 +275,14 @@ class SidecarTier:
             message = message or f"sidecar on {self.path} gone ({error}); serving from this process's pool"
             logger.warning("radixkv: %s", message)
 
-    def _timed_out(self, error: SidecarTimeout) -> SidecarTimeout:
-        """Count a call that went without the sidecar; one warning per slow spell."""
+    def _timed_out(self, error: SidecarTimeout, owes: bool = True) -> SidecarTimeout:
+        """Count a call that went without the sidecar; one warning per slow spell. ``owes``:
+        False for a call that never got the connection (no reply owed: calls go on; the call
+        that held it warned already)."""
         self.counters["timeouts" if error.waited else "skipped_calls"] += 1
-        if error.waited and not self._late:
+        if not owes:
+            logger.debug("radixkv: %s", error)
+        elif error.waited and not self._late:
             self._late = True
             logger.warning(
                 "radixkv: %s; served without it. The connection stays; calls skip the sidecar "
