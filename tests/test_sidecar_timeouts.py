@@ -395,12 +395,13 @@ def test_a_connection_lost_right_after_a_lookup_is_a_miss_not_a_hit_without_a_po
         proc.wait()
 
 
-@pytest.mark.parametrize("why", ["owed", "lock"])
+@pytest.mark.parametrize("why", ["owed", "lock", "sent"])
 def test_a_commit_never_sent_aborts_its_write(tmp_path, monkeypatch, why):
     """The writer's commit is never sent: another thread's reply is owed (the call is refused at
     once), or another thread holds the connection past the timeout. The write is aborted (queued
     with the connection's generation): once the sidecar reads again it holds no open transaction
-    and no private block, on the same connection."""
+    and no private block, on the same connection. A commit sent and answered late ("sent": the
+    sidecar paused while it waits) still lands; the abort after it does nothing."""
     import radixkv.sidecar.write_through as wt
 
     monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "0.5")
@@ -417,7 +418,9 @@ def test_a_commit_never_sent_aborts_its_write(tmp_path, monkeypatch, why):
             if copy.done:
                 return
             copy.done = True
-            if why == "owed":  # another thread's call waits out its timeout: its reply is owed
+            if why == "sent":  # the commit itself waits out its timeout
+                proc.send_signal(signal.SIGSTOP)
+            elif why == "owed":  # another thread's call waits out its timeout: its reply is owed
                 proc.send_signal(signal.SIGSTOP)
                 with pytest.raises(SidecarTimeout):
                     a.remote.call({"op": "stats"})
@@ -440,7 +443,8 @@ def test_a_commit_never_sent_aborts_its_write(tmp_path, monkeypatch, why):
         release.set()
         proc.send_signal(signal.SIGCONT)
         until_answered(a.remote)
-        until_stats(path, open_txns=0, private_blocks=0, pinned_blocks=0)
+        stats = until_stats(path, open_txns=0, private_blocks=0, pinned_blocks=0)
+        assert (stats["cached_blocks"] > 0) == (why == "sent"), stats
         assert a.stats()["sidecar_disconnects"] == 0
     finally:
         release.set()
