@@ -147,3 +147,26 @@ def test_the_stats_command_says_when_the_sidecar_does_not_answer(tmp_path, monke
         listener.listen(1)
         assert cli.stats_main(["--socket", path]) == 1
     assert f"the sidecar on {path} did not answer within 0.2 s" in capsys.readouterr().err
+
+
+def test_close_closes_the_fd_of_a_hello_reply_nobody_took(wire, tmp_path):
+    """A hello reply read (late, by a catch-up) but never taken carries the pool's fd: close()
+    closes it too."""
+    import os
+
+    _, conn, peer = wire
+    with pytest.raises(SidecarTimeout):
+        conn.call({"op": "hello"}, deadline=time.monotonic() + 0.1)
+    assert peer.frame()[0] == {"op": "hello"}
+    with open(tmp_path / "pool", "wb+") as f:
+        socket.send_fds(peer.sock, [encode({"pool_bytes": 0})], [f.fileno()])
+    deadline = time.monotonic() + 30
+    while conn.owed:
+        assert time.monotonic() < deadline, "the hello reply never came"
+        conn.catch_up()
+        time.sleep(0.01)
+    (fd,) = conn.hello[1]
+    os.fstat(fd)  # open, held by the connection
+    conn.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)

@@ -242,9 +242,15 @@ def test_a_release_never_waits_behind_a_call_to_a_paused_sidecar(tmp_path, monke
         held = b.acquire(prompt_of(70), (model_scope(model), None))
         assert held.remote is not None and sidecar_stats(path)["pinned_blocks"] == PROMPT_BLOCKS
         proc.send_signal(signal.SIGSTOP)
-        waiting = threading.Thread(
-            target=lambda: pytest.raises(SidecarTimeout, b.remote.call, {"op": "stats"})
-        )
+        outcome = []
+
+        def wait_on_paused():
+            try:
+                outcome.append(b.remote.call({"op": "stats"}))
+            except Exception as e:  # asserted in the test's thread below
+                outcome.append(e)
+
+        waiting = threading.Thread(target=wait_on_paused)
         waiting.start()
         deadline = time.monotonic() + 30
         while not b.remote._lock.locked():  # the call holds the connection, waiting
@@ -253,6 +259,8 @@ def test_a_release_never_waits_behind_a_call_to_a_paused_sidecar(tmp_path, monke
         held.release()
         assert len(b.remote._tells) == 1  # queued behind the call, which still waits (3 s)
         waiting.join(60)
+        assert len(outcome) == 1 and isinstance(outcome[0], SidecarTimeout), outcome
+        assert outcome[0].waited
         proc.send_signal(signal.SIGCONT)
         until_stats(path, pinned_blocks=0)
         until_answered(b.remote)
@@ -341,5 +349,199 @@ def test_reads_while_the_sidecar_pauses_and_resumes_are_right_or_misses(tmp_path
         assert stats["sidecar_connects"] == 1
     finally:
         proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+def test_a_connection_lost_right_after_a_lookup_is_a_miss_not_a_hit_without_a_pool(tmp_path, monkeypatch):
+    """The sidecar dies just after answering a match, while a release from another thread is
+    queued: the call's own tells (after it lets the lock go) find the connection broken and drop
+    it. The lookup is then a miss (or a hit with its pool), never a hit whose pool is None."""
+    import torch
+
+    import radixkv.sidecar.connection as connmod
+
+    path = tmp_path / "s.sock"
+    proc = start_sidecar(path)
+    model = build("llama-sdpa")
+    ns = (model_scope(model), None)
+    try:
+        a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        assert_same_as_stock(model, ids(prompt_of(50)), a, max_new_tokens=2, do_sample=False)
+        assert a.remote.flush(30)
+        b.remote.call({"op": "stats"})
+        orig = connmod.Connection.call
+
+        def call(self, header, *args, **kw):
+            out = orig(self, header, *args, **kw)
+            if header.get("op") == "match" and self.counters is b.remote.counters:
+                b.remote._tells.append(({"op": "release", "lease": 999}, b.remote._generation))
+                proc.kill()
+                proc.wait()
+            return out
+
+        monkeypatch.setattr(connmod.Connection, "call", call)
+        n, k, v, remote = read_kv(b, prompt_of(50), ns)
+        assert b.stats()["sidecar_connected"] == 0
+        if remote:  # read from the pool the hit was pinned in (still mapped): a's KV
+            _, rk, rv, _ = read_kv(a, prompt_of(50), ns)
+            for got, want in zip(k + v, rk + rv):
+                assert torch.equal(got, want[:, :, :n])
+        else:
+            assert n == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("why", ["owed", "lock", "sent"])
+def test_a_commit_never_sent_aborts_its_write(tmp_path, monkeypatch, why):
+    """The writer's commit is never sent: another thread's reply is owed (the call is refused at
+    once), or another thread holds the connection past the timeout. The write is aborted (queued
+    with the connection's generation): once the sidecar reads again it holds no open transaction
+    and no private block, on the same connection. A commit sent and answered late ("sent": the
+    sidecar paused while it waits) still lands; the abort after it does nothing."""
+    import radixkv.sidecar.write_through as wt
+
+    monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "0.5")
+    path = tmp_path / "s.sock"
+    proc = start_sidecar(path)
+    model = build("llama-sdpa")
+    try:
+        a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        orig = wt.copy_blocks
+        release = threading.Event()
+
+        def copy(*args):
+            orig(*args)
+            if copy.done:
+                return
+            copy.done = True
+            if why == "sent":  # the commit itself waits out its timeout
+                proc.send_signal(signal.SIGSTOP)
+            elif why == "owed":  # another thread's call waits out its timeout: its reply is owed
+                proc.send_signal(signal.SIGSTOP)
+                with pytest.raises(SidecarTimeout):
+                    a.remote.call({"op": "stats"})
+            else:  # another thread holds the connection past the writer's lock wait
+                held = threading.Event()
+
+                def hold():
+                    with a.remote._lock:
+                        held.set()
+                        release.wait(30)
+
+                threading.Thread(target=hold, daemon=True).start()
+                held.wait(30)
+
+        copy.done = False
+        monkeypatch.setattr(wt, "copy_blocks", copy)
+        assert_same_as_stock(model, ids(prompt_of(50)), a, max_new_tokens=2, do_sample=False)
+        assert a.remote.flush(30)
+        assert a.stats()["sidecar_failed_writes"] == 1
+        release.set()
+        proc.send_signal(signal.SIGCONT)
+        until_answered(a.remote)
+        stats = until_stats(path, open_txns=0, private_blocks=0, pinned_blocks=0)
+        assert (stats["cached_blocks"] > 0) == (why == "sent"), stats
+        assert a.stats()["sidecar_disconnects"] == 0
+    finally:
+        release.set()
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("then", ["resume", "close"])
+def test_an_idle_client_settles_its_late_replies_in_the_background(tmp_path, monkeypatch, then):
+    """A look-up times out on a paused sidecar; the client makes no other call. Once the sidecar
+    reads again, the late reply is read and its lease released in the background (its pins go
+    without a next call); a tier closed meanwhile stops that settling."""
+    monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "0.5")
+    path = tmp_path / "s.sock"
+    proc = start_sidecar(path)
+    model = build("llama-sdpa")
+    try:
+        a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        assert_same_as_stock(model, ids(prompt_of(50)), a, max_new_tokens=2, do_sample=False)
+        assert a.remote.flush(30)
+        b.remote.call({"op": "stats"})
+        proc.send_signal(signal.SIGSTOP)
+        lease = b.acquire(prompt_of(50), (model_scope(model), None))
+        assert lease.remote is None and b.stats()["sidecar_timeouts"] == 1
+        lease.release()
+        settler = b.remote._settler
+        assert settler is not None and settler.is_alive()
+        if then == "close":
+            b.remote.close()
+            settler.join(30)
+            assert not settler.is_alive()
+            proc.send_signal(signal.SIGCONT)  # closing dropped the connection: the sidecar frees it
+            until_stats(path, pinned_blocks=0)
+            return
+        proc.send_signal(signal.SIGCONT)
+        until_stats(path, pinned_blocks=0)  # no call from b meanwhile
+        settler.join(30)
+        assert not settler.is_alive() and b.remote._conn.owed == 0
+        stats = b.stats()
+        assert stats["sidecar_late_replies"] == 1 and stats["sidecar_disconnects"] == 0, stats
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+def test_a_call_that_waited_for_the_lock_gets_time_of_its_own_and_owes_nothing(tmp_path, monkeypatch):
+    """A call whose wait for another thread's call used up its deadline still gets a short
+    time of its own on the connection (not a spurious timeout); a call that never got the
+    connection owes no reply, so it does not make later calls skip the sidecar."""
+    monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "1")
+    path = tmp_path / "s.sock"
+    proc = start_sidecar(path)
+    model = build("llama-sdpa")
+    try:
+        b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+        tier = b.remote
+        tier.call({"op": "stats"})
+        real = tier._lock
+
+        class SlowLock:  # the wait ends just as the call's whole timeout has gone
+            def acquire(self, blocking=True, timeout=-1):
+                if timeout > 0:
+                    time.sleep(timeout)
+                return real.acquire(blocking, timeout)
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        monkeypatch.setattr(tier, "_lock", SlowLock())
+        assert "stats" in tier.call({"op": "stats"})[0]
+        monkeypatch.setattr(tier, "_lock", real)
+        assert b.stats()["sidecar_timeouts"] == 0
+
+        held, done = threading.Event(), threading.Event()
+
+        def hold():
+            with real:
+                held.set()
+                done.wait(30)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(30)
+        try:
+            with pytest.raises(SidecarTimeout) as raised:
+                tier.call({"op": "stats"})
+            assert "another call held it" in str(raised.value)
+        finally:
+            done.set()
+            holder.join(30)
+        assert not tier._late and tier._conn.owed == 0
+        assert "stats" in tier.call({"op": "stats"})[0]  # not skipped: nothing was owed
+        stats = b.stats()
+        assert stats["sidecar_timeouts"] == 1 and stats["sidecar_skipped_calls"] == 0, stats
+    finally:
         proc.kill()
         proc.wait()

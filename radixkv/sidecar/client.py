@@ -23,7 +23,8 @@
   another thread's call on the socket included. A call past it is a miss or a write not made,
   with one warning naming the socket and the timeout; the connection, its pins and claims stay
   (a sidecar that is only slow keeps its client), later calls skip the sidecar at once until
-  the late reply arrives, and that reply is read and undone, never taken for another call's.
+  the late reply arrives, and that reply is read and undone, never taken for another call's,
+  by a background settler (``_settle_loop``) even when no call follows.
 
 ``namer(store namespace) -> (identity digest, namespace key) | None`` maps the store's keys to
 the sidecar's (hf_patch: the model's identity and the encoded namespace); None keeps a key local.
@@ -55,6 +56,8 @@ CONNECT_TIMEOUT_S = 5.0  # connect + hello (RADIXKV_SIDECAR_CONNECT_TIMEOUT_S)
 COUNTERS = ("connects", "disconnects", "timeouts", "skipped_calls", "late_replies", "refused", "waited",
             "wait_timeouts", "written_commits", "written_blocks", "failed_writes", "dropped_writes")  # fmt: skip
 POLL_S = 0.01  # between polls for a prefix another process is computing
+SETTLE_S = 0.05  # between the settler's catch-ups while a reply is owed
+MIN_CALL_S = 1.0  # a call's own time on the connection at least, however long it waited for it
 Namer = Callable[[Hashable], "tuple[bytes, bytes] | None"]
 
 __all__ = ["RemoteHit", "SidecarDown", "SidecarTier", "SidecarTimeout"]
@@ -75,7 +78,8 @@ class RemoteHit:
 class SidecarTier:
     """The client end of one sidecar socket, for one store (see the module docstring).
 
-    ``timeout_s``: each call's bound (waiting for another thread's call included);
+    ``timeout_s``: each call's bound (waiting for another thread's call included; a call that
+    got the connection late still has ``MIN_CALL_S``, at most ``timeout_s``, on it);
     ``connect_timeout_s``: connecting and the hello reply; both in (0, 3600] seconds.
     """
 
@@ -115,6 +119,8 @@ class SidecarTier:
         self._late = False  # "did not answer" said, until the next answer
         self._closed = False
         self._tells: collections.deque = collections.deque()  # (header, generation) to send
+        self._settler: threading.Thread | None = None  # set and cleared under _lock
+        self._stop = threading.Event()  # close(): the settler ends
 
     def bind(self, store) -> None:
         """Called by ``KVStore.__init__``: the store whose commits are written through."""
@@ -132,10 +138,16 @@ class SidecarTier:
         limit = f"{self.timeout_s:g} s (timeout_s, RADIXKV_SIDECAR_TIMEOUT_S)"
         if not self._lock.acquire(timeout=self.timeout_s):
             msg = f"the sidecar on {self.path} did not answer {op!r} within {limit}: another call held it"
-            raise self._timed_out(SidecarTimeout(msg, op, waited=True))
+            raise self._timed_out(SidecarTimeout(msg, op, waited=True), owes=False)
+        # A call that waited long for another's (a live call is ~0.1 ms) still gets a time of its
+        # own, not a spurious timeout that would make later calls skip the sidecar.
+        deadline = max(deadline, time.monotonic() + min(self.timeout_s, MIN_CALL_S))
         try:
             self._attached_locked()
             answer = self._conn.call(header, body, deadline=deadline, limit=limit)
+            # Taken under the lock: the tells sent after it is let go (by this thread or another)
+            # may find the connection broken and drop it (view None) before this call returns.
+            view, generation = self._view, self._generation
         except SidecarTimeout as e:
             raise self._timed_out(e) from None
         except SidecarDown:
@@ -144,6 +156,7 @@ class SidecarTier:
             self._lost_locked(e)
             raise SidecarDown(str(e)) from None
         finally:
+            self._settle_later_locked()
             self._lock.release()
             self._send_tells()
         if self._late:
@@ -153,7 +166,7 @@ class SidecarTier:
             self.counters["refused"] += 1
             logger.debug("radixkv: the sidecar refused %s: %s", op, answer["error"])
             raise ValueError(answer["error"])
-        return answer, self._view, self._generation
+        return answer, view, generation
 
     def tell(self, header: dict, generation: int) -> None:
         """A request with no reply (release, abort) on the connection of ``generation``; dropped
@@ -175,8 +188,38 @@ class SidecarTier:
                         self._conn.call(header, deadline=time.monotonic(), reply=False)
                     except (OSError, ConnectionError, ProtocolError) as e:
                         self._lost_locked(e)
+                self._settle_later_locked()
             finally:
                 self._lock.release()
+
+    def _settle_later_locked(self) -> None:
+        """Start the settler when the connection has a reply owed or bytes unsent: an idle
+        client would otherwise hold what a late reply granted (pins, a transaction) and its
+        queued releases until its next call."""
+        if self._settler is None and self._conn is not None and self._conn.pending and not self._closed:
+            self._settler = threading.Thread(
+                target=self._settle_loop, name="radixkv-sidecar-settler", daemon=True
+            )
+            self._settler.start()
+
+    def _settle_loop(self) -> None:
+        """Every ``SETTLE_S``: catch up (send what is queued, read and undo the late replies
+        that came) without waiting on the socket, until nothing is owed or unsent, the
+        connection is gone, or ``close()``. Takes the lock for at most ``timeout_s`` a try."""
+        while not self._stop.wait(SETTLE_S):
+            if not self._lock.acquire(timeout=self.timeout_s):
+                continue
+            try:
+                if self._closed or self._conn is None or not self._conn.pending:
+                    self._settler = None
+                    return
+                try:
+                    self._conn.catch_up()
+                except (OSError, ConnectionError, ProtocolError) as e:
+                    self._lost_locked(e)
+            finally:
+                self._lock.release()
+                self._send_tells()
 
     def _attached_locked(self) -> None:
         """Connect and say hello (within ``connect_timeout_s``) when there is no connection; map
@@ -232,10 +275,14 @@ class SidecarTier:
             message = message or f"sidecar on {self.path} gone ({error}); serving from this process's pool"
             logger.warning("radixkv: %s", message)
 
-    def _timed_out(self, error: SidecarTimeout) -> SidecarTimeout:
-        """Count a call that went without the sidecar; one warning per slow spell."""
+    def _timed_out(self, error: SidecarTimeout, owes: bool = True) -> SidecarTimeout:
+        """Count a call that went without the sidecar; one warning per slow spell. ``owes``:
+        False for a call that never got the connection (no reply owed: calls go on; the call
+        that held it warned already)."""
         self.counters["timeouts" if error.waited else "skipped_calls"] += 1
-        if error.waited and not self._late:
+        if not owes:
+            logger.debug("radixkv: %s", error)
+        elif error.waited and not self._late:
             self._late = True
             logger.warning(
                 "radixkv: %s; served without it. The connection stays; calls skip the sidecar "
@@ -270,7 +317,7 @@ class SidecarTier:
                 answer, view, generation = self.call(header, body)
             except (SidecarDown, ValueError):
                 return hit
-            if answer.get("lease"):
+            if answer.get("lease") and view is not None:
                 if hit is not None:
                     self.release(hit)
                 hit = RemoteHit(
@@ -313,6 +360,7 @@ class SidecarTier:
 
     def close(self) -> None:
         """Detach for good: later calls are misses, later commits stay local."""
+        self._stop.set()
         with self._lock:
             self._closed = True
             if self._conn is not None:

@@ -77,6 +77,11 @@ class Connection:
     def owed(self) -> int:
         return len(self._owed)
 
+    @property
+    def pending(self) -> bool:
+        """A reply still owed or request bytes not sent yet (``catch_up`` has work to do)."""
+        return bool(self._owed or self._out)
+
     def call(
         self, header: dict, body: bytes = b"", *, deadline: float, reply: bool = True, limit: str = ""
     ) -> dict:
@@ -134,9 +139,12 @@ class Connection:
         self._flush(now)  # releases and aborts the settling queued
 
     def close(self) -> None:
-        for fd in self._fds:
+        """Close the socket and every fd received and not handed out (a hello reply nobody
+        took carries the pool's)."""
+        fds, self._fds = self._fds + (self.hello[1] if self.hello else []), []
+        self.hello = None
+        for fd in fds:
             os.close(fd)
-        self._fds = []
         self.sock.close()
 
     # -- internals --------------------------------------------------------------------------

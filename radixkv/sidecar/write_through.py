@@ -9,7 +9,8 @@ request on a document, ranks sharing a prompt); on eviction it would reach the s
 this process's pool is full, and never from a process that exits.
 
 Counters (the tier's): ``written_commits`` (commits the sidecar holds now), ``written_blocks``,
-``failed_writes`` (refused, timed out, or the sidecar gone), ``dropped_writes``.
+``failed_writes`` (refused, timed out, or the sidecar gone), ``dropped_writes``. A write whose
+commit fails is aborted (queued like a release): a sidecar never expires a transaction.
 """
 
 from __future__ import annotations
@@ -136,4 +137,9 @@ class WriteThrough:
             counters["written_blocks"] += len(slots)
             counters["written_commits"] += 1
         except (SidecarDown, ValueError):
-            counters["failed_writes"] += 1  # a late commit still lands: its blocks were written
+            counters["failed_writes"] += 1
+            # A commit never sent (a reply still owed, or the connection held past the timeout)
+            # would leave the transaction open, its slots and pinned node held for the life of
+            # the connection. Abort it (queued, never waits); after a commit that was sent and
+            # lands late the abort is a no-op (the sidecar's transaction ids are never reused).
+            tier.tell({"op": "abort", "txn": txn}, generation)
