@@ -453,11 +453,13 @@ def test_a_commit_never_sent_aborts_its_write(tmp_path, monkeypatch, why):
         proc.wait()
 
 
-@pytest.mark.parametrize("then", ["resume", "close"])
+@pytest.mark.parametrize("then", ["resume", "close", "no thread"])
 def test_an_idle_client_settles_its_late_replies_in_the_background(tmp_path, monkeypatch, then):
     """A look-up times out on a paused sidecar; the client makes no other call. Once the sidecar
     reads again, the late reply is read and its lease released in the background (its pins go
-    without a next call); a tier closed meanwhile stops that settling."""
+    without a next call); a tier closed meanwhile stops that settling. Where no thread can start
+    (interpreter shutdown on Python 3.12+), the call is still a miss, the connection's lock is
+    let go, and the next call settles."""
     monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "0.5")
     path = tmp_path / "s.sock"
     proc = start_sidecar(path)
@@ -469,9 +471,27 @@ def test_an_idle_client_settles_its_late_replies_in_the_background(tmp_path, mon
         assert a.remote.flush(30)
         b.remote.call({"op": "stats"})
         proc.send_signal(signal.SIGSTOP)
+        if then == "no thread":
+            start = threading.Thread.start
+
+            def refuse(thread):
+                if thread.name == "radixkv-sidecar-settler":
+                    raise RuntimeError("can't create new thread at interpreter shutdown")
+                return start(thread)
+
+            monkeypatch.setattr(threading.Thread, "start", refuse)
         lease = b.acquire(prompt_of(50), (model_scope(model), None))
         assert lease.remote is None and b.stats()["sidecar_timeouts"] == 1
         lease.release()
+        if then == "no thread":
+            assert b.remote._settler is None and b.remote._lock.acquire(blocking=False)
+            b.remote._lock.release()
+            monkeypatch.setattr(threading.Thread, "start", start)
+            proc.send_signal(signal.SIGCONT)
+            until_answered(b.remote)  # the next call reads the late reply and releases its lease
+            until_stats(path, pinned_blocks=0)
+            assert b.stats()["sidecar_late_replies"] == 1
+            return
         settler = b.remote._settler
         assert settler is not None and settler.is_alive()
         if then == "close":

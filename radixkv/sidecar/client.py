@@ -197,10 +197,15 @@ class SidecarTier:
         client would otherwise hold what a late reply granted (pins, a transaction) and its
         queued releases until its next call."""
         if self._settler is None and self._conn is not None and self._conn.pending and not self._closed:
-            self._settler = threading.Thread(
-                target=self._settle_loop, name="radixkv-sidecar-settler", daemon=True
-            )
-            self._settler.start()
+            settler = threading.Thread(target=self._settle_loop, name="radixkv-sidecar-settler", daemon=True)
+            try:
+                settler.start()
+            except RuntimeError as e:  # no new threads (interpreter shutdown, a thread limit)
+                logger.debug(
+                    "radixkv: no settler for the sidecar on %s (%s): the next call settles", self.path, e
+                )
+                return  # never raises: callers release the lock after this
+            self._settler = settler
 
     def _settle_loop(self) -> None:
         """Every ``SETTLE_S``: catch up (send what is queued, read and undo the late replies
