@@ -41,9 +41,10 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 
+from radixkv.persist.manifest import layout_of
 from radixkv.sidecar.connection import Connection, SidecarDown, SidecarTimeout
 from radixkv.sidecar.protocol import ProtocolError
-from radixkv.sidecar.shared_view import layout_json, shared_pool_view
+from radixkv.sidecar.shared_view import shared_pool_view
 from radixkv.sidecar.write_through import WriteThrough
 from radixkv.store.pool import BlockPool
 from radixkv.tree.node import PackedTokens
@@ -100,7 +101,7 @@ class SidecarTier:
                 raise ValueError(f"{name} must be seconds in (0, 3600], got {value!r}")
         self.path = path
         self.namer = namer
-        self.layout = layout_json(pool)
+        self.layout = layout_of(pool)
         self.local_pool = pool
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s

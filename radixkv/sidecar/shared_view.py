@@ -1,8 +1,9 @@
 """The client's view of a sidecar's shared memory: a ``BlockPool`` over the mapped pool.
 
 The sidecar lays a pool out as ``radixkv.sidecar.layout`` says (no torch there); a client sends
-its layout (``layout_json``) in its hello, maps the pool's file descriptor once and views it
-here, layer by layer exactly as a local pool, so the same copy kernels move its blocks.
+its layout (``radixkv.persist.manifest.layout_of``, the JSON a cache file's manifest holds) in
+its hello, maps the pool's file descriptor once and views it here, layer by layer exactly as a
+local pool, so the same copy kernels move its blocks.
 """
 
 from __future__ import annotations
@@ -11,29 +12,14 @@ import dataclasses
 
 import torch
 
+from radixkv.persist.manifest import layout_of
 from radixkv.sidecar.layout import KVLayout, PoolGeometry
 from radixkv.store.pool import BlockPool
 
 
-def layout_json(pool: BlockPool) -> dict:
-    """The KV layout of ``pool`` as a hello sends it (block size; per layer heads, dims, dtype)."""
-    return {
-        "block_size": pool.block_size,
-        "layers": [
-            {
-                "num_kv_heads": s.num_kv_heads,
-                "k_head_dim": s.k_head_dim,
-                "v_head_dim": s.v_head_dim,
-                "dtype": str(s.dtype).removeprefix("torch."),
-            }
-            for s in pool.layers
-        ],
-    }
-
-
 def shared_pool_view(pool: BlockPool, buf, num_blocks: int) -> BlockPool:
     """A ``BlockPool`` over the sidecar's memory ``buf`` laid out as ``radixkv.sidecar.layout`` says."""
-    geometry = PoolGeometry(KVLayout.from_json(layout_json(pool)), num_blocks)
+    geometry = PoolGeometry(KVLayout.from_json(layout_of(pool)), num_blocks)
     flat = torch.frombuffer(buf, dtype=torch.uint8, count=geometry.total_bytes)
     specs = [dataclasses.replace(s, device=torch.device("cpu")) for s in pool.layers]
     tensors = []
