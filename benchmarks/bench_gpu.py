@@ -25,8 +25,10 @@ Parts:
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -34,6 +36,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_patch
 from hf_patch import RadixCache
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_batch import left_pad  # noqa: E402
 
 DEVICE = "cuda"  # --device cpu: a dry run of the script's logic
 
@@ -76,16 +81,6 @@ def timed(model, input_ids, mask=None, cache=None, new: int = 1) -> tuple[float,
     return time.perf_counter() - t0, out
 
 
-def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, rows))
-    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        input_ids[i, width - len(r) :] = torch.tensor(r)
-        mask[i, width - len(r) :] = 1
-    return input_ids.to(DEVICE), mask.to(DEVICE)
-
-
 def part_repeat(model, store, args, rng) -> None:
     document = doc(rng, args.doc_tokens)
     questions = [doc(rng, 30) for _ in range(args.repeats + 1)]
@@ -116,7 +111,7 @@ def part_repeat(model, store, args, rng) -> None:
 def part_cold(model, args, rng) -> None:
     document = doc(rng, 2000)
     rows = [document + doc(rng, rng.randrange(26, 35)) for _ in range(16)]
-    input_ids, mask = left_pad(rows)
+    input_ids, mask = (t.to(DEVICE) for t in left_pad(rows))
     timed(model, input_ids[:2, -64:], mask[:2, -64:])  # warm-up
     stock = statistics.median(timed(model, input_ids, mask)[0] for _ in range(args.repeats))
     radix = []
