@@ -29,6 +29,7 @@ import threading
 
 import torch
 import transformers
+from packaging.version import Version
 from transformers.generation.utils import GenerationMixin
 
 from hf_patch.cache import RadixCache
@@ -269,14 +270,8 @@ def check_transformers(version: str, generation_mixin=GenerationMixin) -> None:
 
 
 def _in_range(version: str, low: str, high: str) -> bool:
-    def parts(v: str) -> tuple[int, ...]:
-        out = []
-        for piece in v.split(".")[:2]:
-            digits = "".join(c for c in piece if c.isdigit())
-            out.append(int(digits or 0))
-        return tuple(out)
-
-    return parts(low) <= parts(version) < parts(high)
+    """Major.minor of ``version`` in [low, high) (a dev or patch release counts as its minor)."""
+    return Version(low).release[:2] <= Version(version).release[:2] < Version(high).release[:2]
 
 
 def install() -> None:
