@@ -1,4 +1,5 @@
-"""The step loop's two costs, alone: one decode step of B running rows, and one admission
+"""The step loop's two costs, alone: one decode step of B running rows (its attention through
+SDPA and through the ragged kernel of hf_patch.ragged_attention, alternating), and one admission
 prefill of k newcomers (hf_patch.running_batch.RunningBatch, as demo/engine/step_loop.py runs
 them), on the built-in model; with a torch.profiler table of the step's top ops.
 
@@ -21,6 +22,7 @@ import torch
 
 import hf_patch
 from demo.model.loading import build_builtin
+from hf_patch import ragged_attention
 from hf_patch.running_batch import RunningBatch, prefill_keys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,7 +53,8 @@ def main() -> None:
     p.add_argument("--model", default="builtin", choices=("builtin", "builtin-tiny"))
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--width", type=int, default=600, help="the widest running row's tokens")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--short", type=int, default=40, help="the other rows' tokens")
+    p.add_argument("--steps", type=int, default=30, help="steps timed per attention path")
     p.add_argument(
         "--no-cudnn-sdpa",
         action="store_true",
@@ -73,7 +76,7 @@ def main() -> None:
 
     store = hf_patch.build_store(model, budget_tokens=1 << 16)
     batch = RunningBatch(model, store, pad, [])
-    rows = [prompt(args.width if i == 0 else 40) for i in range(args.rows)]
+    rows = [prompt(args.width if i == 0 else args.short) for i in range(args.rows)]
     cache, ids, mask, first = prefill(model, store, rows, pad, device)
     batch.admit([(layer.keys, layer.values) for layer in cache.layers], ids, mask, first)
 
@@ -83,17 +86,33 @@ def main() -> None:
 
     for _ in range(3):
         step()
-    times = []
+    # steps through SDPA and through the ragged kernel (hf_patch.ragged_attention) alternate
+    times: dict[str, list[float]] = {"0": [], "1": []}
+    width = batch.width
     for _ in range(args.steps):
-        sync(device)
-        t0 = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - t0)
+        for ragged in times:
+            os.environ["RADIXKV_RAGGED_ATTENTION"] = ragged
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            times[ragged].append(time.perf_counter() - t0)
+    os.environ["RADIXKV_RAGGED_ATTENTION"] = "1"
+    real = args.width + (args.rows - 1) * args.short
+    kernel = ragged_attention.verify(model)
     print(
-        f"{device} {dtype}, {args.model}; {args.rows} rows, width {batch.width}: one step "
-        f"median {statistics.median(times) * 1e3:.2f} ms (min {min(times) * 1e3:.2f})"
+        f"{device} {dtype}, {args.model}; {args.rows} rows, width {width}-{batch.width} ({real} real "
+        f"columns of {args.rows * width} at the start); load {os.getloadavg()[0]:.1f}"
     )
+    for ragged, label in (
+        ("0", "SDPA"),
+        ("1", "ragged kernel" if kernel else "ragged (not applicable: SDPA)"),
+    ):
+        print(
+            f"  one step, {label:>13}: median {statistics.median(times[ragged]) * 1e3:.2f} ms "
+            f"(min {min(times[ragged]) * 1e3:.2f})"
+        )
+    print(f"  SDPA / ragged: {statistics.median(times['0']) / statistics.median(times['1']):.2f}x")
     for k in (int(x) for x in args.newcomers.split(",")):
         spent = []
         for _ in range(5):

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from hf_patch import ragged_attention
 from hf_patch.cache import RadixCache
 from hf_patch.call import key_parts
 from hf_patch.keys.adapters import unkeyable_reason
@@ -233,7 +234,9 @@ class RunningBatch:
         tokens = torch.tensor(self.last, dtype=torch.long).unsqueeze(1)
         positions = self.mask.sum(dim=1, keepdim=True)  # real tokens before this one
         mask = torch.cat([self.mask, torch.ones_like(tokens)], dim=1)
-        with torch.no_grad():
+        width = self.width
+        starts = [pad if alive else width for pad, alive in zip(self.pads, self.live)]
+        with torch.no_grad(), ragged_attention.columns(self.model, starts, width + 1) as ragged:
             out = self.model(
                 input_ids=tokens.to(device),
                 attention_mask=mask.to(device),
@@ -242,6 +245,7 @@ class RunningBatch:
                 use_cache=True,
                 logits_to_keep=1,
                 **model_kwargs,
+                **ragged,
             )
         free = torch.tensor([not alive for alive in self.live])
         mask[free, -1] = 0  # a free slot's column stays masked (its fed token was no row's)

@@ -72,6 +72,7 @@ class StepLoop:
     """The running rows of the worker (see the module). One worker thread owns it."""
 
     def __init__(self, runner, scheduler, slice_every: int = 1, on_step: Callable[[int], None] | None = None):
+        from hf_patch import ragged_attention
         from hf_patch.running_batch import RunningBatch
 
         if slice_every < 1:
@@ -80,6 +81,8 @@ class StepLoop:
         self.on_step = on_step  # on_step(rows that made a token): the rows-per-step metric
         pad = runner.config(Params(1, temperature=0.0)).pad_token_id
         self.batch = RunningBatch(runner.model, runner.store, pad, sorted(runner.eos))
+        # probe the model for the CPU decode kernel (and compile it) now, not in the first step
+        ragged_attention.verify(runner.model)
         self.rows: list[Row | None] = []  # per slot of the batch: (request, its row), None: free
         self.made: list[int] = []  # per slot: tokens its row made so far
         self.sampler: RowSampler | None = None  # over the live slots `sampled`, in order

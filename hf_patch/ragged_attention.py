@@ -1,0 +1,194 @@
+"""The step loop's decode attention over each row's own columns (cuda_ext.ragged_decode).
+
+A RunningBatch keeps its rows left-padded to a common width W, so a stock SDPA call of a decode
+step reads ``B x W`` columns of K and V per layer however short most rows are: with one
+1,000-token reply among 30 chat rows of 40 tokens, nine tenths of what it reads is padding, and
+on a CPU a decode step's attention is bound by those reads. ``cuda_ext.ragged_decode`` reads
+row b's columns ``starts[b]:end`` only.
+
+    with ragged_attention.columns(model, starts, end) as kwargs:   # {} where it does not apply
+        out = model(input_ids=..., past_key_values=cache, **kwargs)
+
+``columns`` switches the model's attention to ``"radixkv_ragged"`` for that forward (and back):
+a transformers attention function (registered once) that runs the kernel for a one-token query
+of float32 CPU tensors with plain scaled softmax attention, and transformers' own SDPA function
+for anything else (its mask is built as SDPA's, so that fallback is exact). It applies where
+numba is installed (the demo extra), the model is float32 on the CPU, its attention is
+``"sdpa"`` (transformers' default; an eager model, e.g. for softcapping, keeps eager),
+``RADIXKV_RAGGED_ATTENTION`` is not ``0`` and ``verify(model)`` passed: once per model, a
+two-row decode step through SDPA and through the kernel must give the same logits with every
+attention layer calling the registered function (a model that computes attention its own way
+keeps SDPA, logged). Not for concurrent forwards of one model from several threads while a
+step runs (the switch is the model config's); the demo's worker owns its model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+
+import numpy as np
+import torch
+
+from cuda_ext import ragged_decode
+
+__all__ = ["NAME", "available", "columns", "verify"]
+
+logger = logging.getLogger(__name__)
+
+NAME = "radixkv_ragged"
+_ENV = "RADIXKV_RAGGED_ATTENTION"
+
+_state = threading.local()  # calls of the registered function during a forward (verify)
+_registered = False
+
+
+def available() -> bool:
+    """Whether the kernel can run here: numba installed and ``RADIXKV_RAGGED_ATTENTION`` not 0."""
+    return ragged_decode.available() and os.environ.get(_ENV, "1") != "0"
+
+
+def _ensure_registered() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, _attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # the SDPA fallback's mask
+    _registered = True
+
+
+def _plain(module, kwargs) -> bool:
+    """Whether ``module``'s call is plain scaled softmax attention the kernel computes."""
+    for name in ("softcap", "sliding_window", "s_aux", "sinks", "position_bias"):
+        if kwargs.get(name) is not None:
+            return False
+    return not module.training and getattr(module, "is_causal", True)
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    calls = getattr(_state, "calls", None)
+    if calls is not None:
+        _state.calls = calls + 1
+    plan = kwargs.pop("radixkv_columns", None)
+    usable = (
+        plan is not None
+        and query.shape[2] == 1
+        and query.device.type == "cpu"
+        and query.dtype == key.dtype == value.dtype == torch.float32
+        and dropout == 0.0
+        and not (query.requires_grad or key.requires_grad or value.requires_grad)
+        and _plain(module, kwargs)
+    )
+    if not usable:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if getattr(_state, "calls", None) is not None:
+        _state.kernel_calls += 1
+    starts, end = plan
+    if end != key.shape[2]:
+        raise ValueError(f"ragged attention: the step's columns end at {end}, its KV has {key.shape[2]}")
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    out = ragged_decode.ragged_decode(query[:, :, 0], key, value, starts, end, scale)
+    return out.unsqueeze(1), None  # [B, 1, heads, Dv], as sdpa_attention_forward returns
+
+
+def _fits(model) -> bool:
+    """A float32 model on the CPU whose attention is ``"sdpa"`` (the kernel's fallback and mask
+    are SDPA's; an eager model, e.g. for softcapping, keeps eager)."""
+    return (
+        model.device.type == "cpu"
+        and model.dtype == torch.float32
+        and model.config._attn_implementation == "sdpa"
+    )
+
+
+@contextlib.contextmanager
+def columns(model, starts, end: int, probing: bool = False):
+    """Within: the model's attention is the ragged kernel for a forward given ``**kwargs``
+    (row b attends to its columns ``starts[b]:end`` of the cache after this step's append;
+    ``starts``: a sequence of ints); yields {} (and changes nothing) where it does not apply."""
+    if not (probing or verify(model)):
+        yield {}
+        return
+    _ensure_registered()
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = NAME
+    try:
+        yield {"radixkv_columns": (np.asarray(starts, dtype=np.int64), int(end))}
+    finally:
+        config._attn_implementation = previous
+
+
+def verify(model) -> bool:
+    """Whether a decode step of ``model`` may run through the kernel: numba here, the setting
+    on, a float32 CPU sdpa model (checked at each call), and, probed once per model and
+    remembered on it (logged when not), a two-row decode step (one row left-padded) on a
+    throwaway cache gives through the kernel the logits SDPA gives, every attention layer
+    having called the kernel. A model whose layers compute attention their own way (not
+    through transformers' registered functions) or with options the kernel lacks keeps SDPA.
+    The first probe compiles the kernel (~1 s): the demo calls this at start."""
+    if not available() or not _fits(model):
+        return False
+    known = getattr(model, "_radixkv_ragged_ok", None)
+    if known is not None:
+        return known
+    try:
+        ok, reason = _probe(model)
+    except Exception as e:  # a model the probe cannot run: SDPA, as before
+        ok, reason = False, f"the probe failed: {e!r}"
+    if not ok:
+        logger.warning("radixkv: decode attention stays SDPA for this model: %s", reason)
+    model._radixkv_ragged_ok = ok
+    return ok
+
+
+def _probe(model) -> tuple[bool, str | None]:
+    import copy
+
+    from transformers import DynamicCache
+
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = text.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 7), generator=g)
+    mask = torch.ones((2, 7), dtype=torch.long)
+    mask[1, :3] = 0
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        model(
+            input_ids=ids[:, :6],
+            attention_mask=mask[:, :6],
+            position_ids=positions[:, :6],
+            past_key_values=cache,
+        )
+        step = dict(
+            input_ids=ids[:, 6:], attention_mask=mask, position_ids=positions[:, 6:], logits_to_keep=1
+        )
+        want = model(past_key_values=copy.deepcopy(cache), **step).logits.float()
+        _state.calls, _state.kernel_calls = 0, 0
+        try:
+            with columns(model, [0, 3], 7, probing=True) as kwargs:
+                got = model(past_key_values=cache, **step, **kwargs).logits.float()
+            calls, used = _state.calls, _state.kernel_calls
+        finally:
+            _state.calls = None
+    layers = text.num_hidden_layers
+    if calls != layers:
+        return False, f"{calls} of its {layers} layers called transformers' attention function"
+    if used != layers:
+        return False, f"the kernel applies to {used} of its {layers} layers (options it lacks)"
+    if not torch.allclose(got, want, rtol=1e-3, atol=1e-3):
+        return False, f"its logits differ from SDPA's by {(got - want).abs().max().item():.3g}"
+    return True, None

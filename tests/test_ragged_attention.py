@@ -1,0 +1,151 @@
+"""hf_patch.ragged_attention: a RunningBatch step through the ragged decode kernel gives the
+logits and tokens of the SDPA step (rows at different paddings, a free slot, rows admitted
+later); the model's attention setting is restored after every step; models whose attention does
+not go through transformers' functions, or with options the kernel lacks, keep SDPA; the
+switch is off without numba, with RADIXKV_RAGGED_ATTENTION=0 and off float32 CPU models."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from cuda_ext import ragged_decode
+from hf_patch import ragged_attention
+from hf_patch.running_batch import RunningBatch
+from tests.hf_models import EOS, PAD, build, left_pad, one_torch_thread, tokens  # noqa: F401
+
+pytestmark = pytest.mark.skipif(
+    not ragged_decode.available(), reason="numba is not installed (the demo extra)"
+)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    calls = []
+    real = ragged_decode.ragged_decode
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ragged_decode, "ragged_decode", counted)
+    return calls
+
+
+def admit(batch: RunningBatch, model, prompts: list[list[int]]) -> list[int]:
+    ids, mask = left_pad(prompts)
+    cache = DynamicCache()
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1, do_sample=False,
+            pad_token_id=PAD, eos_token_id=EOS, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    first = out.logits[0].argmax(dim=-1).tolist()
+    return batch.admit([(layer.keys, layer.values) for layer in cache.layers], ids, mask, first)
+
+
+def decode(model, ragged: bool, monkeypatch) -> list[torch.Tensor]:
+    """Rows of 5, 23 and 11 tokens, a row removed (its slot free), two rows admitted later (one
+    into the free slot, one wider than the batch): the logits of every step."""
+    monkeypatch.setenv("RADIXKV_RAGGED_ATTENTION", "1" if ragged else "0")
+    batch = RunningBatch(model, None, PAD, [EOS])
+    admit(batch, model, [tokens(5, 1), tokens(23, 2), tokens(11, 3)])
+    seen = []
+
+    def steps(n):
+        for _ in range(n):
+            logits = batch.step()
+            seen.append(logits)
+            batch.set_next(logits.argmax(dim=-1).tolist())
+
+    steps(3)
+    batch.remove([0], commit=False)
+    steps(2)
+    admit(batch, model, [tokens(4, 4)])
+    steps(2)
+    admit(batch, model, [tokens(40, 5)])
+    steps(3)
+    return seen
+
+
+@pytest.mark.parametrize("family", ["llama-sdpa", "qwen3", "gpt-bigcode-mqa", "deepseek-v3-mla"])
+def test_step_through_the_kernel_equals_sdpa(family, kernel_calls, monkeypatch):
+    model = build(family)
+    want = decode(model, False, monkeypatch)
+    assert kernel_calls == []
+    assert ragged_attention.verify(model) is False  # off: not probed
+    monkeypatch.setenv("RADIXKV_RAGGED_ATTENTION", "1")
+    assert ragged_attention.verify(model) is True
+    kernel_calls.clear()
+    got = decode(model, True, monkeypatch)
+    layers = model.config.num_hidden_layers
+    assert len(kernel_calls) == layers * len(got)  # every layer of every step
+    assert model.config._attn_implementation == "sdpa"
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert torch.equal(a.argmax(dim=-1), b.argmax(dim=-1))
+
+
+def test_attention_setting_restored_when_the_forward_raises():
+    model = build("llama-sdpa")
+    with pytest.raises(RuntimeError, match="boom"):
+        with ragged_attention.columns(model, [0], 1) as kwargs:
+            assert kwargs and model.config._attn_implementation == ragged_attention.NAME
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("family", "why"),
+    [
+        ("falcon", "0 of its 2 layers called"),  # attention computed in the model's own code
+        ("diffllama", "4 of its 2 layers called"),  # two attention calls per layer
+        ("stablelm", "applies to 0 of its 2 layers"),  # extra forward kwargs are not passed on
+    ],
+)
+def test_models_it_does_not_fit_keep_their_attention(family, why, kernel_calls, caplog):
+    model = build(family)
+    before = model.config._attn_implementation
+    with caplog.at_level(logging.WARNING, logger="hf_patch.ragged_attention"):
+        assert ragged_attention.verify(model) is False
+    assert why in caplog.text
+    kernel_calls.clear()  # the probe's own
+    with ragged_attention.columns(model, [0], 1) as kwargs:
+        assert kwargs == {}
+        assert model.config._attn_implementation == before
+    caplog.clear()
+    assert ragged_attention.verify(model) is False  # remembered: probed and logged once
+    assert caplog.text == ""
+    assert kernel_calls == []
+
+
+@pytest.mark.parametrize("family", ["llama-eager", "gemma2-sliding"])  # softcapping needs eager
+def test_eager_models_keep_eager(family, kernel_calls, caplog):
+    model = build(family)
+    with caplog.at_level(logging.WARNING, logger="hf_patch.ragged_attention"):
+        assert ragged_attention.verify(model) is False
+        with ragged_attention.columns(model, [0], 1) as kwargs:
+            assert kwargs == {}
+            assert model.config._attn_implementation == "eager"
+    assert caplog.text == "" and kernel_calls == []  # nothing probed
+
+
+def test_off_without_numba_by_env_and_off_float32_cpu(monkeypatch):
+    model = build("llama-sdpa")
+    monkeypatch.setenv("RADIXKV_RAGGED_ATTENTION", "0")
+    with ragged_attention.columns(model, [0], 1) as kwargs:
+        assert kwargs == {}
+    monkeypatch.delenv("RADIXKV_RAGGED_ATTENTION")
+    with ragged_attention.columns(model, [0], 1) as kwargs:
+        assert kwargs
+    monkeypatch.setattr(ragged_decode, "numba", None)
+    with ragged_attention.columns(model, [0], 1) as kwargs:
+        assert kwargs == {}
+    monkeypatch.undo()
+    half = build("llama-sdpa").to(torch.bfloat16)
+    with ragged_attention.columns(half, [0], 1) as kwargs:
+        assert kwargs == {}
+    assert getattr(half, "_radixkv_ragged_ok", None) is None  # never probed
