@@ -14,12 +14,13 @@ attention is bound by those reads, so for a batch of many short rows beside a lo
 its time is spent reading padding. This kernel reads ``sum(end - starts)`` columns, its
 (row, KV head) pairs spread over torch's intra-op thread count (numba's threading layer: OpenMP
 here; one call at a time, under a lock, without the GIL). numba compiles it on first use
-(~1-2 s, cached on disk where the package directory is writable). Like any OpenMP code, not
+(~1-3 s; cached on disk where numba finds a writable directory, else per process). Like any OpenMP code, not
 for a process that forks and computes in the child (the project never does).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -31,6 +32,8 @@ try:  # optional (the demo extra); without it callers keep SDPA
     import numba
 except ImportError:  # pragma: no cover - exercised where numba is absent
     numba = None
+
+logger = logging.getLogger(__name__)
 
 _kernel = None
 # one call at a time: numba's fallback threading layer (workqueue, where no OpenMP or TBB is
@@ -44,8 +47,18 @@ def available() -> bool:
 
 
 def _compile():
+    """The compiled kernel, cached on disk where numba finds a writable place (next to this file,
+    else the user's cache directory); compiled for this process only where it finds none."""
+    try:
+        return _jit(True)
+    except RuntimeError as e:  # "cannot cache function ...: no locator available"
+        logger.info("ragged_decode: compiling without numba's disk cache: %s", e)
+        return _jit(False)
+
+
+def _jit(cache: bool):
     # reassoc/contract let LLVM vectorise the dot products; no nnan/ninf assumptions
-    @numba.njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True, nogil=True)
+    @numba.njit(parallel=True, fastmath={"reassoc", "contract"}, cache=cache, nogil=True)
     def decode(q, k, v, starts, end, scale, out):  # pragma: no cover - compiled
         batch, heads, dim = q.shape
         kv_heads = k.shape[1]

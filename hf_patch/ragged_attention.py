@@ -13,8 +13,9 @@ row b's columns ``starts[b]:end`` only.
 a transformers attention function (registered once) that runs the kernel for a one-token query
 of float32 CPU tensors with plain scaled softmax attention, and transformers' own SDPA function
 for anything else (its mask is built as SDPA's, so that fallback is exact). It applies where
-numba is installed (the demo extra), the model is float32 on the CPU, its attention is
-``"sdpa"`` (transformers' default; an eager model, e.g. for softcapping, keeps eager),
+numba is installed (the demo extra), the model is a float32 decoder (one config, full
+attention, 1-D positions) in eval mode on the CPU, its attention is ``"sdpa"``
+(transformers' default; an eager model, e.g. for softcapping, keeps eager),
 ``RADIXKV_RAGGED_ATTENTION`` is not ``0`` and ``verify(model)`` passed: once per model, a
 two-row decode step through SDPA and through the kernel must give the same logits with every
 attention layer calling the registered function (a model that computes attention its own way
@@ -102,12 +103,22 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
 
 
 def _fits(model) -> bool:
-    """A float32 model on the CPU whose attention is ``"sdpa"`` (the kernel's fallback and mask
-    are SDPA's; an eager model, e.g. for softcapping, keeps eager)."""
+    """A float32 model in eval mode on the CPU, whose attention is ``"sdpa"`` (the kernel's
+    fallback and mask are SDPA's; an eager model, e.g. for softcapping, keeps eager), with one
+    config (a composite model's sub-configs each hold their own attention setting, which the
+    switch would overwrite) and full attention over 1-D positions (RunningBatch's models: each
+    row's mask is every column from its first real one, all the kernel reads)."""
+    from hf_patch.running_batch import unsupported_reason  # it imports this module
+
+    config = model.config
     return (
         model.device.type == "cpu"
         and model.dtype == torch.float32
-        and model.config._attn_implementation == "sdpa"
+        and not model.training
+        and config._attn_implementation == "sdpa"
+        and not getattr(config, "sub_configs", None)
+        and (not hasattr(config, "get_text_config") or config.get_text_config() is config)
+        and unsupported_reason(model) is None
     )
 
 
@@ -136,7 +147,7 @@ def verify(model) -> bool:
     throwaway cache gives through the kernel the logits SDPA gives, every attention layer
     having called the kernel. A model whose layers compute attention their own way (not
     through transformers' registered functions) or with options the kernel lacks keeps SDPA.
-    The first probe compiles the kernel (~1 s): the demo calls this at start."""
+    The first probe compiles the kernel (~1-3 s): the demo calls this at start."""
     if not available() or not _fits(model):
         return False
     known = getattr(model, "_radixkv_ragged_ok", None)
@@ -188,7 +199,11 @@ def _probe(model) -> tuple[bool, str | None]:
     if calls != layers:
         return False, f"{calls} of its {layers} layers called transformers' attention function"
     if used != layers:
-        return False, f"the kernel applies to {used} of its {layers} layers (options it lacks)"
+        return False, (
+            f"the kernel ran in {used} of its {layers} layers: the step's column plan did not reach "
+            "them (the model does not pass extra forward arguments on) or their call has options "
+            "the kernel lacks (softcapping, sinks, a sliding window)"
+        )
     if not torch.allclose(got, want, rtol=1e-3, atol=1e-3):
         return False, f"its logits differ from SDPA's by {(got - want).abs().max().item():.3g}"
     return True, None

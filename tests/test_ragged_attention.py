@@ -71,7 +71,8 @@ def decode(model, ragged: bool, monkeypatch) -> list[torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("family", ["llama-sdpa", "qwen3", "gpt-bigcode-mqa", "deepseek-v3-mla"])
+# granite scales attention by its config's multiplier, not 1/sqrt(head_dim)
+@pytest.mark.parametrize("family", ["llama-sdpa", "qwen3", "gpt-bigcode-mqa", "deepseek-v3-mla", "granite"])
 def test_step_through_the_kernel_equals_sdpa(family, kernel_calls, monkeypatch):
     model = build(family)
     want = decode(model, False, monkeypatch)
@@ -103,7 +104,7 @@ def test_attention_setting_restored_when_the_forward_raises():
     [
         ("falcon", "0 of its 2 layers called"),  # attention computed in the model's own code
         ("diffllama", "4 of its 2 layers called"),  # two attention calls per layer
-        ("stablelm", "applies to 0 of its 2 layers"),  # extra forward kwargs are not passed on
+        ("stablelm", "ran in 0 of its 2 layers"),  # extra forward kwargs are not passed on
     ],
 )
 def test_models_it_does_not_fit_keep_their_attention(family, why, kernel_calls, caplog):
@@ -149,3 +150,72 @@ def test_off_without_numba_by_env_and_off_float32_cpu(monkeypatch):
     with ragged_attention.columns(half, [0], 1) as kwargs:
         assert kwargs == {}
     assert getattr(half, "_radixkv_ragged_ok", None) is None  # never probed
+
+
+def test_a_kernel_that_computed_wrong_is_refused(monkeypatch, caplog):
+    model = build("llama-sdpa")
+    real = ragged_decode.ragged_decode
+    monkeypatch.setattr(ragged_decode, "ragged_decode", lambda *a: real(*a) * 1.01)
+    with caplog.at_level(logging.WARNING, logger="hf_patch.ragged_attention"):
+        assert ragged_attention.verify(model) is False
+    assert "logits differ from SDPA's" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"softcap": 30.0},
+        {"s_aux": torch.zeros(4)},
+        {"sliding_window": 4},
+        {"dropout": 0.1},
+        {"training": True},
+    ],
+)
+def test_calls_the_kernel_does_not_compute_go_to_sdpa(kwargs, kernel_calls, monkeypatch):
+    """The registered function hands a call with options the kernel lacks to transformers' SDPA
+    function, plan or not (what SDPA then does with them is SDPA's)."""
+    from transformers.integrations import sdpa_attention
+
+    seen = []
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", lambda *a, **k: seen.append(k) or "sdpa")
+    module = torch.nn.Module()
+    module.train(kwargs.pop("training", False))
+    q, k = torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 3, 8)
+    plan = (torch.zeros(1, dtype=torch.long).numpy(), 3)
+    assert ragged_attention._attention(module, q, k, k, None, radixkv_columns=plan, **kwargs) == "sdpa"
+    assert kernel_calls == [] and len(seen) == 1 and "radixkv_columns" not in seen[0]
+    # the same call without the option runs the kernel
+    module.train(False)
+    out, _ = ragged_attention._attention(module, q, k, k, None, radixkv_columns=plan)
+    assert out.shape == (1, 1, 4, 8) and kernel_calls == [1]
+
+
+def test_a_composite_model_is_not_switched(kernel_calls):
+    """A vision-language model's sub-configs hold their own attention settings (the setter would
+    overwrite them all): it keeps SDPA, and its vision tower's eager setting stays."""
+    from tests.vlm_models import build_vlm
+
+    model = build_vlm("llava")
+    model.config.vision_config._attn_implementation = "eager"
+    assert ragged_attention.verify(model) is False
+    with ragged_attention.columns(model, [0], 1) as kwargs:
+        assert kwargs == {}
+    assert model.config.vision_config._attn_implementation == "eager"
+    assert model.config.text_config._attn_implementation == "sdpa"
+    assert kernel_calls == []
+
+
+def test_compiles_without_a_disk_cache_where_numba_has_none(monkeypatch):
+    real, asked = ragged_decode._jit, []
+
+    def jit(cache):
+        asked.append(cache)
+        if cache:
+            raise RuntimeError("cannot cache function 'decode': no locator available for file")
+        return real(cache)
+
+    monkeypatch.setattr(ragged_decode, "_jit", jit)
+    monkeypatch.setattr(ragged_decode, "_kernel", None)
+    q, k = torch.randn(2, 2, 4), torch.randn(2, 1, 5, 4)
+    out = ragged_decode.ragged_decode(q, k, k, [0, 2], 5, 0.5)
+    assert asked == [True, False] and torch.isfinite(out).all()
