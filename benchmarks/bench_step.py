@@ -47,10 +47,29 @@ def prefill(model, store, rows: list[list[int]], pad: int, device: str):
     return cache, ids.to(device), mask.to(device), first
 
 
+def qwen_shape(device: str, dtype: torch.dtype):
+    """Qwen2.5-0.5B's shape (GQA 7:1, tied embeddings) with seeded random weights."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+    return model.to(device=device, dtype=dtype).eval()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--model", default="builtin", choices=("builtin", "builtin-tiny"))
+    p.add_argument(
+        "--model",
+        default="builtin",
+        choices=("builtin", "builtin-tiny", "qwen2.5-0.5b-shape"),
+        help="qwen2.5-0.5b-shape: Qwen2.5-0.5B's layout (24 layers, 14 query and 2 KV heads) with random weights",
+    )
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--width", type=int, default=600, help="the widest running row's tokens")
     p.add_argument("--short", type=int, default=40, help="the other rows' tokens")
@@ -66,9 +85,11 @@ def main() -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
     device = args.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model, tok = build_builtin(args.model, device, dtype)
-    pad = tok.pad_token_id
-    vocab = len(tok)
+    if args.model == "qwen2.5-0.5b-shape":
+        model, pad, vocab = qwen_shape(device, dtype), 0, 151936
+    else:
+        model, tok = build_builtin(args.model, device, dtype)
+        pad, vocab = tok.pad_token_id, len(tok)
     g = torch.Generator().manual_seed(0)
 
     def prompt(n: int) -> list[int]:
