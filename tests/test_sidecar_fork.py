@@ -207,10 +207,24 @@ def test_a_fork_the_hooks_did_not_see_is_found_by_the_pid(sidecar, monkeypatch):
     lease = b.acquire(pack_tokens(prompt_of(1)), ns, count=False)
     old = b.remote._conn
     assert lease.remote is not None and old is not None
-    b.remote._pid = -1  # the pid it had before a fork the hooks did not see
+    held, done = threading.Event(), threading.Event()
 
-    cache, _ = assert_same_as_stock(model, ids(prompt_of(1)), b, max_new_tokens=2, do_sample=False)
-    assert cache.cached_tokens == [PROMPT_HIT]
+    def hold_writer():  # as a parent's writer thread holding its queue's lock at the fork
+        with b.remote.writer._cond:
+            held.set()
+            done.wait(60)
+
+    threading.Thread(target=hold_writer, daemon=True).start()
+    assert held.wait(30)
+    b.remote._pid = -1  # the pid it had before a fork the hooks did not see
+    try:
+        assert b.remote.flush(30)  # a fresh queue: not the lock the "parent's" thread holds
+        written = b.stats()["sidecar_written_commits"]
+        cache, _ = assert_same_as_stock(model, ids(prompt_of(1)), b, max_new_tokens=2, do_sample=False)
+        assert cache.cached_tokens == [PROMPT_HIT]
+        assert b.remote.flush(30) and b.stats()["sidecar_written_commits"] == written + 1
+    finally:
+        done.set()
     assert b.remote._pid == os.getpid() and old.sock.fileno() == -1  # its copy closed
     stats = b.stats()
     assert stats["sidecar_connects"] == 2 and stats["sidecar_disconnects"] == 0

@@ -151,7 +151,7 @@ class SidecarTier:
         with that reply once it is read, or None if the connection closes first
         (``Connection.call``); counted in ``stats()``'s ``sidecar_unsettled_writes`` meanwhile.
         """
-        self._check_fork()
+        self.check_fork()
         op = header["op"]
         deadline = time.monotonic() + self.timeout_s
         limit = f"{self.timeout_s:g} s (timeout_s, RADIXKV_SIDECAR_TIMEOUT_S)"
@@ -210,7 +210,7 @@ class SidecarTier:
         when that connection is gone (its pins and writes went with it). Never waits: while
         another thread's call holds the connection, that thread sends it when its call ends.
         What the socket cannot take now goes out before the next request."""
-        self._check_fork()
+        self.check_fork()
         self._tells.append((header, generation))
         self._send_tells()
 
@@ -264,8 +264,9 @@ class SidecarTier:
                 self._lock.release()
                 self._send_tells()
 
-    def _check_fork(self) -> None:
-        """A fork the ``forks`` hooks did not see (a C library's fork()) is found by the pid."""
+    def check_fork(self) -> None:
+        """A fork the ``forks`` hooks did not see (a C library's fork()) is found by the pid:
+        ``_after_fork`` then, before anything here takes a lock. Every entry point calls it."""
         if self._pid != os.getpid():
             self._after_fork()
 
@@ -410,7 +411,7 @@ class SidecarTier:
     # -- writes (write_through.WriteThrough) -------------------------------------------------
     def push(self, tokens: PackedTokens, namespace: Hashable) -> None:
         """Queue a committed key for write-through (returns at once; dropped when the queue is full)."""
-        self._check_fork()
+        self.check_fork()
         self.writer.push(tokens, namespace)
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -432,7 +433,7 @@ class SidecarTier:
 
     def close(self) -> None:
         """Detach for good: later calls are misses, later commits stay local."""
-        self._check_fork()
+        self.check_fork()
         self._stop.set()
         with self._lock:
             self._closed = True

@@ -80,6 +80,7 @@ class WriteThrough:
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every queued write is done or dropped; False on timeout."""
+        self.tier.check_fork()  # also at exit (atexit): never wait on a parent thread's lock
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
 
@@ -87,8 +88,8 @@ class WriteThrough:
         """Flush for at most ``timeout`` seconds, then drop what still waits: for a process about
         to exit without running its ``atexit`` hooks (the demo's ``os._exit``). Returns (commits
         written to the sidecar meanwhile, commits lost: dropped here, failed, or still being
-        written at the timeout, an unsettled commit's reply included). A dead sidecar fails every write at once (connection refused);
-        a hung one costs at most ``timeout``."""
+        written at the timeout, unsettled commits included: not known to land). A dead sidecar
+        fails every write at once (connection refused); a hung one costs at most ``timeout``."""
         counters = self.tier.counters
         before = counters["written_commits"], counters["failed_writes"]
         done = self.flush(timeout)
