@@ -235,3 +235,63 @@ def test_a_fork_the_hooks_did_not_see_is_found_by_the_pid(sidecar, monkeypatch):
     assert b.remote.flush(30)
     assert [h for c, h in sent if c is new and h["op"] == "release"]  # its own leases' releases
     assert not [h for c, h in sent if c is new and h.get("lease") == hit.lease]
+
+
+class _Reads:
+    """A dataset whose items read a prompt's KV through a sidecar-backed store (in the worker)."""
+
+    def __init__(self, store, prompts, ns):
+        self.store, self.prompts, self.ns = store, prompts, ns
+
+    def __len__(self):
+        return len(self.prompts)
+
+    def __getitem__(self, i):
+        import torch
+
+        store = self.store
+        lease = store.acquire(pack_tokens(self.prompts[i]), self.ns, count=False)
+        try:
+            n = lease.num_tokens
+            specs = store.pool.layers
+            k = [torch.zeros(1, s.num_kv_heads, n, s.k_head_dim, dtype=s.dtype) for s in specs]
+            v = [torch.zeros(1, s.num_kv_heads, n, s.v_head_dim, dtype=s.dtype) for s in specs]
+            store.read([lease], n, k, v, count=False)
+            remote = lease.remote is not None
+        finally:
+            lease.release()
+        return n, remote, torch.cat([x.flatten() for x in k + v]), os.getpid()
+
+
+def test_dataloader_workers_started_with_fork_read_through_their_own_connections(sidecar):
+    """A DataLoader with fork-started workers over a store the parent already used (connected,
+    its writer thread started): each worker reads the sidecar's blocks on a connection of its
+    own, bit-equal to what the parent reads; the parent's connection is the first one after."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    path, _proc = sidecar
+    model = build("llama-sdpa")
+    ns = (model_scope(model), None)
+    a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+    for seed in (1, 2):
+        assert_same_as_stock(model, ids(prompt_of(seed)), a, max_new_tokens=2, do_sample=False)
+    assert a.remote.flush(30)
+    b = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+    prompts = [prompt_of(1), prompt_of(2)]
+    want = [_Reads(b, prompts, ns)[i] for i in range(2)]  # the parent: its own connection
+    whole = (DOC_LEN + QUESTION_LEN) // BS * BS
+    assert [w[:2] for w in want] == [(whole, True)] * 2
+    seen = sidecar_stats(path)["clients_total"]  # (each stats call is a client too)
+    loader = DataLoader(
+        _Reads(b, prompts, ns), batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=120
+    )
+    got = list(loader)
+    assert len({pid for *_, pid in got} - {os.getpid()}) == 2  # read in two children
+    assert sidecar_stats(path)["clients_total"] == seen + 3  # a hello of each worker's own
+    for (n, remote, kv, _), (wn, wremote, wkv, _) in zip(got, want):
+        assert (n, remote) == (wn, wremote) and torch.equal(kv, wkv)
+    stats = b.stats()
+    assert stats["sidecar_connects"] == 1 and stats["sidecar_disconnects"] == 0
+    until(lambda: sidecar_stats(path)["open_leases"] == 0, "a worker's lease was left pinned")
+    assert _Reads(b, prompts, ns)[0][:2] == (whole, True)
