@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 
 logger = logging.getLogger(__name__)
@@ -31,15 +32,19 @@ logger = logging.getLogger(__name__)
 STORE_LOCK_S = 10.0  # the longest a fork waits for a store's lock (held for microseconds)
 
 _tiers: weakref.WeakSet = weakref.WeakSet()  # live SidecarTiers of this process
+# Guards _tiers (a tier made in another thread while the hook walks it); held across the fork.
+_registry = threading.Lock()
 _locked: list = []  # stores the before-fork hook locked, let go after the fork
 
 
 def track(tier) -> None:
     """Run the fork hooks for ``tier`` (held weakly: a tier that is gone is forgotten)."""
-    _tiers.add(tier)
+    with _registry:
+        _tiers.add(tier)
 
 
 def _before() -> None:
+    _registry.acquire()
     for tier in list(_tiers):
         store = tier.store
         if store is None:
@@ -56,11 +61,13 @@ def _before() -> None:
 def _unlock() -> None:
     while _locked:
         _locked.pop().unlock_after_fork()
+    _registry.release()
 
 
 def _after_in_child() -> None:
+    tiers = list(_tiers)
     _unlock()
-    for tier in list(_tiers):
+    for tier in tiers:
         tier._after_fork()
 
 
