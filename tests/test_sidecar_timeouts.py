@@ -441,6 +441,38 @@ def test_a_commit_never_sent_aborts_its_write(sidecar, monkeypatch, why):
         release.set()
 
 
+def test_a_commit_unsettled_when_the_sidecar_dies_counts_failed(sidecar, monkeypatch):
+    """A commit sent to a paused sidecar is unsettled (neither written nor failed); the sidecar
+    is then killed before answering: once the client sees the connection end (the background
+    settler, no call needed) the commit counts failed, never written or late."""
+    import radixkv.sidecar.write_through as wt
+
+    monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "0.5")
+    path, proc = sidecar
+    model = build("llama-sdpa")
+    a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+    orig = wt.copy_blocks
+
+    def copy(*args):
+        orig(*args)
+        proc.send_signal(signal.SIGSTOP)  # the commit after this copy waits out its timeout
+
+    monkeypatch.setattr(wt, "copy_blocks", copy)
+    assert_same_as_stock(model, ids(prompt_of(60)), a, max_new_tokens=2, do_sample=False)
+    assert a.remote.flush(30)
+    counts = ("sidecar_unsettled_writes", "sidecar_failed_writes", "sidecar_written_commits")
+    assert tuple(a.stats()[k] for k in counts) == (1, 0, 0)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while a.stats()["sidecar_unsettled_writes"]:
+        assert time.monotonic() < deadline, "the settler never saw the connection end"
+        time.sleep(0.05)
+    stats = a.stats()
+    assert tuple(stats[k] for k in counts) == (0, 1, 0)
+    assert stats["sidecar_late_writes"] == 0 and stats["sidecar_disconnects"] == 1
+
+
 @pytest.mark.parametrize("then", ["resume", "close", "no thread"])
 def test_an_idle_client_settles_its_late_replies_in_the_background(sidecar, monkeypatch, then):
     """A look-up times out on a paused sidecar; the client makes no other call. Once the sidecar
