@@ -47,7 +47,7 @@ def _before() -> None:
     _registry.acquire()
     for tier in list(_tiers):
         store = tier.store
-        if store is None:
+        if store is None or any(s is store for s in _locked):  # a store once, however many tiers
             continue
         if store.lock_for_fork(STORE_LOCK_S):
             _locked.append(store)
