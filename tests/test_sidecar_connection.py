@@ -170,3 +170,64 @@ def test_close_closes_the_fd_of_a_hello_reply_nobody_took(wire, tmp_path):
     conn.close()
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+def test_on_late_is_told_the_late_reply_or_none_when_the_connection_closes_first(wire, tmp_path):
+    """``on_late`` (the writer's unsettled commits): told the reply a timed-out call's reply when
+    it is read, exactly once, and None for a reply still owed when the connection closes."""
+    path, conn, peer = wire
+    told = []
+    with pytest.raises(SidecarTimeout) as raised:
+        conn.call({"op": "commit", "txn": 3}, deadline=time.monotonic() + 0.1, on_late=told.append)
+    assert raised.value.owed and raised.value.op == "commit"
+    peer.frame()
+    peer.sock.sendall(encode({"inserted": 8}))
+    deadline = time.monotonic() + 30
+    while conn.owed:
+        assert time.monotonic() < deadline
+        conn.catch_up()
+        time.sleep(0.01)
+    assert told == [{"inserted": 8}]
+
+    def answer():
+        assert peer.frame()[0] == {"op": "stats"}
+        peer.sock.sendall(encode({"stats": {}}))
+
+    server = threading.Thread(target=answer, daemon=True)
+    server.start()
+    assert conn.call({"op": "stats"}, deadline=time.monotonic() + 30) == {"stats": {}}
+    server.join(30)
+    assert told == [{"inserted": 8}]  # told once
+
+    # A skipped call never went out: nothing owed, nothing to tell.
+    with pytest.raises(SidecarTimeout):
+        conn.call({"op": "commit", "txn": 4}, deadline=time.monotonic() + 0.1, on_late=told.append)
+    with pytest.raises(SidecarTimeout) as raised:
+        conn.call({"op": "commit", "txn": 5}, deadline=time.monotonic() + 30, on_late=told.append)
+    assert not raised.value.owed and conn.owed == 1
+    conn.close()
+    assert told == [{"inserted": 8}, None]
+
+
+def test_abandon_sends_nothing_and_leaves_another_copy_of_the_socket_open(wire):
+    """A forked child's ``abandon``: its copy of the socket closed, nothing sent or settled, the
+    other copy (the parent's) still connected."""
+    import os
+
+    path, conn, peer = wire
+    with pytest.raises(SidecarTimeout):
+        conn.call({"op": "match"}, deadline=time.monotonic() + 0.1)
+    peer.frame()
+    parent = socket.socket(fileno=os.dup(conn.sock.fileno()))  # the other process's copy
+    try:
+        conn._out += encode({"op": "release", "lease": 1})  # queued, as a tell not yet sent
+        conn.abandon()
+        assert conn.sock.fileno() == -1 and conn.owed == 0 and not conn.pending
+        peer.sock.settimeout(0.2)
+        with pytest.raises(TimeoutError):  # no byte, no end of stream: the parent's copy lives
+            peer.sock.recv(1)
+        parent.sendall(encode({"op": "stats"}))
+        peer.sock.settimeout(30)
+        assert peer.frame()[0] == {"op": "stats"}
+    finally:
+        parent.close()

@@ -421,15 +421,56 @@ def test_a_commit_never_sent_aborts_its_write(sidecar, monkeypatch, why):
         monkeypatch.setattr(wt, "copy_blocks", copy)
         assert_same_as_stock(model, ids(prompt_of(50)), a, max_new_tokens=2, do_sample=False)
         assert a.remote.flush(30)
-        assert a.stats()["sidecar_failed_writes"] == 1
+        sent = why == "sent"
+        # A commit sent and unanswered is neither written nor failed until its reply is read;
+        # a process draining now counts it lost (it may not land).
+        counts = ("sidecar_failed_writes", "sidecar_unsettled_writes", "sidecar_written_commits")
+        assert tuple(a.stats()[k] for k in counts) == ((0, 1, 0) if sent else (1, 0, 0))
+        assert a.remote.drain(0.1) == (0, int(sent))
         release.set()
         proc.send_signal(signal.SIGCONT)
         until_answered(a.remote)
         stats = until_stats(path, open_txns=0, private_blocks=0, pinned_blocks=0)
-        assert (stats["cached_blocks"] > 0) == (why == "sent"), stats
+        assert (stats["cached_blocks"] > 0) == sent, stats
+        # It landed late: written (and late), not failed.
+        counts += ("sidecar_late_writes",)
+        assert tuple(a.stats()[k] for k in counts) == ((0, 0, 1, 1) if sent else (1, 0, 0, 0))
+        assert a.stats()["sidecar_written_blocks"] == stats["cached_blocks"]
         assert a.stats()["sidecar_disconnects"] == 0
     finally:
         release.set()
+
+
+def test_a_commit_unsettled_when_the_sidecar_dies_counts_failed(sidecar, monkeypatch):
+    """A commit sent to a paused sidecar is unsettled (neither written nor failed); the sidecar
+    is then killed before answering: once the client sees the connection end (the background
+    settler, no call needed) the commit counts failed, never written or late."""
+    import radixkv.sidecar.write_through as wt
+
+    monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "0.5")
+    path, proc = sidecar
+    model = build("llama-sdpa")
+    a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+    orig = wt.copy_blocks
+
+    def copy(*args):
+        orig(*args)
+        proc.send_signal(signal.SIGSTOP)  # the commit after this copy waits out its timeout
+
+    monkeypatch.setattr(wt, "copy_blocks", copy)
+    assert_same_as_stock(model, ids(prompt_of(60)), a, max_new_tokens=2, do_sample=False)
+    assert a.remote.flush(30)
+    counts = ("sidecar_unsettled_writes", "sidecar_failed_writes", "sidecar_written_commits")
+    assert tuple(a.stats()[k] for k in counts) == (1, 0, 0)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while a.stats()["sidecar_unsettled_writes"]:
+        assert time.monotonic() < deadline, "the settler never saw the connection end"
+        time.sleep(0.05)
+    stats = a.stats()
+    assert tuple(stats[k] for k in counts) == (0, 1, 0)
+    assert stats["sidecar_late_writes"] == 0 and stats["sidecar_disconnects"] == 1
 
 
 @pytest.mark.parametrize("then", ["resume", "close", "no thread"])

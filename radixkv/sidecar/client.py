@@ -25,6 +25,8 @@
   (a sidecar that is only slow keeps its client), later calls skip the sidecar at once until
   the late reply arrives, and that reply is read and undone, never taken for another call's,
   by a background settler (``_settle_loop``) even when no call follows.
+- fork(): a child drops the parent's connection without a word on it and connects again on its
+  next call (``forks``, ``_after_fork``).
 
 ``namer(store namespace) -> (identity digest, namespace key) | None`` maps the store's keys to
 the sidecar's (hf_patch: the model's identity and the encoded namespace); None keeps a key local.
@@ -42,7 +44,8 @@ import time
 from collections.abc import Callable, Hashable
 
 from radixkv.persist.manifest import layout_of
-from radixkv.sidecar.connection import Connection, SidecarDown, SidecarTimeout
+from radixkv.sidecar import forks
+from radixkv.sidecar.connection import Connection, OnLate, SidecarDown, SidecarTimeout
 from radixkv.sidecar.protocol import ProtocolError
 from radixkv.sidecar.shared_view import shared_pool_view
 from radixkv.sidecar.write_through import WriteThrough
@@ -55,7 +58,8 @@ TIMEOUT_S = 10.0  # per call (RADIXKV_SIDECAR_TIMEOUT_S)
 CONNECT_TIMEOUT_S = 5.0  # connect + hello (RADIXKV_SIDECAR_CONNECT_TIMEOUT_S)
 # store.stats() carries each as sidecar_<name> (docs/sidecar.md), 0 until counted
 COUNTERS = ("connects", "disconnects", "timeouts", "skipped_calls", "late_replies", "refused", "waited",
-            "wait_timeouts", "written_commits", "written_blocks", "failed_writes", "dropped_writes")  # fmt: skip
+            "wait_timeouts", "written_commits", "written_blocks", "failed_writes", "dropped_writes",
+            "late_writes", "stale_commits")  # fmt: skip
 POLL_S = 0.01  # between polls for a prefix another process is computing
 SETTLE_S = 0.05  # between the settler's catch-ups while a reply is owed
 MIN_CALL_S = 1.0  # a call's own time on the connection at least, however long it waited for it
@@ -122,6 +126,9 @@ class SidecarTier:
         self._tells: collections.deque = collections.deque()  # (header, generation) to send
         self._settler: threading.Thread | None = None  # set and cleared under _lock
         self._stop = threading.Event()  # close(): the settler ends
+        self._unsettled = 0  # calls past their timeout whose on_late is still to come (under _lock)
+        self._pid = os.getpid()  # another pid: this is a forked child (_after_fork)
+        forks.track(self)
 
     def bind(self, store) -> None:
         """Called by ``KVStore.__init__``: the store whose commits are written through."""
@@ -130,10 +137,21 @@ class SidecarTier:
         self.store = store
 
     # -- calls ------------------------------------------------------------------------------
-    def call(self, header: dict, body: bytes = b"") -> tuple[dict, BlockPool, int]:
+    def call(
+        self, header: dict, body: bytes = b"", *, generation: int | None = None, on_late: OnLate | None = None
+    ) -> tuple[dict, BlockPool, int]:
         """One request's reply, with the shared pool and the connection generation its slots
         belong to, within ``timeout_s`` all told. Raises ``SidecarDown`` (``SidecarTimeout``: out
-        of time, the connection kept) or ``ValueError`` (the sidecar refused it)."""
+        of time, the connection kept) or ``ValueError`` (the sidecar refused it).
+
+        ``generation``: the connection the request belongs to (a commit: its alloc's). When that
+        connection is gone it is dropped, never sent on a newer one, whose sidecar holds no such
+        transaction or another with its id (``SidecarDown``; counted ``stale_commits``).
+        ``on_late``: for a call that timed out with its reply owed, called under the tier's lock
+        with that reply once it is read, or None if the connection closes first
+        (``Connection.call``); counted in ``stats()``'s ``sidecar_unsettled_writes`` meanwhile.
+        """
+        self.check_fork()
         op = header["op"]
         deadline = time.monotonic() + self.timeout_s
         limit = f"{self.timeout_s:g} s (timeout_s, RADIXKV_SIDECAR_TIMEOUT_S)"
@@ -144,12 +162,20 @@ class SidecarTier:
         # own, not a spurious timeout that would make later calls skip the sidecar.
         deadline = max(deadline, time.monotonic() + min(self.timeout_s, MIN_CALL_S))
         try:
+            if generation is not None and (self._view is None or generation != self._generation):
+                self.counters["stale_commits"] += 1
+                raise SidecarDown(
+                    f"{op!r} belongs to an earlier connection to the sidecar on {self.path}: not sent"
+                )
             self._attached_locked()
-            answer = self._conn.call(header, body, deadline=deadline, limit=limit)
+            answer = self._conn.call(
+                header, body, deadline=deadline, limit=limit, on_late=self._owing(on_late)
+            )
             # Taken under the lock: the tells sent after it is let go (by this thread or another)
             # may find the connection broken and drop it (view None) before this call returns.
             view, generation = self._view, self._generation
         except SidecarTimeout as e:
+            self._unsettled += int(e.owed and e.op == op and on_late is not None)  # on_late is due
             raise self._timed_out(e) from None
         except SidecarDown:
             raise
@@ -169,11 +195,22 @@ class SidecarTier:
             raise ValueError(answer["error"])
         return answer, view, generation
 
+    def _owing(self, on_late: OnLate | None) -> OnLate | None:
+        if on_late is None:
+            return None
+
+        def settled(answer: dict | None) -> None:  # under _lock: Connection.catch_up/call/close
+            self._unsettled -= 1
+            on_late(answer)
+
+        return settled
+
     def tell(self, header: dict, generation: int) -> None:
         """A request with no reply (release, abort) on the connection of ``generation``; dropped
         when that connection is gone (its pins and writes went with it). Never waits: while
         another thread's call holds the connection, that thread sends it when its call ends.
         What the socket cannot take now goes out before the next request."""
+        self.check_fork()
         self._tells.append((header, generation))
         self._send_tells()
 
@@ -226,6 +263,34 @@ class SidecarTier:
             finally:
                 self._lock.release()
                 self._send_tells()
+
+    def check_fork(self) -> None:
+        """A fork the ``forks`` hooks did not see (a C library's fork()) is found by the pid:
+        ``_after_fork`` then, before anything here takes a lock. Every entry point calls it."""
+        if self._pid != os.getpid():
+            self._after_fork()
+
+    def _after_fork(self) -> None:
+        """In a forked child (its only thread): drop the parent's connection without a word on
+        it (this process's copies of its descriptors closed; its owed replies, queued releases,
+        pins, claims and open writes stay the parent's) and take fresh locks and queues (a lock
+        may have been copied held by a parent thread, and no thread of the parent runs here).
+        The next call connects with its own hello; a lease or alloc from before the fork has an
+        older generation, so its releases and commits are never sent on the new connection."""
+        self._pid = os.getpid()
+        conn, self._conn, self._view = self._conn, None, None
+        if conn is not None:
+            conn.abandon()
+        self._lock = threading.Lock()
+        self._tells = collections.deque()
+        self._settler = None
+        self._stop = threading.Event()
+        if self._closed:
+            self._stop.set()
+        self._unsettled = 0
+        self._retry_at, self._retry_s = 0.0, 0.1
+        self._late = self._warned = False
+        self.writer.after_fork()
 
     def _attached_locked(self) -> None:
         """Connect and say hello (within ``connect_timeout_s``) when there is no connection; map
@@ -346,6 +411,7 @@ class SidecarTier:
     # -- writes (write_through.WriteThrough) -------------------------------------------------
     def push(self, tokens: PackedTokens, namespace: Hashable) -> None:
         """Queue a committed key for write-through (returns at once; dropped when the queue is full)."""
+        self.check_fork()
         self.writer.push(tokens, namespace)
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -362,10 +428,12 @@ class SidecarTier:
         out = {f"sidecar_{k}": v for k, v in self.counters.copy().items()}
         out["sidecar_connected"] = int(self._view is not None)
         out["sidecar_queued_writes"] = self.writer.queued
+        out["sidecar_unsettled_writes"] = self._unsettled
         return out
 
     def close(self) -> None:
         """Detach for good: later calls are misses, later commits stay local."""
+        self.check_fork()
         self._stop.set()
         with self._lock:
             self._closed = True

@@ -27,12 +27,14 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 
 from radixkv.sidecar.protocol import FrameBuffer, ProtocolError, encode
 
 logger = logging.getLogger(__name__)
 
 MAX_FDS = 4  # per receive; only the hello reply carries one
+OnLate = Callable[[dict | None], None]  # a late reply's header; None: the connection closed first
 
 
 class SidecarDown(ConnectionError):
@@ -43,11 +45,12 @@ class SidecarTimeout(SidecarDown):
     """The sidecar did not answer in time; the connection stays open and the reply is owed.
 
     ``waited``: True when this call waited out its deadline, False when it was skipped at once
-    because an earlier call's reply is still owed. ``op``: the request's op."""
+    because an earlier call's reply is still owed. ``op``: the request's op. ``owed``: this
+    request went out (or will, whole) and its reply is owed (its ``on_late`` is told)."""
 
-    def __init__(self, message: str, op: str, waited: bool) -> None:
+    def __init__(self, message: str, op: str, waited: bool, owed: bool = False) -> None:
         super().__init__(message)
-        self.op, self.waited = op, waited
+        self.op, self.waited, self.owed = op, waited, owed
 
 
 class Connection:
@@ -68,7 +71,8 @@ class Connection:
             raise
         self._in = FrameBuffer()
         self._out = bytearray()  # request bytes the socket has not taken yet (go out first)
-        self._owed: collections.deque[str] = collections.deque()  # ops whose replies are due, in order
+        # (op, on_late) of the replies due, in order
+        self._owed: collections.deque[tuple[str, OnLate | None]] = collections.deque()
         self._fds: list[int] = []
         self.hello: tuple[dict, list[int]] | None = None  # (reply, fds) once it came
         self.counters = collections.Counter() if counters is None else counters
@@ -83,10 +87,19 @@ class Connection:
         return bool(self._owed or self._out)
 
     def call(
-        self, header: dict, body: bytes = b"", *, deadline: float, reply: bool = True, limit: str = ""
+        self,
+        header: dict,
+        body: bytes = b"",
+        *,
+        deadline: float,
+        reply: bool = True,
+        limit: str = "",
+        on_late: OnLate | None = None,
     ) -> dict:
         """Send one request and return its reply header by ``deadline`` (``time.monotonic()``);
         ``{}`` for a request with no reply (queued; sent as far as the socket takes it now).
+        ``on_late``: after a timeout, called (by whichever call or ``catch_up`` reads it) with
+        the late reply's header, or with None when the connection closes first (``close``).
 
         Raises ``SidecarTimeout`` (the reply is owed; nothing else changes; its message names
         the socket and ``limit``, the timeout as the caller set it) when the deadline passes, or
@@ -97,23 +110,22 @@ class Connection:
         op = header.get("op", "?")
         self.catch_up()
         if reply and self._owed:
-            msg = f"the sidecar on {self.path} still owes the reply to an earlier {self._owed[0]!r}"
+            msg = f"the sidecar on {self.path} still owes the reply to an earlier {self._owed[0][0]!r}"
             raise SidecarTimeout(f"{msg}; {op!r} goes without it", op, waited=False)
         self._out += encode(header, body)
         if not reply:
             self._flush(deadline)
             return {}
-        self._owed.append(op)
+        self._owed.append((op, on_late))
         self._flush(deadline)
         while True:
             got = self._next_reply(deadline)
             if got is None:
                 msg = f"the sidecar on {self.path} did not answer {op!r} within {limit or 'its deadline'}"
-                raise SidecarTimeout(msg, op, waited=True)
-            done, answer = got
+                raise SidecarTimeout(msg, op, waited=True, owed=True)
             if not self._owed:
-                return answer  # the last one owed: this call's
-            self._settle(done, answer)
+                return got[1]  # the last one owed: this call's
+            self._settle(*got)
 
     def hello_reply(self) -> tuple[dict, list[int]]:
         """The hello reply and the fds it carried (the caller's to close), once it came (taken
@@ -140,21 +152,37 @@ class Connection:
 
     def close(self) -> None:
         """Close the socket and every fd received and not handed out (a hello reply nobody
-        took carries the pool's)."""
+        took carries the pool's); each reply still owed is told ``on_late(None)``."""
+        owed, self._owed = self._owed, collections.deque()
+        self.abandon()
+        for _op, on_late in owed:
+            if on_late is not None:
+                on_late(None)
+
+    def abandon(self) -> None:
+        """Close this process's descriptors (the socket, fds received) and forget what is owed
+        or queued, sending and settling nothing: in a forked child, whose copy of the socket is
+        its parent's connection (closing a copy leaves the parent's open and tells the sidecar
+        nothing)."""
         fds, self._fds = self._fds + (self.hello[1] if self.hello else []), []
         self.hello = None
+        self._owed.clear()
+        self._out.clear()
         for fd in fds:
             os.close(fd)
         self.sock.close()
 
     # -- internals --------------------------------------------------------------------------
-    def _settle(self, op: str, answer: dict) -> None:
-        """Undo what an abandoned call's late reply granted (sent with the next bytes out)."""
+    def _settle(self, op: str, answer: dict, on_late: OnLate | None) -> None:
+        """Undo what an abandoned call's late reply granted (sent with the next bytes out), then
+        tell its ``on_late``."""
         if op == "match" and answer.get("lease"):
             self._out += encode({"op": "release", "lease": answer["lease"]})
         elif op == "alloc" and answer.get("txn"):
             self._out += encode({"op": "abort", "txn": answer["txn"]})
         # hello: kept in self.hello; commit and stats: nothing to undo.
+        if on_late is not None:
+            on_late(answer)
 
     def _flush(self, deadline: float) -> bool:
         """Send queued bytes until ``deadline`` (a past one: what the socket takes at once)."""
@@ -167,17 +195,17 @@ class Connection:
             del self._out[:sent]
         return True
 
-    def _next_reply(self, deadline: float) -> tuple[str, dict] | None:
-        """(op, reply header) of the first owed reply, or None when it is not complete by
-        ``deadline`` (a past one: what has arrived already)."""
+    def _next_reply(self, deadline: float) -> tuple[str, dict, OnLate | None] | None:
+        """(op, reply header, on_late) of the first owed reply, or None when it is not complete
+        by ``deadline`` (a past one: what has arrived already)."""
         while True:
             for header, _body in self._in.frames():
                 if not self._owed:
                     raise ProtocolError(f"a reply nobody asked for: {sorted(header)}")
-                op = self._owed.popleft()
+                op, on_late = self._owed.popleft()
                 if op == "hello":
                     self.hello, self._fds = (header, self._fds), []
-                return op, header
+                return op, header, on_late
             self._flush(deadline)  # a request still partly queued cannot be answered yet
             self.sock.settimeout(max(0.0, deadline - time.monotonic()))
             try:

@@ -9,8 +9,13 @@ request on a document, ranks sharing a prompt); on eviction it would reach the s
 this process's pool is full, and never from a process that exits.
 
 Counters (the tier's): ``written_commits`` (commits the sidecar holds now), ``written_blocks``,
-``failed_writes`` (refused, timed out, or the sidecar gone), ``dropped_writes``. A write whose
-commit fails is aborted (queued like a release): a sidecar never expires a transaction.
+``failed_writes`` (not made: refused, never sent, or the sidecar gone before its reply),
+``dropped_writes``. A commit sent that waits out its timeout is neither yet: it is *unsettled*
+(the tier's ``sidecar_unsettled_writes``) until its reply is read, then counted written (and in
+``late_writes``: it landed after its call gave up) or failed (refused, or the connection closed
+first: whether the sidecar committed it then is unknown). A commit whose alloc came from an
+earlier connection is never sent (``stale_commits``, and failed). A write whose commit fails is
+aborted (queued like a release): a sidecar never expires a transaction.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import logging
 import threading
 from collections.abc import Hashable
 
-from radixkv.sidecar.connection import SidecarDown
+from radixkv.sidecar.connection import SidecarDown, SidecarTimeout
 from radixkv.store.tier import copy_blocks
 from radixkv.tree.node import PackedTokens
 
@@ -64,8 +69,18 @@ class WriteThrough:
                 atexit.register(self.flush, EXIT_FLUSH_S)
             self._cond.notify()
 
+    def after_fork(self) -> None:
+        """In a forked child (``radixkv.sidecar.forks``): the parent's writer thread does not run
+        here and its queued commits are the parent's to write: an empty queue, a fresh lock (the
+        thread may have held the old one); the next push starts this process's thread."""
+        self._queue = collections.deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._thread = None
+
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every queued write is done or dropped; False on timeout."""
+        self.tier.check_fork()  # also at exit (atexit): never wait on a parent thread's lock
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
 
@@ -73,8 +88,8 @@ class WriteThrough:
         """Flush for at most ``timeout`` seconds, then drop what still waits: for a process about
         to exit without running its ``atexit`` hooks (the demo's ``os._exit``). Returns (commits
         written to the sidecar meanwhile, commits lost: dropped here, failed, or still being
-        written at the timeout). A dead sidecar fails every write at once (connection refused);
-        a hung one costs at most ``timeout``."""
+        written at the timeout, unsettled commits included: not known to land). A dead sidecar
+        fails every write at once (connection refused); a hung one costs at most ``timeout``."""
         counters = self.tier.counters
         before = counters["written_commits"], counters["failed_writes"]
         done = self.flush(timeout)
@@ -83,7 +98,8 @@ class WriteThrough:
             counters["dropped_writes"] += len(self._queue)
             self._queue.clear()
         written = counters["written_commits"] - before[0]
-        return written, lost + counters["failed_writes"] - before[1]
+        unsettled = self.tier.stats()["sidecar_unsettled_writes"]
+        return written, lost + counters["failed_writes"] - before[1] + unsettled
 
     def _loop(self) -> None:
         while True:
@@ -132,14 +148,25 @@ class WriteThrough:
             except BaseException:
                 tier.tell({"op": "abort", "txn": txn}, generation)
                 raise
+
+        def landed(answer: dict | None) -> None:  # the reply after the commit's call gave up
+            if answer is not None and "error" not in answer:
+                counters["late_writes"] += 1
+                counters["written_blocks"] += len(slots)
+                counters["written_commits"] += 1
+            else:
+                counters["failed_writes"] += 1
+
         try:
-            tier.call({"op": "commit", "txn": txn})
+            tier.call({"op": "commit", "txn": txn}, generation=generation, on_late=landed)
             counters["written_blocks"] += len(slots)
             counters["written_commits"] += 1
-        except (SidecarDown, ValueError):
-            counters["failed_writes"] += 1
+        except (SidecarDown, ValueError) as e:
+            if not (isinstance(e, SidecarTimeout) and e.owed and e.op == "commit"):  # landed() counts
+                counters["failed_writes"] += 1
             # A commit never sent (a reply still owed, or the connection held past the timeout)
             # would leave the transaction open, its slots and pinned node held for the life of
-            # the connection. Abort it (queued, never waits); after a commit that was sent and
-            # lands late the abort is a no-op (the sidecar's transaction ids are never reused).
+            # the connection. Abort it (queued, never waits; dropped with an older connection);
+            # after a commit that was sent and lands late the abort is a no-op (the sidecar's
+            # transaction ids are never reused).
             tier.tell({"op": "abort", "txn": txn}, generation)

@@ -532,6 +532,15 @@ class KVStore:
             if not tree.num_cached_blocks:
                 self._retired.remove(tree)
 
+    def lock_for_fork(self, timeout: float) -> bool:
+        """Take the store's lock before a fork() (``radixkv.sidecar.forks``), so the child never
+        copies the tree mid-update or the lock held by a thread it lacks; False if another
+        thread held it for ``timeout`` s. Let go with ``unlock_after_fork`` (parent and child)."""
+        return self._lock.acquire(timeout=timeout)
+
+    def unlock_after_fork(self) -> None:
+        self._lock.release()
+
     def stats(self) -> dict[str, int | float]:
         """Counters plus occupancy of each tier and of the task pins, as one flat dict."""
         with self._lock:
