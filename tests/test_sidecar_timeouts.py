@@ -473,6 +473,33 @@ def test_a_commit_unsettled_when_the_sidecar_dies_counts_failed(sidecar, monkeyp
     assert stats["sidecar_late_writes"] == 0 and stats["sidecar_disconnects"] == 1
 
 
+def test_a_commit_whose_sidecar_dies_before_its_timeout_counts_failed_once(sidecar, monkeypatch):
+    """The sidecar dies while a commit waits for its reply, before the timeout: the call gets a
+    broken connection (no late reply owed), so the commit counts failed once and nothing stays
+    unsettled (the late-reply callback was registered at send time and counted it twice)."""
+    import radixkv.sidecar.write_through as wt
+
+    monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "20")
+    path, proc = sidecar
+    model = build("llama-sdpa")
+    a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
+    orig = wt.copy_blocks
+
+    def copy(*args):
+        orig(*args)
+        proc.send_signal(signal.SIGSTOP)  # the commit after this copy is sent, not answered
+        threading.Timer(0.5, proc.kill).start()  # and the sidecar dies well before 20 s
+
+    monkeypatch.setattr(wt, "copy_blocks", copy)
+    assert_same_as_stock(model, ids(prompt_of(61)), a, max_new_tokens=2, do_sample=False)
+    assert a.remote.flush(60)
+    stats = a.stats()
+    assert stats["sidecar_timeouts"] == 0 and stats["sidecar_disconnects"] == 1
+    counts = ("sidecar_unsettled_writes", "sidecar_failed_writes", "sidecar_written_commits")
+    assert tuple(stats[k] for k in counts) == (0, 1, 0)
+    assert stats["sidecar_late_writes"] == 0
+
+
 @pytest.mark.parametrize("then", ["resume", "close", "no thread"])
 def test_an_idle_client_settles_its_late_replies_in_the_background(sidecar, monkeypatch, then):
     """A look-up times out on a paused sidecar; the client makes no other call. Once the sidecar

@@ -277,7 +277,6 @@ class SidecarTier:
         may have been copied held by a parent thread, and no thread of the parent runs here).
         The next call connects with its own hello; a lease or alloc from before the fork has an
         older generation, so its releases and commits are never sent on the new connection."""
-        self._pid = os.getpid()
         conn, self._conn, self._view = self._conn, None, None
         if conn is not None:
             conn.abandon()
@@ -291,6 +290,7 @@ class SidecarTier:
         self._retry_at, self._retry_s = 0.0, 0.1
         self._late = self._warned = False
         self.writer.after_fork()
+        self._pid = os.getpid()  # last: a reset that raised is tried again by the pid check
 
     def _attached_locked(self) -> None:
         """Connect and say hello (within ``connect_timeout_s``) when there is no connection; map
@@ -430,6 +430,18 @@ class SidecarTier:
         out["sidecar_queued_writes"] = self.writer.queued
         out["sidecar_unsettled_writes"] = self._unsettled
         return out
+
+    def write_counts(self) -> tuple[int, int, int]:
+        """(written, failed, unsettled) commits, read together under the tier's lock, where late
+        replies move a commit from unsettled to written or failed (read without it if another
+        call holds it past ``timeout_s``)."""
+        locked = self._lock.acquire(timeout=self.timeout_s)
+        try:
+            c = self.counters
+            return c["written_commits"], c["failed_writes"], self._unsettled
+        finally:
+            if locked:
+                self._lock.release()
 
     def close(self) -> None:
         """Detach for good: later calls are misses, later commits stay local."""

@@ -116,11 +116,14 @@ class Connection:
         if not reply:
             self._flush(deadline)
             return {}
-        self._owed.append((op, on_late))
+        # on_late only once this call gives up: a connection that breaks during the call answers
+        # it with an error (the caller counts that), not with a late None as well
+        self._owed.append((op, None))
         self._flush(deadline)
         while True:
             got = self._next_reply(deadline)
             if got is None:
+                self._owed[-1] = (op, on_late)  # the last owed reply is this call's (calls are serial)
                 msg = f"the sidecar on {self.path} did not answer {op!r} within {limit or 'its deadline'}"
                 raise SidecarTimeout(msg, op, waited=True, owed=True)
             if not self._owed:

@@ -35,6 +35,7 @@ _tiers: weakref.WeakSet = weakref.WeakSet()  # live SidecarTiers of this process
 # Guards _tiers (a tier made in another thread while the hook walks it); held across the fork.
 _registry = threading.Lock()
 _locked: list = []  # stores the before-fork hook locked, let go after the fork
+_held: list = []  # stores whose lock another thread held through the hook (the child warns)
 
 
 def track(tier) -> None:
@@ -52,6 +53,7 @@ def _before() -> None:
         if store.lock_for_fork(STORE_LOCK_S):
             _locked.append(store)
         else:  # never seen: the lock guards in-memory updates only
+            _held.append(store)
             logger.warning(
                 "radixkv: fork() while another thread held a store's lock for %g s; the child may wait on it",
                 STORE_LOCK_S,
@@ -65,10 +67,20 @@ def _unlock() -> None:
 
 
 def _after_in_child() -> None:
-    tiers = list(_tiers)
+    tiers, held = list(_tiers), list(_held)
+    _held.clear()
     _unlock()
+    if held:  # the child has no thread that could let it go: say so where it will hang
+        logger.error(
+            "radixkv: this process was forked while another thread held %d store lock(s); "
+            "calls on those stores here wait for ever: fork before the store is busy",
+            len(held),
+        )
     for tier in tiers:
-        tier._after_fork()
+        try:
+            tier._after_fork()
+        except Exception:  # one tier's reset never keeps the others' from running
+            logger.exception("radixkv: resetting a sidecar client after fork() failed")
 
 
 os.register_at_fork(before=_before, after_in_parent=_unlock, after_in_child=_after_in_child)
