@@ -431,18 +431,6 @@ class SidecarTier:
         out["sidecar_unsettled_writes"] = self._unsettled
         return out
 
-    def write_counts(self) -> tuple[int, int, int]:
-        """(written, failed, unsettled) commits, read together under the tier's lock, where late
-        replies move a commit from unsettled to written or failed (read without it if another
-        call holds it past ``timeout_s``)."""
-        locked = self._lock.acquire(timeout=self.timeout_s)
-        try:
-            c = self.counters
-            return c["written_commits"], c["failed_writes"], self._unsettled
-        finally:
-            if locked:
-                self._lock.release()
-
     def close(self) -> None:
         """Detach for good: later calls are misses, later commits stay local."""
         self.check_fork()

@@ -97,9 +97,11 @@ class WriteThrough:
             lost = len(self._queue) + (0 if done else int(self._busy))
             counters["dropped_writes"] += len(self._queue)
             self._queue.clear()
-        # one snapshot under the tier's lock, where late replies are settled (never half-counted)
-        written, failed, unsettled = self.tier.write_counts()
-        return written - before[0], lost + failed - before[1] + unsettled
+        # read without the tier's lock (a call blocked on a hung sidecar holds it past the bound):
+        # a late reply settled between these reads may be counted in neither or both
+        written = counters["written_commits"] - before[0]
+        unsettled = self.tier.stats()["sidecar_unsettled_writes"]
+        return written, lost + counters["failed_writes"] - before[1] + unsettled
 
     def _loop(self) -> None:
         while True:
