@@ -81,6 +81,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     plan = kwargs.pop("radixkv_columns", None)
     usable = (
         plan is not None
+        and plan[1] == key.shape[2]  # else this layer's KV is not the step's (never seen): SDPA
         and query.shape[2] == 1
         and query.device.type == "cpu"
         and query.dtype == key.dtype == value.dtype == torch.float32
@@ -95,8 +96,6 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     if getattr(_state, "calls", None) is not None:
         _state.kernel_calls += 1
     starts, end = plan
-    if end != key.shape[2]:
-        raise ValueError(f"ragged attention: the step's columns end at {end}, its KV has {key.shape[2]}")
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     out = ragged_decode.ragged_decode(query[:, :, 0], key, value, starts, end, scale)
     return out.unsqueeze(1), None  # [B, 1, heads, Dv], as sdpa_attention_forward returns

@@ -184,6 +184,10 @@ def test_calls_the_kernel_does_not_compute_go_to_sdpa(kwargs, kernel_calls, monk
     plan = (torch.zeros(1, dtype=torch.long).numpy(), 3)
     assert ragged_attention._attention(module, q, k, k, None, radixkv_columns=plan, **kwargs) == "sdpa"
     assert kernel_calls == [] and len(seen) == 1 and "radixkv_columns" not in seen[0]
+    # a plan whose columns are not this layer's KV width: SDPA too
+    module.train(False)
+    assert ragged_attention._attention(module, q, k, k, None, radixkv_columns=(plan[0], 2)) == "sdpa"
+    assert kernel_calls == [] and len(seen) == 2
     # the same call without the option runs the kernel
     module.train(False)
     out, _ = ragged_attention._attention(module, q, k, k, None, radixkv_columns=plan)
