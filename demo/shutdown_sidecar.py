@@ -38,8 +38,9 @@ def flush_sidecar(store, deadline: float) -> tuple[int, int] | None:
     seconds = time.monotonic() - started
     if lost:
         log.warning(
-            "shutdown: %d commits queued for the sidecar on %s were dropped (%d written in %.2fs, "
-            "bound %.1fs): other replicas will compute those prefixes again",
+            "shutdown: %d commits queued for the sidecar on %s were dropped or not confirmed (sent, "
+            "reply not read) (%d written in %.2fs, bound %.1fs): other replicas may compute those "
+            "prefixes again",
             lost,
             tier.path,
             written,

@@ -82,7 +82,8 @@ class StepLoop:
         pad = runner.config(Params(1, temperature=0.0)).pad_token_id
         self.batch = RunningBatch(runner.model, runner.store, pad, sorted(runner.eos))
         # probe the model for the CPU decode kernel (and compile it) now, not in the first step
-        ragged_attention.verify(runner.model)
+        if ragged_attention.verify(runner.model):
+            log.info("decode steps read each row's own columns (hf_patch.ragged_attention)")
         self.rows: list[Row | None] = []  # per slot of the batch: (request, its row), None: free
         self.made: list[int] = []  # per slot: tokens its row made so far
         self.sampler: RowSampler | None = None  # over the live slots `sampled`, in order
