@@ -85,6 +85,22 @@ def sidecar_stats(path) -> dict:
         return recv(sock, FrameBuffer())[0]["stats"]
 
 
+def after_copy(monkeypatch, then, once: bool = False) -> None:
+    """Make the write-through writer call ``then()`` right after it copies a commit's blocks
+    (between its alloc and its commit): after every copy, or after the first one only."""
+    import radixkv.sidecar.write_through as wt
+
+    copy_blocks, done = wt.copy_blocks, []
+
+    def copied(*args):
+        copy_blocks(*args)
+        if not (once and done):
+            done.append(True)
+            then()
+
+    monkeypatch.setattr(wt, "copy_blocks", copied)
+
+
 def document(doc_seed: int) -> list[int]:
     from tests.hf_models import tokens
 

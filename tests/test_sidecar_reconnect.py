@@ -13,7 +13,15 @@ import time
 import hf_patch
 from radixkv.sidecar.connection import Connection, SidecarDown
 from tests.hf_models import assert_same_as_stock, build, ids, tokens
-from tests.sidecar_process import BS, DOC_LEN, QUESTION_LEN, document, sidecar_stats, start_sidecar
+from tests.sidecar_process import (
+    BS,
+    DOC_LEN,
+    QUESTION_LEN,
+    after_copy,
+    document,
+    sidecar_stats,
+    start_sidecar,
+)
 
 PROMPT_HIT = (DOC_LEN + QUESTION_LEN - 1) // BS * BS
 
@@ -23,8 +31,6 @@ def prompt_of(seed: int) -> list[int]:
 
 
 def test_a_commit_from_an_older_connection_is_dropped_not_sent(tmp_path, monkeypatch):
-    import radixkv.sidecar.write_through as wt
-
     path = tmp_path / "s.sock"
     procs = [start_sidecar(path)]
     sent: list[tuple[Connection, str]] = []  # (connection, op) of every request sent (kept alive)
@@ -35,13 +41,8 @@ def test_a_commit_from_an_older_connection_is_dropped_not_sent(tmp_path, monkeyp
         return orig_call(self, header, *args, **kw)
 
     monkeypatch.setattr(Connection, "call", spy)
-    orig_copy = wt.copy_blocks
 
-    def copy(*args):  # between the writer's alloc and its commit: a new sidecar, attached
-        orig_copy(*args)
-        if copy.done:
-            return
-        copy.done = True
+    def restart() -> None:  # between the writer's alloc and its commit: a new sidecar, attached
         procs[0].kill()
         procs[0].wait()
         procs.append(start_sidecar(path))
@@ -54,15 +55,14 @@ def test_a_commit_from_an_older_connection_is_dropped_not_sent(tmp_path, monkeyp
                 assert time.monotonic() < deadline, "never attached to the new sidecar"
                 time.sleep(0.05)
 
-    copy.done = False
-    monkeypatch.setattr(wt, "copy_blocks", copy)
+    after_copy(monkeypatch, restart, once=True)
     try:
         model = build("llama-sdpa")
         a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
         assert_same_as_stock(model, ids(prompt_of(1)), a, max_new_tokens=2, do_sample=False)
         assert a.remote.flush(30)
         stats = a.stats()
-        assert stats["sidecar_connects"] == 2 and copy.done
+        assert stats["sidecar_connects"] == 2 and len(procs) == 2  # restarted between alloc and commit
         new = next(conn for conn, op in reversed(sent) if op == "hello")
         assert [op for conn, op in sent if conn is new] == ["hello", "stats"]  # no commit, no abort
         assert stats["sidecar_stale_commits"] == stats["sidecar_failed_writes"] == 1

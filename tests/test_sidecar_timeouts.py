@@ -25,7 +25,15 @@ from hf_patch.keys.weights import model_scope
 from radixkv import pack_tokens
 from radixkv.sidecar.connection import SidecarTimeout
 from tests.hf_models import assert_same_as_stock, build, ids, tokens
-from tests.sidecar_process import BS, DOC_LEN, QUESTION_LEN, document, sidecar_stats, start_sidecar
+from tests.sidecar_process import (
+    BS,
+    DOC_LEN,
+    QUESTION_LEN,
+    after_copy,
+    document,
+    sidecar_stats,
+    start_sidecar,
+)
 
 PROMPT_BLOCKS = (DOC_LEN + QUESTION_LEN) // BS
 PROMPT_HIT = (DOC_LEN + QUESTION_LEN - 1) // BS * BS  # generate() computes a prompt's last token
@@ -385,21 +393,14 @@ def test_a_commit_never_sent_aborts_its_write(sidecar, monkeypatch, why):
     with the connection's generation): once the sidecar reads again it holds no open transaction
     and no private block, on the same connection. A commit sent and answered late ("sent": the
     sidecar paused while it waits) still lands; the abort after it does nothing."""
-    import radixkv.sidecar.write_through as wt
-
     monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "0.5")
     path, proc = sidecar
     model = build("llama-sdpa")
     try:
         a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
-        orig = wt.copy_blocks
         release = threading.Event()
 
-        def copy(*args):
-            orig(*args)
-            if copy.done:
-                return
-            copy.done = True
+        def stall() -> None:
             if why == "sent":  # the commit itself waits out its timeout
                 proc.send_signal(signal.SIGSTOP)
             elif why == "owed":  # another thread's call waits out its timeout: its reply is owed
@@ -417,8 +418,7 @@ def test_a_commit_never_sent_aborts_its_write(sidecar, monkeypatch, why):
                 threading.Thread(target=hold, daemon=True).start()
                 held.wait(30)
 
-        copy.done = False
-        monkeypatch.setattr(wt, "copy_blocks", copy)
+        after_copy(monkeypatch, stall, once=True)
         assert_same_as_stock(model, ids(prompt_of(50)), a, max_new_tokens=2, do_sample=False)
         assert a.remote.flush(30)
         sent = why == "sent"
@@ -445,19 +445,12 @@ def test_a_commit_unsettled_when_the_sidecar_dies_counts_failed(sidecar, monkeyp
     """A commit sent to a paused sidecar is unsettled (neither written nor failed); the sidecar
     is then killed before answering: once the client sees the connection end (the background
     settler, no call needed) the commit counts failed, never written or late."""
-    import radixkv.sidecar.write_through as wt
-
     monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "0.5")
     path, proc = sidecar
     model = build("llama-sdpa")
     a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
-    orig = wt.copy_blocks
-
-    def copy(*args):
-        orig(*args)
-        proc.send_signal(signal.SIGSTOP)  # the commit after this copy waits out its timeout
-
-    monkeypatch.setattr(wt, "copy_blocks", copy)
+    # the commit after this copy waits out its timeout
+    after_copy(monkeypatch, lambda: proc.send_signal(signal.SIGSTOP))
     assert_same_as_stock(model, ids(prompt_of(60)), a, max_new_tokens=2, do_sample=False)
     assert a.remote.flush(30)
     counts = ("sidecar_unsettled_writes", "sidecar_failed_writes", "sidecar_written_commits")
@@ -477,20 +470,16 @@ def test_a_commit_whose_sidecar_dies_before_its_timeout_counts_failed_once(sidec
     """The sidecar dies while a commit waits for its reply, before the timeout: the call gets a
     broken connection (no late reply owed), so the commit counts failed once and nothing stays
     unsettled (the late-reply callback was registered at send time and counted it twice)."""
-    import radixkv.sidecar.write_through as wt
-
     monkeypatch.setenv("RADIXKV_SIDECAR_TIMEOUT_S", "20")
     path, proc = sidecar
     model = build("llama-sdpa")
     a = hf_patch.build_store(model, block_size=BS, budget_tokens=2048, sidecar=path)
-    orig = wt.copy_blocks
 
-    def copy(*args):
-        orig(*args)
+    def stall_then_die() -> None:
         proc.send_signal(signal.SIGSTOP)  # the commit after this copy is sent, not answered
         threading.Timer(0.5, proc.kill).start()  # and the sidecar dies well before 20 s
 
-    monkeypatch.setattr(wt, "copy_blocks", copy)
+    after_copy(monkeypatch, stall_then_die)
     assert_same_as_stock(model, ids(prompt_of(61)), a, max_new_tokens=2, do_sample=False)
     assert a.remote.flush(60)
     stats = a.stats()
