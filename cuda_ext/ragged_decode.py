@@ -1,18 +1,25 @@
 """Decode attention over each row's own columns of a left-padded KV batch, on the CPU (numba).
 
     out = ragged_decode(query, key, value, starts, end, scale)
+    out = ragged_packed(query, key, value, slots, starts, ends, scale)
 
-``query`` ``[B, Hq, D]`` (one token per row), ``key`` / ``value`` ``[B, Hkv, W, D]`` /
-``[B, Hkv, W, Dv]`` float32 CPU tensors (views of bigger buffers are fine), ``Hq`` a multiple
-of ``Hkv`` (grouped-query heads share a KV head); row b attends to columns
-``starts[b]:end`` only (``0 <= starts[b] < end <= W``). Returns ``[B, Hq, Dv]``: softmax(q k^T
-* scale) v over those columns, as SDPA with a mask hiding the others computes it (sums in
-another order: ~1e-6 apart).
+``ragged_decode``: ``query`` ``[B, Hq, D]`` (one token per row), ``key`` / ``value``
+``[B, Hkv, W, D]`` / ``[B, Hkv, W, Dv]`` float32 CPU tensors (views of bigger buffers are
+fine), ``Hq`` a multiple of ``Hkv`` (grouped-query heads share a KV head); row b attends to
+columns ``starts[b]:end`` only (``0 <= starts[b] < end <= W``). Returns ``[B, Hq, Dv]``:
+softmax(q k^T * scale) v over those columns, as SDPA with a mask hiding the others computes it
+(sums in another order: ~1e-6 apart).
+
+``ragged_packed``: N query tokens of any rows (a decode step's one token per row beside the
+prompt tokens of rows joining the batch, hf_patch.running_batch): ``query`` ``[N, Hq, D]``,
+token t attends to columns ``starts[t]:ends[t]`` of KV row ``slots[t]``. A token of a prompt
+ends at its own column (causal); ``ragged_decode`` is the case ``slots = 0..B-1``, ``ends = end``.
 
 Why: an SDPA call reads every row's W columns, padding included; on a CPU a decode step's
 attention is bound by those reads, so for a batch of many short rows beside a long one most of
-its time is spent reading padding. This kernel reads ``sum(end - starts)`` columns, its
-(row, KV head) pairs spread over torch's intra-op thread count (numba's threading layer: OpenMP
+its time is spent reading padding; and a rectangular batch cannot hold one row's many prompt
+tokens beside the others' one token. This kernel reads ``sum(ends - starts)`` columns, its
+(token, KV head) pairs spread over torch's intra-op thread count (numba's threading layer: OpenMP
 here; one call at a time, under a lock, without the GIL). numba compiles it on first use
 (~1-3 s; cached on disk where numba finds a writable directory, else per process). Like any OpenMP code, not
 for a process that forks and computes in the child (the project never does).
@@ -26,7 +33,7 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["available", "ragged_decode"]
+__all__ = ["available", "ragged_decode", "ragged_packed"]
 
 try:  # optional (the demo extra); without it callers keep SDPA
     import numba
@@ -59,21 +66,22 @@ def _compile():
 def _jit(cache: bool):
     # reassoc/contract let LLVM vectorise the dot products; no nnan/ninf assumptions
     @numba.njit(parallel=True, fastmath={"reassoc", "contract"}, cache=cache, nogil=True)
-    def decode(q, k, v, starts, end, scale, out):  # pragma: no cover - compiled
-        batch, heads, dim = q.shape
+    def attend(q, k, v, slots, starts, ends, scale, out):  # pragma: no cover - compiled
+        tokens, heads, dim = q.shape
         kv_heads = k.shape[1]
         rep = heads // kv_heads
         dv = v.shape[3]
-        # one job per (row, KV head): its rep query heads share each column read
-        for job in numba.prange(batch * kv_heads):
-            b = job // kv_heads
+        # one job per (query token, KV head): its rep query heads share each column read
+        for job in numba.prange(tokens * kv_heads):
+            t = job // kv_heads
             g = job % kv_heads
-            start = starts[b]
-            n = end - start
+            b = slots[t]
+            start = starts[t]
+            n = ends[t] - start
             qs = np.empty((rep, dim), dtype=np.float32)
             for r in range(rep):
                 for d in range(dim):
-                    qs[r, d] = q[b, g * rep + r, d] * scale
+                    qs[r, d] = q[t, g * rep + r, d] * scale
             scores = np.empty((rep, n), dtype=np.float32)
             for c in range(n):
                 kc = k[b, g, start + c]
@@ -100,9 +108,9 @@ def _jit(cache: bool):
                         acc[r, d] += p * vc[d]
             for r in range(rep):
                 for d in range(dv):
-                    out[b, g * rep + r, d] = acc[r, d]
+                    out[t, g * rep + r, d] = acc[r, d]
 
-    return decode
+    return attend
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -124,36 +132,50 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 def ragged_decode(query, key, value, starts, end: int, scale: float) -> torch.Tensor:
     """See the module. Raises RuntimeError without numba, ValueError for shapes, dtypes,
     devices or columns it does not take."""
+    batch = query.shape[0] if query.dim() == 3 else -1
+    if key.dim() == 4 and key.shape[0] != batch:
+        raise ValueError(f"ragged_decode: query {list(query.shape)} does not fit key {list(key.shape)} (other rows)")
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    if starts.shape != (max(batch, 0),):
+        raise ValueError(f"ragged_decode: {starts.shape[0] if starts.ndim else 0} starts for {batch} rows")
+    if not 0 < end <= (key.shape[2] if key.dim() == 4 else 0):
+        raise ValueError(f"ragged_decode: columns starts[b]:{end} must be non-empty within the KV's {list(key.shape)}")
+    slots = np.arange(len(starts), dtype=np.int64)
+    return ragged_packed(query, key, value, slots, starts, np.full(len(starts), int(end), dtype=np.int64), scale)
+
+
+def ragged_packed(query, key, value, slots, starts, ends, scale: float) -> torch.Tensor:
+    """See the module. Raises RuntimeError without numba, ValueError for shapes, dtypes,
+    devices, slots or columns it does not take."""
     global _kernel
     if numba is None:
-        raise RuntimeError("ragged_decode needs numba: pip install numba")
+        raise RuntimeError("ragged attention needs numba: pip install numba")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.device.type != "cpu" or t.dtype != torch.float32:
-            raise ValueError(f"ragged_decode: {name} must be float32 on the CPU, got {t.dtype} on {t.device}")
+            raise ValueError(f"ragged attention: {name} must be float32 on the CPU, got {t.dtype} on {t.device}")
     if query.dim() != 3 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(
-            f"ragged_decode: query [B, Hq, D], key and value [B, Hkv, W, D]; got {list(query.shape)}, "
+            f"ragged attention: query [N, Hq, D], key and value [B, Hkv, W, D]; got {list(query.shape)}, "
             f"{list(key.shape)}, {list(value.shape)}"
         )
-    batch, heads, dim = query.shape
-    if (
-        key.shape[0] != batch
-        or value.shape[:3] != key.shape[:3]
-        or key.shape[3] != dim
-        or heads % key.shape[1]
-    ):
+    tokens, heads, dim = query.shape
+    if value.shape[:3] != key.shape[:3] or key.shape[3] != dim or heads % key.shape[1]:
         raise ValueError(
-            f"ragged_decode: query {list(query.shape)} does not fit key {list(key.shape)} / value "
-            f"{list(value.shape)} (same rows, Hq a multiple of Hkv, the same head size for q and k)"
+            f"ragged attention: query {list(query.shape)} does not fit key {list(key.shape)} / value "
+            f"{list(value.shape)} (Hq a multiple of Hkv, the same head size for q and k)"
         )
-    starts = np.ascontiguousarray(starts, dtype=np.int64)
-    if starts.shape != (batch,):
-        raise ValueError(f"ragged_decode: {starts.shape[0] if starts.ndim else 0} starts for {batch} rows")
-    if not 0 < end <= key.shape[2] or (batch and (starts.min() < 0 or starts.max() >= end)):
+    slots, starts, ends = (np.ascontiguousarray(a, dtype=np.int64) for a in (slots, starts, ends))
+    if not slots.shape == starts.shape == ends.shape == (tokens,):
         raise ValueError(
-            f"ragged_decode: columns starts[b]:{end} must be non-empty within the KV's {key.shape[2]}"
+            f"ragged attention: {len(slots)} slots, {len(starts)} starts and {len(ends)} ends for {tokens} query tokens"
         )
-    out = torch.empty((batch, heads, value.shape[3]), dtype=torch.float32)
+    if tokens and (slots.min() < 0 or slots.max() >= key.shape[0]):
+        raise ValueError(f"ragged attention: slots must be rows of the KV's {key.shape[0]}")
+    if tokens and (starts.min() < 0 or (ends <= starts).any() or ends.max() > key.shape[2]):
+        raise ValueError(
+            f"ragged attention: each token's columns starts:ends must be non-empty within the KV's {key.shape[2]}"
+        )
+    out = torch.empty((tokens, heads, value.shape[3]), dtype=torch.float32)
     with _lock:
         if _kernel is None:
             _kernel = _compile()
@@ -163,8 +185,9 @@ def ragged_decode(query, key, value, starts, end: int, scale: float) -> torch.Te
             query.contiguous().numpy(),
             _whole(key).numpy(),
             _whole(value).numpy(),
+            slots,
             starts,
-            int(end),
+            ends,
             np.float32(scale),
             out.numpy(),
         )

@@ -21,6 +21,16 @@ two-row decode step through SDPA and through the kernel must give the same logit
 attention layer calling the registered function (a model that computes attention its own way
 keeps SDPA, logged). Not for concurrent forwards of one model from several threads while a
 step runs (the switch is the model config's); the demo's worker owns its model.
+
+    with ragged_attention.packed(model, slots, starts, ends) as kwargs:
+        out = model(input_ids=ids_1xN, position_ids=pos_1xN, past_key_values=cache, **kwargs)
+
+``packed`` runs one forward over N query tokens of several rows packed as one sequence (a
+decode step's token per row beside the prompt tokens of rows joining the batch:
+hf_patch.running_batch): token t attends to columns ``starts[t]:ends[t]`` of the cache's row
+``slots[t]`` (the cache scatters each token's KV to its row and column). It has no SDPA
+fallback (no rectangular mask expresses it): a call the kernel cannot compute raises. Callers
+use it only after ``verify(model)`` (and RunningBatch's own packed probe) passed.
 """
 
 from __future__ import annotations
@@ -36,11 +46,12 @@ import torch
 
 from cuda_ext import ragged_decode
 
-__all__ = ["NAME", "available", "columns", "verify"]
+__all__ = ["NAME", "PACKED", "available", "columns", "packed", "verify"]
 
 logger = logging.getLogger(__name__)
 
 NAME = "radixkv_ragged"
+PACKED = "radixkv_packed"  # the packed forward's setting: no mask built (the kernel needs none)
 _ENV = "RADIXKV_RAGGED_ATTENTION"
 
 _state = threading.local()  # calls of the registered function during a forward (verify)
@@ -61,7 +72,14 @@ def _ensure_registered() -> None:
 
     AttentionInterface.register(NAME, _attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # the SDPA fallback's mask
+    AttentionInterface.register(PACKED, _attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED, _no_mask)
     _registered = True
+
+
+def _no_mask(*args, **kwargs):
+    """The packed forward's mask: none (each token's columns are the kernel's plan)."""
+    return None
 
 
 def _plain(module, kwargs) -> bool:
@@ -78,6 +96,9 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     calls = getattr(_state, "calls", None)
     if calls is not None:
         _state.calls = calls + 1
+    packing = kwargs.pop("radixkv_packed", None)
+    if packing is not None:
+        return _packed_attention(module, query, key, value, packing, dropout, scaling, kwargs)
     plan = kwargs.pop("radixkv_columns", None)
     usable = (
         plan is not None
@@ -99,6 +120,28 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     out = ragged_decode.ragged_decode(query[:, :, 0], key, value, starts, end, scale)
     return out.unsqueeze(1), None  # [B, 1, heads, Dv], as sdpa_attention_forward returns
+
+
+def _packed_attention(module, query, key, value, packing, dropout, scaling, kwargs):
+    """The kernel over ``query`` ``[1, Hq, N, D]`` (N packed tokens); no fallback: raises
+    ValueError for a call it cannot compute."""
+    if getattr(_state, "calls", None) is not None:
+        _state.kernel_calls += 1
+    if (
+        query.shape[0] != 1
+        or dropout != 0.0
+        or query.requires_grad
+        or key.requires_grad
+        or not _plain(module, kwargs)
+    ):
+        raise ValueError(
+            "packed attention: one packed sequence of plain softmax attention, no dropout or grad "
+            f"(query {list(query.shape)}, dropout {dropout}, options {sorted(k for k, v in kwargs.items() if v is not None)})"
+        )
+    slots, starts, ends = packing
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    out = ragged_decode.ragged_packed(query[0].transpose(0, 1), key, value, slots, starts, ends, scale)
+    return out.unsqueeze(0), None  # [1, N, heads, Dv], as sdpa_attention_forward returns
 
 
 def _fits(model) -> bool:
@@ -135,6 +178,23 @@ def columns(model, starts, end: int, probing: bool = False):
     config._attn_implementation = NAME
     try:
         yield {"radixkv_columns": (np.asarray(starts, dtype=np.int64), int(end))}
+    finally:
+        config._attn_implementation = previous
+
+
+@contextlib.contextmanager
+def packed(model, slots, starts, ends):
+    """Within: the model's attention is the packed kernel for a forward given ``**kwargs`` over
+    one packed sequence (see the module; ``slots``, ``starts``, ``ends``: one int per token).
+    Raises ValueError where ``verify(model)`` did not pass."""
+    if not verify(model):
+        raise ValueError("packed attention: the model did not pass ragged_attention.verify")
+    _ensure_registered()
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = PACKED
+    try:
+        yield {"radixkv_packed": tuple(np.asarray(a, dtype=np.int64) for a in (slots, starts, ends))}
     finally:
         config._attn_implementation = previous
 
