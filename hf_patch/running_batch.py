@@ -7,6 +7,8 @@ steps, their KV kept across steps (a step loop over the model's forward, no gene
     slots = batch.admit(kv, ids, mask, first_tokens, prefill_keys(model, cache, ids.shape[0]))
     logits = batch.step()               # [slots, vocab] float32, one forward over [slots, 1]
     batch.set_next(tokens)              # the tokens sampled from those logits, one per slot
+    slots, cached = batch.seat(contexts, keys)   # or: rows join with their prompts uncomputed
+    logits = batch.step()               # ... and this step computes them beside the others' token
     batch.remove([i], commit=True)      # a finished row: its prompt + reply KV into the store
     moved = batch.compact()             # now and then: new slot j holds old slot moved[j]
 
@@ -24,6 +26,17 @@ shared prefix and adapter key parts, hf_patch.keys); a row admitted without one 
 off, reuse off, an unkeyable call) is never committed. ``commit`` stores a row's fed tokens
 up to its first EOS after its prompt (never padding, never the unfed last token), skipped when
 the model's weights changed since admission or the store was flushed meanwhile (epoch).
+
+Joining inside a step (``seat``, where ``packs(model)``: the CPU ragged kernel applies): a
+newcomer's context is placed right-aligned so that its last token is fed by the next step, its
+cached prefix read from the store into its columns, and the rest of its prompt left without KV
+(``pending``). The next ``step()`` is then one forward over the batch's tokens packed as one
+sequence (hf_patch.ragged_attention.packed): each live row's last token, and before it each
+newcomer's uncomputed prompt tokens, each attending to its own row's columns up to itself. So a
+newcomer costs the step its prompt tokens' compute, not a prefill forward of its own (on a CPU
+a small model's forward costs ~6 ms before its first token), and its first token comes out of
+that step with everyone's next one. After that step each seated row's prompt is committed
+(as the prefill generate() commits it).
 
 Only full-attention decoders with 1-D positions (``unsupported_reason(model)`` is None):
 sliding windows, M-RoPE and encoder-decoder models need state this layout does not keep. Not
@@ -47,9 +60,10 @@ from hf_patch.call import key_parts
 from hf_patch.keys.adapters import unkeyable_reason
 from hf_patch.keys.weights import fingerprint
 from hf_patch.layer import AppendLayer
+from hf_patch.model_spec import layer_specs
 from hf_patch.request import KeyParts
 
-__all__ = ["RowKeys", "RunningBatch", "prefill_keys", "unsupported_reason"]
+__all__ = ["RowKeys", "RunningBatch", "packs", "prefill_keys", "unsupported_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +115,77 @@ def prefill_keys(model, cache, rows: int) -> RowKeys | None:
     return RowKeys(keys, cache.store.epoch, fingerprint(model))
 
 
+class _SlotLayer(AppendLayer):
+    """A RunningBatch layer: appends a column per step, or for a packed step (``scatter`` set:
+    slots, columns, free slots) writes each packed token's KV at its own (slot, column) and
+    zeros the new column of the free slots (finite, masked)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scatter: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.scatter is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        slots, columns, free = self.scatter
+        end = self.length + 1
+        self._ensure_capacity(end)
+        for buf, states in ((self._k_buf, key_states), (self._v_buf, value_states)):
+            buf[slots, :, columns] = states[0].transpose(0, 1)  # [N, H, D] at (slot, column)
+            if len(free):
+                buf[free, :, self.length] = 0
+        self.length = end
+        self._refresh_views()
+        return self.keys, self.values
+
+
+def packs(model) -> bool:
+    """Whether newcomers may join ``model``'s RunningBatch inside a step (``seat``): the CPU
+    ragged kernel applies (hf_patch.ragged_attention.verify), and, probed once per model and
+    remembered on it (logged when not), a packed step gives the logits a plain step and a
+    separate prefill give (a row joining beside a decoding one)."""
+    if not ragged_attention.verify(model):
+        return False
+    known = getattr(model, "_radixkv_packed_ok", None)
+    if known is not None:
+        return known
+    try:
+        ok, reason = _probe_packed(model)
+    except Exception as e:  # a model the probe cannot run: rows join through prefill calls
+        ok, reason = False, f"the probe failed: {e!r}"
+    if not ok:
+        logger.warning("radixkv: newcomers join through prefill calls, not inside a step: %s", reason)
+    model._radixkv_packed_ok = ok
+    return ok
+
+
+def _probe_packed(model) -> tuple[bool, str | None]:
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(0, text.vocab_size, (2, 7), generator=g).tolist()
+    with torch.no_grad():
+        want_a = model(input_ids=torch.tensor([a[:6]]), logits_to_keep=1).logits[0, -1].float()
+        want_a2 = model(input_ids=torch.tensor([a]), logits_to_keep=1).logits[0, -1].float()
+        want_b = model(input_ids=torch.tensor([b[:5]]), logits_to_keep=1).logits[0, -1].float()
+    batch = RunningBatch(model)
+    batch._packed = True  # the probe itself must take the packed path
+    (sa,), _ = batch.seat([a[:6]])
+    got_a = batch.step()[sa]
+    batch.set_next([a[6] if i == sa else 0 for i in range(batch.size)])
+    (sb,), _ = batch.seat([b[:5]])
+    logits = batch.step()
+    got_a2, got_b = logits[sa], logits[sb]
+    for name, got, want in (
+        ("a prompt", got_a, want_a),
+        ("a decoding row", got_a2, want_a2),
+        ("a joining row", got_b, want_b),
+    ):
+        if not torch.allclose(got, want, rtol=1e-3, atol=1e-3):
+            return False, f"{name}'s logits differ by {(got - want).abs().max().item():.3g} in a packed step"
+    return True, None
+
+
 class RunningBatch:
     """The rows decoding now (see the module). ``store``: where ``commit`` writes (None: never).
 
@@ -120,6 +205,11 @@ class RunningBatch:
         self.last: list[int] = []  # per slot: the token to feed next (pad_id in a free slot)
         self.prompt_lengths: list[int] = []  # real tokens of each row's prompt (EOS after it ends it)
         self._keys: list[tuple[RowKeys, int] | None] = []  # (prefill keys, row in that call)
+        # per slot: columns before the last (width - pending .. width - 1) with no KV yet: the
+        # next step computes them (a row seated by ``seat``)
+        self.pending: list[int] = []
+        self._seated: list[int] = []  # slots seated since the last step: committed after it
+        self._packed: bool | None = None  # packs(model), asked once
 
     @property
     def size(self) -> int:
@@ -190,6 +280,91 @@ class RunningBatch:
             self._keys[slot] = (keys, r) if keys is not None else None
         return slots
 
+    def seat(
+        self, contexts: Sequence[Sequence[int]], keys: RowKeys | None = None, rows: Sequence[int] | None = None
+    ) -> tuple[list[int], list[int]]:
+        """Seat rows whose KV is not computed yet: ``contexts[r]`` the tokens of row r (its
+        prompt, or prompt and reply so far), placed so that its last token is fed by the next
+        ``step()``; its longest cached prefix (under ``keys``' row ``rows[r]``, default r; None:
+        nothing read nor committed) is read from the store now, and the next step computes the
+        rest beside the other rows' tokens, then commits it. Needs ``packs(model)``. Returns
+        each row's slot and its tokens read from the store."""
+        if not self.packed:
+            raise ValueError("seat: this model's rows cannot join inside a step (running_batch.packs)")
+        rows = list(range(len(contexts))) if rows is None else list(rows)
+        if len(rows) != len(contexts) or any(len(c) == 0 for c in contexts):
+            raise ValueError(f"seat: {len(contexts)} contexts (each non-empty) for {len(rows)} key rows")
+        longest = max((len(c) for c in contexts), default=0)
+        free = [i for i, alive in enumerate(self.live) if not alive]
+        if self.cache is None or longest - 1 > self.width or len(free) < len(contexts):
+            grow = max(0, len(contexts) - len(free))
+            like = None
+            if self.cache is None:
+                like = [
+                    (
+                        torch.empty((1, spec.num_kv_heads, 0, spec.k_head_dim), dtype=spec.dtype, device=spec.device),
+                        torch.empty((1, spec.num_kv_heads, 0, spec.v_head_dim), dtype=spec.dtype, device=spec.device),
+                    )
+                    for spec in layer_specs(self.model)
+                ]
+            self._relayout(list(range(self.size)), 0, max(self.width, longest - 1), self.size + grow, like)
+            free = [i for i, alive in enumerate(self.live) if not alive]
+        width = self.width
+        slots, cached = [], []
+        try:
+            for context, r in zip(contexts, rows):
+                slot = free.pop(0)
+                slots.append(slot)
+                cached.append(self._seat_one(slot, width, context, keys, r))
+        except BaseException:  # a store read failed: the rows seated so far leave, uncommitted
+            self.remove(slots[: len(cached)], commit=False)
+            self._seated = [i for i in self._seated if i not in set(slots)]
+            raise
+        return slots, cached
+
+    def _seat_one(self, slot: int, width: int, context: Sequence[int], keys: RowKeys | None, r: int) -> int:
+        """Seat one row in free ``slot`` (see ``seat``); returns its tokens read from the store."""
+        store = self.store if keys is not None else None
+        length = len(context)
+        pad = width + 1 - length  # its last token goes to the next step's column
+        ids = torch.tensor(context, dtype=torch.long)
+        for layer in self.cache.layers:
+            for buf in layer.buffers():
+                buf[slot, :, :pad] = 0  # padding: finite zeros, masked (the rest is written below)
+        hit = 0
+        if store is not None:
+            key = keys.keys.row(r, ids, 0)
+            lease = store.acquire(key.tokens, key.namespace, max_tokens=length - 1)
+            try:
+                hit = lease.num_tokens
+                if hit:
+                    layers = self.cache.layers
+                    store.read(
+                        [lease],
+                        hit,
+                        [layer.buffers()[0][slot : slot + 1, :, pad : pad + hit] for layer in layers],
+                        [layer.buffers()[1][slot : slot + 1, :, pad : pad + hit] for layer in layers],
+                    )
+            finally:
+                lease.release()
+        self.ids[slot] = self.pad_id
+        self.ids[slot, pad:] = ids[:-1]
+        self.mask[slot] = 0
+        self.mask[slot, pad:] = 1
+        self.live[slot], self.pads[slot], self.last[slot] = True, pad, int(context[-1])
+        self.prompt_lengths[slot] = length
+        self._keys[slot] = (keys, r) if keys is not None else None
+        self.pending[slot] = length - 1 - hit
+        self._seated.append(slot)
+        return hit
+
+    @property
+    def packed(self) -> bool:
+        """Whether rows may join inside a step (``packs(model)``, asked once per batch)."""
+        if self._packed is None:
+            self._packed = packs(self.model)
+        return self._packed
+
     def remove(self, slots: Sequence[int], commit: bool = True) -> int:
         """Free ``slots`` (committing each row first unless ``commit`` is False); the other rows
         keep their slots. Returns the tokens the commits added to the store."""
@@ -200,6 +375,7 @@ class RunningBatch:
             if commit:
                 added += self.commit(i)
             self.live[i], self.last[i], self._keys[i] = False, self.pad_id, None
+            self.pending[i] = 0
             self.mask[i] = 0
             self.ids[i] = self.pad_id
         return added
@@ -230,6 +406,8 @@ class RunningBatch:
         free slot's row is meaningless: it attends to its own fed token only)."""
         if not any(self.live):
             raise ValueError("step: the batch has no rows")
+        if any(self.pending):
+            return self._packed_step(**model_kwargs)
         device = self.cache.layers[0].keys.device
         tokens = torch.tensor(self.last, dtype=torch.long).unsqueeze(1)
         positions = self.mask.sum(dim=1, keepdim=True)  # real tokens before this one
@@ -250,7 +428,74 @@ class RunningBatch:
         free = torch.tensor([not alive for alive in self.live])
         mask[free, -1] = 0  # a free slot's column stays masked (its fed token was no row's)
         self.ids, self.mask = torch.cat([self.ids, tokens], dim=1), mask
+        self._commit_seated()
         return out.logits[:, -1, :].to(dtype=torch.float32)
+
+    def _packed_step(self, **model_kwargs) -> torch.Tensor:
+        """``step()`` with seated rows: one forward over the live rows' tokens packed as one
+        sequence (each row's pending prompt tokens, then its last token, all at their own
+        positions), each attending to its row's columns up to itself."""
+        live = self.rows
+        logits = self._packed_forward(live, **model_kwargs)
+        fed = torch.tensor(self.last, dtype=torch.long).unsqueeze(1)
+        column = torch.tensor([1 if alive else 0 for alive in self.live], dtype=torch.long).unsqueeze(1)
+        self.ids, self.mask = torch.cat([self.ids, fed], dim=1), torch.cat([self.mask, column], dim=1)
+        full = torch.zeros((self.size, logits.shape[-1]), dtype=torch.float32, device=logits.device)
+        full[torch.tensor(live, dtype=torch.long, device=logits.device)] = logits
+        self._commit_seated()
+        return full
+
+    def _packed_forward(self, slots: list[int], **model_kwargs) -> torch.Tensor:
+        """One forward over ``slots``' pending columns and each slot's last token at the new
+        column ``width`` (the other slots' new column is zeroed), packed as one sequence;
+        returns the logits ``[len(slots), vocab]`` float32 after each slot's last token.
+        Clears their pending columns."""
+        width = self.width
+        device = self.cache.layers[0].keys.device
+        tokens, positions, owners, columns, starts, keep = [], [], [], [], [], []
+        for i in slots:
+            first = width - self.pending[i]
+            pad = self.pads[i]
+            end = width + 1
+            tokens += self.ids[i, first:width].tolist() + [self.last[i]]
+            positions += range(first - pad, end - pad)
+            columns += range(first, end)
+            owners += [i] * (end - first)
+            starts += [pad] * (end - first)
+            keep.append(len(tokens) - 1)
+        free = [i for i, alive in enumerate(self.live) if not alive]
+        plan = (
+            torch.tensor(owners, dtype=torch.long, device=device),
+            torch.tensor(columns, dtype=torch.long, device=device),
+            torch.tensor(free, dtype=torch.long, device=device),
+        )
+        for layer in self.cache.layers:
+            layer.scatter = plan
+        ends = [c + 1 for c in columns]
+        try:
+            with torch.no_grad(), ragged_attention.packed(self.model, owners, starts, ends) as packing:
+                out = self.model(
+                    input_ids=torch.tensor([tokens], dtype=torch.long, device=device),
+                    position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+                    past_key_values=self.cache,
+                    use_cache=True,
+                    logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+                    **model_kwargs,
+                    **packing,
+                )
+        finally:
+            for layer in self.cache.layers:
+                layer.scatter = None
+        for i in slots:
+            self.pending[i] = 0
+        return out.logits[0].to(dtype=torch.float32)
+
+    def _commit_seated(self) -> None:
+        """Commit the prompts of the rows seated before this step (their KV is complete now)."""
+        seated, self._seated = self._seated, []
+        for i in seated:
+            if self.live[i]:
+                self.commit(i)
 
     def set_next(self, tokens: Sequence[int]) -> None:
         """The tokens sampled from the last ``step()``'s logits, one per slot (fed next)."""
@@ -303,6 +548,7 @@ class RunningBatch:
         self.ids = torch.zeros((0, 0), dtype=torch.long)
         self.mask = torch.zeros((0, 0), dtype=torch.long)
         self.live, self.pads, self.last, self.prompt_lengths, self._keys = [], [], [], [], []
+        self.pending, self._seated = [], []
 
     def _relayout(self, keep: list[int], trim: int, width: int, slots: int, like) -> None:
         """New zeroed buffers of ``slots`` x ``width`` (+ headroom) columns; new slot j holds old
@@ -314,7 +560,7 @@ class RunningBatch:
         index = torch.tensor(keep, dtype=torch.long)
         layers = []
         for k0, v0 in source:
-            layer = AppendLayer()
+            layer = _SlotLayer()
             layer.allocate(
                 slots, k0.shape[1], k0.shape[3], v0.shape[3], width + HEADROOM, k0.dtype, k0.device
             )
@@ -337,3 +583,6 @@ class RunningBatch:
         self.last = [self.last[i] for i in keep] + [self.pad_id] * free
         self.prompt_lengths = [self.prompt_lengths[i] for i in keep] + [0] * free
         self._keys = [self._keys[i] for i in keep] + [None] * free
+        self.pending = [self.pending[i] for i in keep] + [0] * free
+        where = {old: new for new, old in enumerate(keep)}
+        self._seated = [where[i] for i in self._seated if i in where]

@@ -73,6 +73,28 @@ def admit(batch: RunningBatch, model, store, rows: list[Row], running: dict, cac
     running.update(zip(slots, rows))
 
 
+def seat(batch: RunningBatch, model, store, rows: list[Row], running: dict, cache_prompt=True) -> None:
+    """The engine's admission where the batch packs: the newcomers are seated with their cached
+    prefixes read from the store; the next step computes the rest of their prompts beside the
+    running rows' tokens and gives their first tokens."""
+    keys = None
+    if cache_prompt:
+        cache = hf_patch.RadixCache(store=store, namespace=[r.namespace for r in rows])
+        keys = prefill_keys(model, cache, len(rows))
+    slots, cached = batch.seat([r.prompt for r in rows], keys)
+    for r, hit in zip(rows, cached):
+        r.cached = hit
+    assert sorted(batch.rows) == sorted([*running, *slots])
+    running.update(zip(slots, rows))
+
+
+@pytest.fixture(params=["prefill", "seat"])
+def join(request):
+    """How newcomers join: an admission prefill (RunningBatch.admit) or seated for the next
+    step (RunningBatch.seat)."""
+    return admit if request.param == "prefill" else seat
+
+
 def run(batch: RunningBatch, running: dict, steps: int) -> None:
     """``steps`` decode steps; a row that reached its length or EOS is removed (committed)."""
     for _ in range(steps):
@@ -89,7 +111,7 @@ def run(batch: RunningBatch, running: dict, steps: int) -> None:
 
 
 def retire(batch: RunningBatch, running: dict) -> None:
-    done = [i for i, r in running.items() if len(r.out) >= r.new or r.out[-1] == EOS]
+    done = [i for i, r in running.items() if len(r.out) >= r.new or (r.out and r.out[-1] == EOS)]
     batch.remove(done)
     for i in done:
         del running[i]
@@ -100,7 +122,7 @@ def retire(batch: RunningBatch, running: dict) -> None:
         running.update({j: old[i] for j, i in enumerate(moved)})
 
 
-def test_rows_admitted_at_different_steps_equal_stock_alone_greedy_and_seeded():
+def test_rows_admitted_at_different_steps_equal_stock_alone_greedy_and_seeded(join):
     model = shared(MODEL)
     store = store_for(model)
     batch = RunningBatch(model, store, PAD, [EOS])
@@ -109,30 +131,30 @@ def test_rows_admitted_at_different_steps_equal_stock_alone_greedy_and_seeded():
     c = Row(tokens(31, 3), 6)  # wider than the batch: the running rows are padded further
     d = Row(tokens(5, 4), 8, seed=11, temperature=1.3)
     running: dict = {}
-    admit(batch, model, store, [a], running)
+    join(batch, model, store, [a], running)
     run(batch, running, 3)
-    admit(batch, model, store, [b, c], running)
+    join(batch, model, store, [b, c], running)
     run(batch, running, 2)
-    admit(batch, model, store, [d], running)
+    join(batch, model, store, [d], running)
     run(batch, running, 20)
     assert batch.size == 0 and not running
     for r in (a, b, c, d):
         assert r.out == stock_alone(model, r), r.prompt
 
 
-def test_a_removed_row_leaves_the_others_exact_and_its_reply_is_read_back():
+def test_a_removed_row_leaves_the_others_exact_and_its_reply_is_read_back(join):
     model = shared(MODEL)
     store = store_for(model)
     batch = RunningBatch(model, store, PAD, [EOS])
     long_, short = Row(tokens(9, 7), 14), Row(tokens(26, 8), 5)
     running: dict = {}
-    admit(batch, model, store, [long_, short], running)
+    join(batch, model, store, [long_, short], running)
     run(batch, running, 5)  # the short (wide) row leaves: its slot is freed
     assert list(running.values()) == [long_]
     # its prompt + reply (less its last, unfed token) were committed: a follow-up whose prompt
     # is that conversation reads it from the store, and takes its free slot beside the long row
     follow = Row(short.prompt + short.out + tokens(3, 9), 4)
-    admit(batch, model, store, [follow], running)
+    join(batch, model, store, [follow], running)
     assert batch.size == 2 and follow.cached == (len(short.prompt) + len(short.out) - 1) // 4 * 4
     run(batch, running, 20)
     assert batch.size == 0 and not running
@@ -140,22 +162,22 @@ def test_a_removed_row_leaves_the_others_exact_and_its_reply_is_read_back():
         assert r.out == stock_alone(model, r)
 
 
-def test_rows_of_other_namespaces_and_cache_prompt_false_are_never_committed_or_read():
+def test_rows_of_other_namespaces_and_cache_prompt_false_are_never_committed_or_read(join):
     model = shared(MODEL)
     store = store_for(model)
     batch = RunningBatch(model, store, PAD, [EOS])
     plain = Row(tokens(24, 10), 6)
     running: dict = {}
-    admit(batch, model, store, [plain], running, cache_prompt=False)
+    join(batch, model, store, [plain], running, cache_prompt=False)
     run(batch, running, 10)
     assert plain.out == stock_alone(model, plain)
     assert store.stats()["inserted_tokens"] == 0 and store.stats()["cached_blocks"] == 0
     again = Row(plain.prompt + plain.out, 3)
-    admit(batch, model, store, [again], running)
+    join(batch, model, store, [again], running)
     assert again.cached == 0  # nothing of the cache_prompt=false row was stored
     run(batch, running, 5)
     other = Row(plain.prompt + plain.out, 3, namespace="tenant-b")
-    admit(batch, model, store, [other], running)
+    join(batch, model, store, [other], running)
     assert other.cached == 0  # the first namespace's reply is not another tenant's
     run(batch, running, 5)
     assert other.out == again.out == stock_alone(model, again)
@@ -203,13 +225,13 @@ def test_m_rope_and_encoder_decoder_configs_are_refused():
     assert "encoder-decoder" in unsupported_reason(SimpleNamespace(config=t5))
 
 
-def test_bad_calls_are_refused_with_the_part_named_and_change_nothing():
+def test_bad_calls_are_refused_with_the_part_named_and_change_nothing(join):
     model = shared(MODEL)
     store = store_for(model)
     batch = RunningBatch(model, store, PAD, [EOS])
     running: dict = {}
     row = Row(tokens(10, 20), 4)
-    admit(batch, model, store, [row], running)
+    join(batch, model, store, [row], running)
     before = (batch.size, batch.width, batch.ids.clone(), batch.mask.clone())
     kv = [(layer.keys[:1], layer.values[:1]) for layer in batch.cache.layers]
     ids, mask = left_pad([tokens(batch.width, 21)])
@@ -231,13 +253,13 @@ def test_bad_calls_are_refused_with_the_part_named_and_change_nothing():
         batch.step()
 
 
-def test_a_row_is_not_committed_when_the_weights_changed_while_it_decoded():
+def test_a_row_is_not_committed_when_the_weights_changed_while_it_decoded(join):
     model = build(MODEL)
     store = store_for(model)
     batch = RunningBatch(model, store, PAD, [EOS])
     running: dict = {}
     row = Row(tokens(9, 30), 8)
-    admit(batch, model, store, [row], running)
+    join(batch, model, store, [row], running)
     run(batch, running, 3)
     inserted = store.stats()["inserted_tokens"]
     with torch.no_grad():
@@ -449,13 +471,14 @@ def test_shutdown_returns_once_the_cut_rows_left_with_their_kv_stored():
 
 
 def test_a_failure_after_the_admission_prefill_answers_the_newcomers_and_the_rows(engine, monkeypatch):
-    """Splicing newcomers into the batch can fail past the prefill call (memory, say): every
-    request of the loop, the newcomers included, gets the error (none waits forever), and the
-    next request is served as stock."""
+    """Splicing newcomers' prefilled KV into the batch can fail (memory, say): every request of
+    the loop, the newcomers included, gets the error (none waits forever), and the next request
+    is served as stock."""
     from demo.engine.engine import Params
     from hf_patch.running_batch import RunningBatch
 
     ids = [engine.text_ids(f"request {i} about the harbour of Lima") for i in range(2)]
+    monkeypatch.setattr(RunningBatch, "packed", property(lambda self: False))  # prefill calls
     calls, admit = [], RunningBatch.admit
 
     def failing(self, *args, **kwargs):
@@ -475,5 +498,35 @@ def test_a_failure_after_the_admission_prefill_answers_the_newcomers_and_the_row
     assert len(calls) == 2
     after = engine.submit(ids[1], Params(5, temperature=0.0)).collect()
     assert after.text == engine_stock(engine, ids[1], Params(5, temperature=0.0))
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0 and engine.running == 0
+
+
+def test_a_store_read_failing_while_seating_answers_the_newcomers_and_the_rows_go_on(engine, monkeypatch):
+    """Seating newcomers for a packed step reads their cached prefixes; if a read fails (a
+    remote tier gone, say) the newcomers get the error, none is left half-seated, the running
+    row finishes as stock, and the next request is served as stock."""
+    from demo.engine.engine import Params
+    from hf_patch.running_batch import packs
+
+    assert packs(engine.model)
+    cached = engine.text_ids("a question about the harbour of Quito, asked twice")
+    engine.submit(cached, Params(3, temperature=0.0)).collect()  # its prompt is in the store now
+    running_ids = engine.text_ids("a long answer about the ships of Porto")
+    store, read = engine.store, engine.store.read
+    first = engine.submit(running_ids, Params(60, temperature=0.0))
+    wait_for(lambda: first.generated >= 3)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("store read failed (simulated)")
+
+    monkeypatch.setattr(store, "read", failing)
+    newcomer = engine.submit(cached, Params(5, temperature=0.0))
+    with pytest.raises(RuntimeError, match="simulated"):
+        newcomer.collect()
+    monkeypatch.setattr(store, "read", read)
+    assert first.collect().text == engine_stock(engine, running_ids, Params(60, temperature=0.0))
+    after = engine.submit(cached, Params(5, temperature=0.0)).collect()
+    assert after.text == engine_stock(engine, cached, Params(5, temperature=0.0))
     engine.check_invariants()
     assert engine.stats()["pinned_blocks"] == 0 and engine.running == 0
