@@ -50,10 +50,11 @@ class Config:
     # prompt tokens a long prompt computes per turn while other requests decode (prefilled in
     # slices between decode chunks, docs/batching.md); 0: a long prompt is prefilled at once
     prefill_chunk: int = 256
-    # step loop: prompt tokens newcomers may compute between two decode steps (the first one
-    # in line always joins); 0: no budget, every newcomer that fits joins at once
-    # (docs/batching.md#the-admission-budget: why it is off by default)
-    max_prefill_tokens: int = 0
+    # step loop: prompt tokens newcomers may compute per decode step (the first one in line
+    # always joins); 0: no budget, every newcomer that fits joins at once; None: twice
+    # max_batch_size (at least 64) where newcomers join inside steps (the CPU kernel), else none
+    # (docs/batching.md#the-admission-budget)
+    max_prefill_tokens: int | None = None
     # open connections one client address may hold; None: half of the server's connection
     # limit, 0: no cap (behind a trusted proxy or gateway, which is one address for everyone)
     connections_per_address: int | None = None
@@ -124,7 +125,7 @@ class Config:
             raise ValueError(
                 f"prefill_chunk must be 0 (off) or a multiple of block_size {self.block_size}, got {self.prefill_chunk}"
             )
-        if self.max_prefill_tokens < 0:
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 0:
             raise ValueError(f"max_prefill_tokens must be >= 0 (0: no budget), got {self.max_prefill_tokens}")
         if self.connections_per_address is not None and self.connections_per_address < 0:
             raise ValueError(f"connections_per_address must be >= 0, got {self.connections_per_address}")
@@ -371,8 +372,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-prefill-tokens",
         type=int,
-        help="step loop: prompt tokens newcomers compute between two decode steps (the first in "
-        "line always joins; the rest join at the next steps, in order; default 0 = no budget; env "
+        help="step loop: prompt tokens newcomers compute per decode step (the first in line always "
+        "joins; the rest join at the next steps, in order; 0 = no budget; default twice "
+        "--max-batch-size, at least 64, where newcomers join inside steps (the CPU kernel), else none; env "
         "RADIXKV_MAX_PREFILL_TOKENS)",
     )
     p.add_argument(

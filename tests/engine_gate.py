@@ -9,20 +9,25 @@ from demo.engine.engine import Params
 
 
 class Held:
-    """Holds the worker inside a blocker's generate() until released, while the requests under
-    test queue."""
+    """Holds the worker inside a blocker's generate() call, or its joining the step loop, until
+    released, while the requests under test queue."""
 
     def __init__(self, engine, monkeypatch):
+        from demo.engine.step_loop import StepLoop
+
         self.entered, self.release = threading.Event(), threading.Event()
-        generate = engine.model.generate
 
-        def held(*args, **kwargs):
-            if not self.release.is_set():
-                self.entered.set()
-                assert self.release.wait(60)
-            return generate(*args, **kwargs)
+        def hold(call):
+            def held(*args, **kwargs):
+                if not self.release.is_set():
+                    self.entered.set()
+                    assert self.release.wait(60)
+                return call(*args, **kwargs)
 
-        monkeypatch.setattr(engine.model, "generate", held)
+            return held
+
+        monkeypatch.setattr(engine.model, "generate", hold(engine.model.generate))
+        monkeypatch.setattr(StepLoop, "_join", hold(StepLoop._join))
         self.blocker = engine.submit(engine.text_ids("blocker"), Params(1, temperature=0.0))
         assert self.entered.wait(30)
 
@@ -48,11 +53,12 @@ def collect_all(gens) -> list:
 def spy_batches(monkeypatch, least: int = 1) -> list[int]:
     """Sizes (in requests) of the batches the worker forms, of at least ``least`` requests, on
     either decoding path: each generate() call of demo.engine.batching.run_batch, and each
-    admission into the step loop (demo.engine.step_loop.StepLoop._admit: one prefill call)."""
+    admission into the step loop (demo.engine.step_loop.StepLoop._join: one prefill call, or
+    rows seated for one step)."""
     from demo.engine import batching
     from demo.engine.step_loop import StepLoop
 
-    sizes, run, admit = [], batching.run_batch, StepLoop._admit
+    sizes, run, admit = [], batching.run_batch, StepLoop._join
 
     def spy_run(runner, gens, *args):
         if len(gens) >= least:
@@ -65,7 +71,7 @@ def spy_batches(monkeypatch, least: int = 1) -> list[int]:
         return admit(loop, gens)
 
     monkeypatch.setattr(batching, "run_batch", spy_run)
-    monkeypatch.setattr(StepLoop, "_admit", spy_admit)
+    monkeypatch.setattr(StepLoop, "_join", spy_admit)
     return sizes
 
 

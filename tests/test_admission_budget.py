@@ -99,7 +99,7 @@ def test_the_flag_and_env_var_set_the_budget(monkeypatch):
         == 48
     )
     assert from_args(["--model", "builtin-tiny", "--max-prefill-tokens", "0"], env={}).max_prefill_tokens == 0
-    assert from_args(["--model", "builtin-tiny"], env={}).max_prefill_tokens == 0  # off by default
+    assert from_args(["--model", "builtin-tiny"], env={}).max_prefill_tokens is None  # the engine's default
     with pytest.raises(ValueError, match="RADIXKV_MAX_PREFILL_TOKENS"):
         from_args(["--model", "builtin-tiny"], env={"RADIXKV_MAX_PREFILL_TOKENS": "lots"})
 
@@ -111,13 +111,6 @@ def test_a_burst_over_the_budget_joins_over_several_steps_each_equal_to_alone(en
     from demo.engine.step_loop import StepLoop
 
     admitted: list[list[int]] = []
-    admit = StepLoop._admit
-
-    def spy(loop, gens):
-        admitted.append([id(g) for g in gens])
-        return admit(loop, gens)
-
-    monkeypatch.setattr(StepLoop, "_admit", spy)
     ids = [engine.text_ids(f"newcomer {i} asks about Quito") for i in range(5)]
     cost = max(len(i) for i in ids)
     monkeypatch.setattr(engine.scheduler, "max_prefill_tokens", cost)
@@ -126,19 +119,49 @@ def test_a_burst_over_the_budget_joins_over_several_steps_each_equal_to_alone(en
         return Params(6, temperature=0.0) if i % 2 == 0 else Params(6, temperature=0.9, seed=3 + i, top_p=0.9)
 
     long_ids = engine.text_ids("a long row about the harbour of Porto and its ships")
-    held = Held(engine, monkeypatch)
-    admitted.clear()
+    held = Held(engine, monkeypatch)  # the blocker's admission is held before the spy counts
+    admit = StepLoop._join
+
+    def spy(loop, gens):
+        admitted.append([id(g) for g in gens])
+        return admit(loop, gens)
+
+    monkeypatch.setattr(StepLoop, "_join", spy)
     waits, admissions = sum(engine.scheduler.queue_waits.counts), engine.scheduler.admissions
     running = engine.submit(long_ids, Params(40, temperature=0.0))
     burst = [engine.submit(x, options(i)) for i, x in enumerate(ids)]
     held.go()
     results = collect_all([running, *burst])
     assert admitted == [[id(running)], *[[id(g)] for g in burst]]  # one per step, in order
-    # /metrics: each request's admission wait observed once, when it joined; 5 joined the loop
+    # /metrics: each request's admission wait observed once, when it joined
     assert sum(engine.scheduler.queue_waits.counts) == waits + 6
-    assert engine.scheduler.admissions == admissions + 5
+    # with seated newcomers (RunningBatch.seat) the blocker still decodes when the running row
+    # comes (its first token comes from the next step), so that row joins its loop too
+    from hf_patch.running_batch import packs
+
+    assert engine.scheduler.admissions == admissions + (6 if packs(engine.model) else 5)
     assert results[0].text == engine_stock(engine, long_ids, Params(40, temperature=0.0))
     for i, (x, r) in enumerate(zip(ids, results[1:])):
         assert r.text == engine_stock(engine, x, options(i)) and r.completion_tokens == 6
     engine.check_invariants()
     assert engine.stats()["pinned_blocks"] == 0
+
+
+def test_the_default_budget_is_set_where_newcomers_join_inside_steps(engine, monkeypatch):  # noqa: F811
+    """By default (None) an engine whose rows join inside decode steps (the CPU kernel:
+    RunningBatch.seat) bounds each step's newcomer prompt tokens by twice --max-batch-size, at
+    least 64; one whose newcomers join through prefill calls has no budget; 0 is no budget."""
+    from demo.engine.engine import Engine
+    from hf_patch.running_batch import packs
+
+    assert packs(engine.model)
+    built = {}
+    for name, kwargs in (("default", {}), ("wide", {"max_batch_size": 48}), ("off", {"max_prefill_tokens": 0})):
+        e = Engine(engine.model, engine.tokenizer, engine.context, reuse=False, **kwargs)
+        built[name] = e.scheduler.max_prefill_tokens
+        e.shutdown(5)
+    assert built == {"default": 64, "wide": 96, "off": 0}
+    monkeypatch.setattr(type(engine.loop.batch), "packed", property(lambda self: False))
+    e = Engine(engine.model, engine.tokenizer, engine.context, reuse=False)
+    assert e.scheduler.max_prefill_tokens == 0
+    e.shutdown(5)

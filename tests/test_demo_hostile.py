@@ -79,10 +79,21 @@ def test_generation_failing_mid_stream_is_counted_as_500(engine, monkeypatch):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(engine.model, "generate", fail_after_a_token)
+    from hf_patch.running_batch import RunningBatch
+
+    steps, step = [], RunningBatch.step
+
+    def fail_at_the_second_step(self, **kwargs):  # the step loop: a token out, then the failure
+        steps.append(1)
+        if len(steps) == 2:
+            raise RuntimeError("boom")
+        return step(self, **kwargs)
+
+    monkeypatch.setattr(RunningBatch, "step", fail_at_the_second_step)
     r = app.test_client().post("/v1/chat/completions", json=chat(stream=True, max_tokens=8))
     body = r.get_data(as_text=True)
     assert "generation failed" in body
-    monkeypatch.setattr(engine.model, "generate", generate)
+    monkeypatch.undo()
     metrics = app.test_client().get("/metrics").get_data(as_text=True)
     assert count(metrics, "chat", 500) == 1 and count(metrics, "chat", 200) == 0, metrics
 
@@ -105,18 +116,24 @@ def test_stream_hang_up_is_counted_as_499(engine):
 
 
 class Gate:
-    """Holds the engine's model.generate() until opened; `entered` is set when one is held."""
+    """Holds the engine's model.generate(), or rows joining its step loop, until opened;
+    `entered` is set when one is held."""
 
     def __init__(self, model, monkeypatch):
+        from demo.engine.step_loop import StepLoop
+
         self.entered, self.open = threading.Event(), threading.Event()
-        generate = model.generate
 
-        def held(*args, **kwargs):
-            self.entered.set()
-            assert self.open.wait(60)
-            return generate(*args, **kwargs)
+        def hold(call):
+            def held(*args, **kwargs):
+                self.entered.set()
+                assert self.open.wait(60)
+                return call(*args, **kwargs)
 
-        monkeypatch.setattr(model, "generate", held)
+            return held
+
+        monkeypatch.setattr(model, "generate", hold(model.generate))
+        monkeypatch.setattr(StepLoop, "_join", hold(StepLoop._join))
 
 
 def test_full_queue_refuses_before_tokenising_with_retry_after(engine, monkeypatch):

@@ -414,7 +414,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
             reuse=engine.store is not None,
             queued=engine.queued,
             engine_histograms=(
-                ("radixkv_batch_size", "Requests per generate() call.", engine.scheduler.batch_sizes),
+                ("radixkv_batch_size", "Requests per generate() call (in the step loop: per admission).", engine.scheduler.batch_sizes),
                 (
                     "radixkv_queue_wait_seconds",
                     "Admission wait: submit to the request's first batch.",

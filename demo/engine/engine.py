@@ -55,7 +55,7 @@ class Engine:
         max_batch_tokens: int = 16384,
         decode_chunk: int = 16,
         prefill_chunk: int = 256,
-        max_prefill_tokens: int = 0,
+        max_prefill_tokens: int | None = None,
         adapters=None,
         processor=None,
         step_loop: bool = True,
@@ -75,7 +75,7 @@ class Engine:
             max_batch_tokens,
             decode_chunk,
             prefill_chunk if reuse else 0,
-            max_prefill_tokens,
+            max_prefill_tokens or 0,
         )
         self.store = None
         if reuse:
@@ -95,6 +95,14 @@ class Engine:
         if reason is None:
             self.loop = StepLoop(self.runner, self.scheduler, on_step=self.scheduler.rows_per_step.observe)
             self.scheduler.path = self.loop.takes
+            if max_prefill_tokens is None and self.loop.batch.packed:
+                # newcomers' prompts are computed inside steps: bound what they add to one (twice
+                # the decode tokens of a full batch, at least 64; docs/batching.md#the-admission-budget)
+                self.scheduler.max_prefill_tokens = max(64, 2 * max_batch_size)
+                log.info(
+                    "newcomers join inside decode steps, within %d prompt tokens a step",
+                    self.scheduler.max_prefill_tokens,
+                )
         else:
             log.info("decoding in generate() calls of --decode-chunk steps, not the step loop: %s", reason)
         self._worker = threading.Thread(target=self._serve, name="radixkv-generate", daemon=True)

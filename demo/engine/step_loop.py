@@ -84,6 +84,8 @@ class StepLoop:
         # probe the model for the CPU decode kernel (and compile it) now, not in the first step
         if ragged_attention.verify(runner.model):
             log.info("decode steps read each row's own columns (hf_patch.ragged_attention)")
+            if self.batch.packed:  # probed now too
+                log.info("newcomers' prompts are computed inside decode steps (RunningBatch.seat)")
         self.rows: list[Row | None] = []  # per slot of the batch: (request, its row), None: free
         self.made: list[int] = []  # per slot: tokens its row made so far
         self.sampler: RowSampler | None = None  # over the live slots `sampled`, in order
@@ -142,7 +144,7 @@ class StepLoop:
         steps = 0
         try:
             with self.runner.lock:
-                self._admit(first)
+                self._join(first)
             while self._live():
                 with self.runner.lock:
                     if self.scheduler.queued:
@@ -155,7 +157,7 @@ class StepLoop:
                         if aside is not None:
                             self._aside(aside)
                         if newcomers:
-                            self._admit(newcomers)
+                            self._join(newcomers)
                     if self._live():
                         self._step()
                         steps += 1
@@ -191,6 +193,50 @@ class StepLoop:
         return [i for i, r in enumerate(self.rows) if r is not None]
 
     # -- admission ------------------------------------------------------------------------------
+    def _join(self, gens: list[Generation]) -> None:
+        """Newcomers join: seated for the next step to compute their prompts (where the batch
+        packs: RunningBatch.seat), else through an admission prefill (`_admit`)."""
+        if not self.batch.packed:
+            self._admit(gens)
+            return
+        self.admitting = list(gens)
+        for cache_prompt in (True, False):
+            group = [g for g in gens if g.params.cache_prompt == cache_prompt and not g.gone_before_running()]
+            if group:
+                self._seat(group)
+        self.admitting = []
+        self.scheduler.set_running(self._gens())
+
+    def _seat(self, gens: list[Generation]) -> None:
+        """Seat ``gens``' rows (their contexts: prompt, or prompt and reply so far) for the next
+        step, which computes their uncached tokens beside the running rows' and samples their
+        first tokens with everyone's (the step's RowSampler: each row's own options)."""
+        from hf_patch.running_batch import prefill_keys
+
+        runner = self.runner
+        rows = [(row.gen, row.row) for row in batching.layout(gens)[0]]
+        self.scheduler.batch_sizes.observe(len(gens))  # requests per admission
+        cache = runner.cache(gens, [g for g, _ in rows])
+        keys = None
+        if cache is not None:
+            with self._base():  # keyed as the base model computes it
+                keys = prefill_keys(runner.model, cache, len(rows))
+        try:
+            slots, cached = self.batch.seat([g.contexts[r] for g, r in rows], keys)
+        except Exception as e:  # (a store read) the newcomers get the error; the running rows go on
+            log.exception("seating newcomers failed")
+            for g in gens:
+                self._close(g, ("error", e))
+            return
+        grow = self.batch.size - len(self.rows)
+        self.rows += [None] * grow
+        self.made += [0] * grow
+        for slot, (g, r), hit in zip(slots, rows, cached):
+            if g.cached is None:  # a sliced prompt counted its store reads in its first slice
+                g.cached = hit
+            self.rows[slot], self.made[slot] = Row(g, r, 0), g.replied(r)
+        self.sampler = None  # rebuilt over the new layout at the next step
+
     def _admit(self, gens: list[Generation]) -> None:
         """Prefill ``gens`` (one generate() of one token per cache_prompt group) and splice their
         rows into the batch; their first tokens are streamed. If anything past the prefill call
