@@ -134,14 +134,20 @@ def ragged_decode(query, key, value, starts, end: int, scale: float) -> torch.Te
     devices or columns it does not take."""
     batch = query.shape[0] if query.dim() == 3 else -1
     if key.dim() == 4 and key.shape[0] != batch:
-        raise ValueError(f"ragged_decode: query {list(query.shape)} does not fit key {list(key.shape)} (other rows)")
+        raise ValueError(
+            f"ragged_decode: query {list(query.shape)} does not fit key {list(key.shape)} (other rows)"
+        )
     starts = np.ascontiguousarray(starts, dtype=np.int64)
     if starts.shape != (max(batch, 0),):
         raise ValueError(f"ragged_decode: {starts.shape[0] if starts.ndim else 0} starts for {batch} rows")
     if not 0 < end <= (key.shape[2] if key.dim() == 4 else 0):
-        raise ValueError(f"ragged_decode: columns starts[b]:{end} must be non-empty within the KV's {list(key.shape)}")
+        raise ValueError(
+            f"ragged_decode: columns starts[b]:{end} must be non-empty within the KV's {list(key.shape)}"
+        )
     slots = np.arange(len(starts), dtype=np.int64)
-    return ragged_packed(query, key, value, slots, starts, np.full(len(starts), int(end), dtype=np.int64), scale)
+    return ragged_packed(
+        query, key, value, slots, starts, np.full(len(starts), int(end), dtype=np.int64), scale
+    )
 
 
 def ragged_packed(query, key, value, slots, starts, ends, scale: float) -> torch.Tensor:
@@ -152,7 +158,9 @@ def ragged_packed(query, key, value, slots, starts, ends, scale: float) -> torch
         raise RuntimeError("ragged attention needs numba: pip install numba")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.device.type != "cpu" or t.dtype != torch.float32:
-            raise ValueError(f"ragged attention: {name} must be float32 on the CPU, got {t.dtype} on {t.device}")
+            raise ValueError(
+                f"ragged attention: {name} must be float32 on the CPU, got {t.dtype} on {t.device}"
+            )
     if query.dim() != 3 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(
             f"ragged attention: query [N, Hq, D], key and value [B, Hkv, W, D]; got {list(query.shape)}, "

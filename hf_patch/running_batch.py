@@ -58,12 +58,12 @@ from hf_patch import ragged_attention
 from hf_patch.cache import RadixCache
 from hf_patch.call import key_parts
 from hf_patch.keys.adapters import unkeyable_reason
-from hf_patch.keys.weights import fingerprint
+from hf_patch.keys.weights import fingerprint, flush_if_weights_changed
 from hf_patch.layer import AppendLayer
 from hf_patch.model_spec import layer_specs
 from hf_patch.request import KeyParts
 
-__all__ = ["RowKeys", "RunningBatch", "packs", "prefill_keys", "unsupported_reason"]
+__all__ = ["JoinFailed", "RowKeys", "RunningBatch", "packs", "prefill_keys", "unsupported_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,15 @@ def prefill_keys(model, cache, rows: int) -> RowKeys | None:
         return None
     keys = key_parts(model, cache, torch.Size((rows, 0)), 1)
     return RowKeys(keys, cache.store.epoch, fingerprint(model))
+
+
+class JoinFailed(RuntimeError):
+    """A step computing seated rows' prompts failed (its cause: ``__cause__``); those rows
+    (``slots``) were removed, uncommitted, and the batch is as before the step."""
+
+    def __init__(self, slots: list[int]) -> None:
+        super().__init__(f"the step computing the prompts of slots {slots} failed")
+        self.slots = slots
 
 
 class _SlotLayer(AppendLayer):
@@ -281,7 +290,10 @@ class RunningBatch:
         return slots
 
     def seat(
-        self, contexts: Sequence[Sequence[int]], keys: RowKeys | None = None, rows: Sequence[int] | None = None
+        self,
+        contexts: Sequence[Sequence[int]],
+        keys: RowKeys | None = None,
+        rows: Sequence[int] | None = None,
     ) -> tuple[list[int], list[int]]:
         """Seat rows whose KV is not computed yet: ``contexts[r]`` the tokens of row r (its
         prompt, or prompt and reply so far), placed so that its last token is fed by the next
@@ -302,13 +314,20 @@ class RunningBatch:
             if self.cache is None:
                 like = [
                     (
-                        torch.empty((1, spec.num_kv_heads, 0, spec.k_head_dim), dtype=spec.dtype, device=spec.device),
-                        torch.empty((1, spec.num_kv_heads, 0, spec.v_head_dim), dtype=spec.dtype, device=spec.device),
+                        torch.empty(
+                            (1, spec.num_kv_heads, 0, spec.k_head_dim), dtype=spec.dtype, device=spec.device
+                        ),
+                        torch.empty(
+                            (1, spec.num_kv_heads, 0, spec.v_head_dim), dtype=spec.dtype, device=spec.device
+                        ),
                     )
                     for spec in layer_specs(self.model)
                 ]
             self._relayout(list(range(self.size)), 0, max(self.width, longest - 1), self.size + grow, like)
             free = [i for i, alive in enumerate(self.live) if not alive]
+        if keys is not None and self.store is not None:
+            # as generate() does before reading: KV cached under other weights is dropped
+            flush_if_weights_changed(self.store, self.model, keys.weights)
         width = self.width
         slots, cached = [], []
         try:
@@ -363,7 +382,8 @@ class RunningBatch:
         """Whether rows may join inside a step (``packs(model)``, asked once per batch)."""
         if self._packed is None:
             self._packed = packs(self.model)
-        return self._packed
+        # the kernel's conditions hold per call (dtype, device, eval mode, the setting)
+        return self._packed and ragged_attention.verify(self.model)
 
     def remove(self, slots: Sequence[int], commit: bool = True) -> int:
         """Free ``slots`` (committing each row first unless ``commit`` is False); the other rows
@@ -436,7 +456,17 @@ class RunningBatch:
         sequence (each row's pending prompt tokens, then its last token, all at their own
         positions), each attending to its row's columns up to itself."""
         live = self.rows
-        logits = self._packed_forward(live, **model_kwargs)
+        width = self.width
+        try:
+            logits = self._packed_forward(live, **model_kwargs)
+        except Exception as e:
+            # undo what the forward appended, and drop the rows whose prompts it computed
+            # (uncommitted): the caller fails their requests and steps the others again
+            for layer in self.cache.layers:
+                layer.set_length(width)
+            joining = [i for i in live if self.pending[i]]
+            self.remove(joining, commit=False)
+            raise JoinFailed(joining) from e
         fed = torch.tensor(self.last, dtype=torch.long).unsqueeze(1)
         column = torch.tensor([1 if alive else 0 for alive in self.live], dtype=torch.long).unsqueeze(1)
         self.ids, self.mask = torch.cat([self.ids, fed], dim=1), torch.cat([self.mask, column], dim=1)
@@ -508,8 +538,8 @@ class RunningBatch:
         """Store slot i's fed tokens (prompt + reply, cut after the first EOS of its reply) under
         its key; 0 when it has none, is shorter than a block, or its KV is stale."""
         entry = self._keys[i]
-        if entry is None or self.store is None or self.cache is None or not self.live[i]:
-            return 0
+        if entry is None or self.store is None or self.cache is None or not self.live[i] or self.pending[i]:
+            return 0  # (a seated row before its step: some of its columns have no KV yet)
         keys, row = entry
         if fingerprint(self.model) != keys.weights:
             logger.warning("radixkv: weights changed while a row decoded; its KV is not cached")

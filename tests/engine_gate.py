@@ -9,11 +9,11 @@ from demo.engine.engine import Params
 
 
 class Held:
-    """Holds the worker inside a blocker's generate() call, or its joining the step loop, until
-    released, while the requests under test queue."""
+    """Holds the worker inside a blocker's generate() call, or its seating in the step loop
+    (RunningBatch.seat), until released, while the requests under test queue."""
 
     def __init__(self, engine, monkeypatch):
-        from demo.engine.step_loop import StepLoop
+        from hf_patch.running_batch import RunningBatch
 
         self.entered, self.release = threading.Event(), threading.Event()
 
@@ -27,7 +27,7 @@ class Held:
             return held
 
         monkeypatch.setattr(engine.model, "generate", hold(engine.model.generate))
-        monkeypatch.setattr(StepLoop, "_join", hold(StepLoop._join))
+        monkeypatch.setattr(RunningBatch, "seat", hold(RunningBatch.seat))
         self.blocker = engine.submit(engine.text_ids("blocker"), Params(1, temperature=0.0))
         assert self.entered.wait(30)
 
@@ -77,8 +77,10 @@ def spy_batches(monkeypatch, least: int = 1) -> list[int]:
 
 def generate_path(engine, monkeypatch) -> None:
     """Make ``engine`` decode in generate() calls paused every decode_chunk steps (the path of
-    adapter and image requests) instead of the step loop, for this test."""
+    adapter and image requests) instead of the step loop, for this test: as an engine without
+    a loop (no step-loop path for the scheduler, so no admission budget either)."""
     monkeypatch.setattr(engine, "loop", None)
+    monkeypatch.setattr(engine.scheduler, "path", lambda gen: None)
 
 
 class Calls:

@@ -156,7 +156,11 @@ def test_the_default_budget_is_set_where_newcomers_join_inside_steps(engine, mon
 
     assert packs(engine.model)
     built = {}
-    for name, kwargs in (("default", {}), ("wide", {"max_batch_size": 48}), ("off", {"max_prefill_tokens": 0})):
+    for name, kwargs in (
+        ("default", {}),
+        ("wide", {"max_batch_size": 48}),
+        ("off", {"max_prefill_tokens": 0}),
+    ):
         e = Engine(engine.model, engine.tokenizer, engine.context, reuse=False, **kwargs)
         built[name] = e.scheduler.max_prefill_tokens
         e.shutdown(5)
@@ -165,3 +169,40 @@ def test_the_default_budget_is_set_where_newcomers_join_inside_steps(engine, mon
     e = Engine(engine.model, engine.tokenizer, engine.context, reuse=False)
     assert e.scheduler.max_prefill_tokens == 0
     e.shutdown(5)
+
+
+def test_newcomers_sharing_a_cached_document_join_one_step_within_the_default_budget(engine, monkeypatch):  # noqa: F811
+    """Where rows join inside steps the budget counts what seating computes: questions about a
+    document the store holds cost their own few tokens, so a burst of them joins at once, not
+    one per step (the whole document would count 130+ tokens each; each question computes at
+    most a block of 16 past the cached whole blocks)."""
+    from demo.engine.step_loop import StepLoop
+    from hf_patch.running_batch import packs
+
+    assert packs(engine.model)
+    monkeypatch.setattr(engine.scheduler, "max_prefill_tokens", 64)
+    # under --prefill-chunk (256): not sliced
+    document = engine.text_ids(" ".join(f"row {i}: Lima, Quito, Porto and Rome." for i in range(10)))
+    assert 128 < len(document) < 240
+    engine.submit(document + engine.text_ids(" first question?"), Params(2, temperature=0.0)).collect()
+    asks = [document + engine.text_ids(f" question {i}?") for i in range(4)]
+    held = Held(engine, monkeypatch)
+    joins, join = [], StepLoop._join
+
+    def spy(loop, gens):
+        joins.append(len(gens))
+        return join(loop, gens)
+
+    monkeypatch.setattr(StepLoop, "_join", spy)
+    running = engine.submit(engine.text_ids("a row decoding meanwhile"), Params(20, temperature=0.0))
+    burst = [engine.submit(x, Params(3, temperature=0.0)) for x in asks]
+    held.go()
+    results = collect_all([running, *burst])
+    # the running row and three questions in one step (a few prompt tokens each), the fourth
+    # at the next; counting the whole document, each would join alone: [1, 1, 1, 1, 1]
+    assert joins == [4, 1], joins
+    for x, r in zip(asks, results[1:]):
+        assert (
+            r.text == engine_stock(engine, x, Params(3, temperature=0.0))
+            and r.cached_tokens >= len(document) // 16 * 16
+        )

@@ -324,7 +324,9 @@ def test_constrained_and_free_rows_share_batches(checkpoint, stock):
         t.join(120)
     # some step (or generate() call) decoded several of them together; newcomers may join one by
     # one within the admission budget
-    steps = engine.scheduler.rows_per_step.counts[1:] if engine.loop else engine.scheduler.batch_sizes.counts[1:]
+    steps = (
+        engine.scheduler.rows_per_step.counts[1:] if engine.loop else engine.scheduler.batch_sizes.counts[1:]
+    )
     assert sum(steps) > 0
     for i, r in enumerate(results):
         if i % 2:

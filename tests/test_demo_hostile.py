@@ -69,7 +69,6 @@ def test_stream_options_must_be_an_object(client, value):
 
 def test_generation_failing_mid_stream_is_counted_as_500(engine, monkeypatch):
     app = create_app(Config(model="builtin-tiny"), engine)
-    generate = engine.model.generate
 
     def fail_after_a_token(*args, **kwargs):
         streamer = kwargs["streamer"]
@@ -116,11 +115,11 @@ def test_stream_hang_up_is_counted_as_499(engine):
 
 
 class Gate:
-    """Holds the engine's model.generate(), or rows joining its step loop, until opened;
-    `entered` is set when one is held."""
+    """Holds the engine's model.generate(), or rows being seated in its step loop
+    (RunningBatch.seat), until opened; `entered` is set when one is held."""
 
     def __init__(self, model, monkeypatch):
-        from demo.engine.step_loop import StepLoop
+        from hf_patch.running_batch import RunningBatch
 
         self.entered, self.open = threading.Event(), threading.Event()
 
@@ -133,7 +132,7 @@ class Gate:
             return held
 
         monkeypatch.setattr(model, "generate", hold(model.generate))
-        monkeypatch.setattr(StepLoop, "_join", hold(StepLoop._join))
+        monkeypatch.setattr(RunningBatch, "seat", hold(RunningBatch.seat))
 
 
 def test_full_queue_refuses_before_tokenising_with_retry_after(engine, monkeypatch):

@@ -64,7 +64,7 @@ def greedy_rows(model, store, schedule: dict[int, list[tuple[list[int], int]]], 
         ended = []
         for i, row in running.items():
             row[2].append(picks[i])
-            if len(row[2]) >= row[1]:
+            if len(row[2]) >= row[1] or picks[i] == EOS:  # as stock generate() stops
                 ended.append(i)
         batch.remove(ended)
         for i in ended:
@@ -79,7 +79,9 @@ def greedy_rows(model, store, schedule: dict[int, list[tuple[list[int], int]]], 
 
 
 # MQA, MLA (another value head size), granite's own attention scale, partial rotary, q/k norms
-@pytest.mark.parametrize("family", ["llama-sdpa", "qwen3", "gpt-bigcode-mqa", "deepseek-v3-mla", "granite", "gpt-neox"])
+@pytest.mark.parametrize(
+    "family", ["llama-sdpa", "qwen3", "gpt-bigcode-mqa", "deepseek-v3-mla", "granite", "gpt-neox"]
+)
 def test_rows_seated_at_different_steps_equal_stock_alone(family, packed_calls):
     model = build(family)
     assert packs(model)
@@ -199,5 +201,55 @@ def test_a_store_read_that_fails_leaves_no_row_seated_and_the_running_row_exact(
     for _ in range(5):
         logits = batch.step()
         out.append(int(logits[slot].argmax()))
+        batch.set_next([out[-1] if i == slot else PAD for i in range(batch.size)])
+    assert out == stock(model, other, 6)
+
+
+def test_a_seated_row_before_its_step_commits_nothing():
+    model = shared("llama-sdpa")
+    store = store_for(model)
+    batch = RunningBatch(model, store, PAD, [EOS])
+    keys = prefill_keys(model, hf_patch.RadixCache(store=store), 1)
+    (slot,), _ = batch.seat([tokens(20, 14)], keys)
+    assert batch.commit(slot) == 0 and batch.remove([slot]) == 0  # its columns have no KV yet
+    assert store.stats()["inserted_tokens"] == 0
+
+
+def test_a_weights_change_flushes_the_store_before_a_seat_reads_it():
+    """As generate() does: KV cached under other weights is never read (nor built upon)."""
+    model = build("llama-sdpa")
+    store = store_for(model)
+    prompt = tokens(21, 15)
+    assert greedy_rows(model, store, {0: [(prompt, 3)]}, 4)[tuple(prompt)][1] == 0
+    assert greedy_rows(model, store, {0: [(prompt, 3)]}, 4)[tuple(prompt)][1] == 20
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.05)
+    out, hit = greedy_rows(model, store, {0: [(prompt, 3)]}, 4)[tuple(prompt)]
+    assert hit == 0 and out == stock(model, prompt, 3)
+
+
+def test_a_failing_packed_step_drops_only_the_joining_rows(monkeypatch):
+    model = shared("llama-sdpa")
+    batch = RunningBatch(model, None, PAD, [EOS])
+    other = tokens(9, 16)
+    (slot,), _ = batch.seat([other])
+    out = [int(batch.step()[slot].argmax())]
+    batch.set_next([out[-1] if i == slot else PAD for i in range(batch.size)])
+    real = ragged_decode.ragged_packed
+
+    def failing(query, key, value, slots, starts, ends, scale):
+        if query.shape[0] > len(set(slots.tolist())):  # a step with prompt tokens
+            raise MemoryError("simulated")
+        return real(query, key, value, slots, starts, ends, scale)
+
+    monkeypatch.setattr(ragged_decode, "ragged_packed", failing)
+    (joining,), _ = batch.seat([tokens(12, 17)])
+    with pytest.raises(running_batch.JoinFailed) as info:
+        batch.step()
+    assert info.value.slots == [joining] and isinstance(info.value.__cause__, MemoryError)
+    assert batch.rows == [slot] and not any(batch.pending)
+    for _ in range(5):
+        out.append(int(batch.step()[slot].argmax()))
         batch.set_next([out[-1] if i == slot else PAD for i in range(batch.size)])
     assert out == stock(model, other, 6)

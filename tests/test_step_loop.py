@@ -530,3 +530,32 @@ def test_a_store_read_failing_while_seating_answers_the_newcomers_and_the_rows_g
     assert after.text == engine_stock(engine, cached, Params(5, temperature=0.0))
     engine.check_invariants()
     assert engine.stats()["pinned_blocks"] == 0 and engine.running == 0
+
+
+def test_a_failing_step_with_newcomers_answers_them_and_the_running_rows_go_on(engine, monkeypatch):
+    """The step that computes newcomers' prompts beside the running rows fails (memory on a big
+    prompt, say): the newcomers get the error, the running row steps again without them and
+    ends as stock."""
+    from cuda_ext import ragged_decode
+    from demo.engine.engine import Params
+    from hf_patch.running_batch import packs
+
+    assert packs(engine.model)
+    running_ids = engine.text_ids("a long answer about the lighthouses of Porto")
+    first = engine.submit(running_ids, Params(40, temperature=0.0))
+    wait_for(lambda: first.generated >= 3)
+    real = ragged_decode.ragged_packed
+
+    def failing(query, key, value, slots, starts, ends, scale):
+        if query.shape[0] > len(set(slots.tolist())):  # a step with prompt tokens
+            raise MemoryError("simulated")
+        return real(query, key, value, slots, starts, ends, scale)
+
+    monkeypatch.setattr(ragged_decode, "ragged_packed", failing)
+    newcomer = engine.submit(engine.text_ids("a newcomer asking about Lima"), Params(5, temperature=0.0))
+    with pytest.raises(MemoryError, match="simulated"):
+        newcomer.collect()
+    monkeypatch.undo()
+    assert first.collect().text == engine_stock(engine, running_ids, Params(40, temperature=0.0))
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0

@@ -95,6 +95,8 @@ class Engine:
         if reason is None:
             self.loop = StepLoop(self.runner, self.scheduler, on_step=self.scheduler.rows_per_step.observe)
             self.scheduler.path = self.loop.takes
+            if self.loop.batch.packed:  # the budget counts what seating computes (cached prefixes not)
+                self.scheduler.prefill_cost = self.loop.uncached
             if max_prefill_tokens is None and self.loop.batch.packed:
                 # newcomers' prompts are computed inside steps: bound what they add to one (twice
                 # the decode tokens of a full batch, at least 64; docs/batching.md#the-admission-budget)

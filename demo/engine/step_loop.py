@@ -200,12 +200,47 @@ class StepLoop:
             self._admit(gens)
             return
         self.admitting = list(gens)
+        # n sampled rows of one prompt: one prefill call computes the prompt once for all
+        # (hf_patch.batch_share); seated, each row would compute it
+        shared = [g for g in gens if len(g.open_rows) > 1]
+        if shared:
+            self._admit(shared)
+            self.admitting = list(gens)
         for cache_prompt in (True, False):
-            group = [g for g in gens if g.params.cache_prompt == cache_prompt and not g.gone_before_running()]
+            group = [
+                g
+                for g in gens
+                if g.params.cache_prompt == cache_prompt
+                and len(g.open_rows) == 1
+                and not g.gone_before_running()
+            ]
             if group:
                 self._seat(group)
         self.admitting = []
         self.scheduler.set_running(self._gens())
+
+    def uncached(self, gen: Generation) -> int:
+        """The prompt tokens seating ``gen`` computes (the admission budget's count where rows
+        join inside steps): its widest open row's context less the longest prefix the store
+        holds for it (a lookup under its key: nothing pinned, nothing counted as a request)."""
+        from hf_patch.running_batch import prefill_keys
+
+        store, row = self.runner.store, max(gen.open_rows, key=lambda r: len(gen.contexts[r]), default=None)
+        if store is None or row is None or not gen.params.cache_prompt:
+            return max(1, gen.width - gen.prefilled)
+        context = gen.contexts[row]
+        with self._base():
+            keys = prefill_keys(self.runner.model, self.runner.cache([gen], [gen]), 1)
+        if keys is None:
+            return len(context)
+        key = keys.keys.row(0, torch.tensor(context), 0)
+        lease = store.acquire(
+            key.tokens, key.namespace, max_tokens=len(context) - 1, count=False, remote=False
+        )
+        try:
+            return len(context) - lease.num_tokens
+        finally:
+            lease.release()
 
     def _seat(self, gens: list[Generation]) -> None:
         """Seat ``gens``' rows (their contexts: prompt, or prompt and reply so far) for the next
@@ -307,8 +342,17 @@ class StepLoop:
 
     # -- one step -------------------------------------------------------------------------------
     def _step(self) -> None:
+        from hf_patch.running_batch import JoinFailed
+
         with self._base():
-            logits = self.batch.step()
+            try:
+                logits = self.batch.step()
+            except JoinFailed as e:  # the newcomers' prompts failed (memory, say): they get the
+                log.exception("the step computing newcomers' prompts failed")  # error, the rest go on
+                self._drop(e.slots, e.__cause__)
+                if not self._live():
+                    return
+                logits = self.batch.step()
         if self.sampler is None:
             pads = self.batch.pads
             self.sampled = self._live()  # the slots the sampler's rows are, in order
@@ -334,6 +378,15 @@ class StepLoop:
         self.batch.set_next(full)
         self._emit(live, tokens, logprobs)
         self._end(live, tokens)
+
+    def _drop(self, slots: list[int], exc: BaseException) -> None:
+        """Rows the batch removed without a token (JoinFailed): their requests get ``exc``."""
+        for i in slots:
+            gen = self.rows[i].gen
+            self.rows[i], self.made[i] = None, 0
+            self._close(gen, ("error", exc))
+        self.sampler = None
+        self.scheduler.set_running(self._gens())
 
     def _emit(self, indices: list[int], tokens: list[int], logprobs) -> None:
         """Send each request its rows' tokens of this step (one event per request)."""
