@@ -326,8 +326,10 @@ class RunningBatch:
             self._relayout(list(range(self.size)), 0, max(self.width, longest - 1), self.size + grow, like)
             free = [i for i, alive in enumerate(self.live) if not alive]
         if keys is not None and self.store is not None:
-            # as generate() does before reading: KV cached under other weights is dropped
-            flush_if_weights_changed(self.store, self.model, keys.weights)
+            # as generate() does before reading: KV cached under other weights is dropped, and
+            # these rows' KV belongs to the store's new epoch
+            if flush_if_weights_changed(self.store, self.model, keys.weights):
+                keys = RowKeys(keys.keys, self.store.epoch, keys.weights)
         width = self.width
         slots, cached = [], []
         try:
@@ -466,6 +468,7 @@ class RunningBatch:
                 layer.set_length(width)
             joining = [i for i in live if self.pending[i]]
             self.remove(joining, commit=False)
+            self._seated = [i for i in self._seated if i not in set(joining)]
             raise JoinFailed(joining) from e
         fed = torch.tensor(self.last, dtype=torch.long).unsqueeze(1)
         column = torch.tensor([1 if alive else 0 for alive in self.live], dtype=torch.long).unsqueeze(1)

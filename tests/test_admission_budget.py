@@ -206,3 +206,17 @@ def test_newcomers_sharing_a_cached_document_join_one_step_within_the_default_bu
             r.text == engine_stock(engine, x, Params(3, temperature=0.0))
             and r.cached_tokens >= len(document) // 16 * 16
         )
+
+
+def test_the_budget_lookup_counts_the_whole_context_when_it_fails(engine, monkeypatch):  # noqa: F811
+    """The lookup runs in the scheduler (under its lock): a failure there (an adapter loading
+    meanwhile, a store error) must not lose queued requests: it counts the whole context."""
+    from hf_patch import running_batch
+
+    g = Generation(engine.text_ids("a prompt of a few words"), Params(2), None, lambda ids: "", set())
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("simulated")
+
+    monkeypatch.setattr(running_batch, "prefill_keys", failing)
+    assert engine.loop.uncached(g) == len(g.prompt_ids)

@@ -227,6 +227,8 @@ def test_a_weights_change_flushes_the_store_before_a_seat_reads_it():
             p.mul_(1.05)
     out, hit = greedy_rows(model, store, {0: [(prompt, 3)]}, 4)[tuple(prompt)]
     assert hit == 0 and out == stock(model, prompt, 3)
+    # what that seat computed belongs to the store's new epoch: it was kept
+    assert greedy_rows(model, store, {0: [(prompt, 3)]}, 4)[tuple(prompt)] == (out, 20)
 
 
 def test_a_failing_packed_step_drops_only_the_joining_rows(monkeypatch):

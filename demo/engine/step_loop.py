@@ -202,10 +202,11 @@ class StepLoop:
         self.admitting = list(gens)
         # n sampled rows of one prompt: one prefill call computes the prompt once for all
         # (hf_patch.batch_share); seated, each row would compute it
-        shared = [g for g in gens if len(g.open_rows) > 1]
-        if shared:
-            self._admit(shared)
-            self.admitting = list(gens)
+        shared = [g for g in gens if len(g.open_rows) > 1 and not g.gone_before_running()]
+        for cache_prompt in (True, False):
+            group = [g for g in shared if g.params.cache_prompt == cache_prompt]
+            if group:
+                self._admit_group(group)
         for cache_prompt in (True, False):
             group = [
                 g
@@ -225,20 +226,24 @@ class StepLoop:
         holds for it (a lookup under its key: nothing pinned, nothing counted as a request)."""
         from hf_patch.running_batch import prefill_keys
 
+        plain = max(1, gen.width - gen.prefilled)
         store, row = self.runner.store, max(gen.open_rows, key=lambda r: len(gen.contexts[r]), default=None)
-        if store is None or row is None or not gen.params.cache_prompt:
-            return max(1, gen.width - gen.prefilled)
+        if store is None or row is None or not gen.params.cache_prompt or not self.takes(gen):
+            return plain  # (also requests for the generate() path: no adapter state read here)
         context = gen.contexts[row]
-        with self._base():
+        try:  # an estimate: anything failing here (an adapter loading meanwhile) counts it all
             keys = prefill_keys(self.runner.model, self.runner.cache([gen], [gen]), 1)
-        if keys is None:
-            return len(context)
-        key = keys.keys.row(0, torch.tensor(context), 0)
-        lease = store.acquire(
-            key.tokens, key.namespace, max_tokens=len(context) - 1, count=False, remote=False
-        )
+            if keys is None:
+                return plain
+            key = keys.keys.row(0, torch.tensor(context), 0)
+            lease = store.acquire(
+                key.tokens, key.namespace, max_tokens=len(context) - 1, count=False, remote=False
+            )
+        except Exception:
+            log.debug("the admission budget's store lookup failed; counting the whole context", exc_info=True)
+            return plain
         try:
-            return len(context) - lease.num_tokens
+            return max(1, len(context) - lease.num_tokens)
         finally:
             lease.release()
 
@@ -385,8 +390,18 @@ class StepLoop:
             gen = self.rows[i].gen
             self.rows[i], self.made[i] = None, 0
             self._close(gen, ("error", exc))
+        self._compact()
         self.sampler = None
         self.scheduler.set_running(self._gens())
+
+    def _compact(self) -> None:
+        """Let the batch drop free slots and leading padding (RunningBatch.compact), rows
+        following their slots."""
+        moved = self.batch.compact()
+        if moved is not None:  # new slot j holds old slot moved[j]
+            free = self.batch.size - len(moved)
+            self.rows = [self.rows[i] for i in moved] + [None] * free
+            self.made = [self.made[i] for i in moved] + [0] * free
 
     def _emit(self, indices: list[int], tokens: list[int], logprobs) -> None:
         """Send each request its rows' tokens of this step (one event per request)."""
@@ -450,11 +465,7 @@ class StepLoop:
         leaving = {id(self.rows[i].gen): self.rows[i].gen for i in ended}
         for i in gone:
             self.rows[i], self.made[i] = None, 0
-        moved = self.batch.compact()
-        if moved is not None:  # new slot j holds old slot moved[j]
-            free = self.batch.size - len(moved)
-            self.rows = [self.rows[i] for i in moved] + [None] * free
-            self.made = [self.made[i] for i in moved] + [0] * free
+        self._compact()
         self.sampler = None  # rebuilt over the new layout at the next step
         still = {id(r.gen) for r in self.rows if r is not None}
         for key, gen in leaving.items():
