@@ -559,3 +559,24 @@ def test_a_failing_step_with_newcomers_answers_them_and_the_running_rows_go_on(e
     assert first.collect().text == engine_stock(engine, running_ids, Params(40, temperature=0.0))
     engine.check_invariants()
     assert engine.stats()["pinned_blocks"] == 0
+
+
+def test_a_sliced_prompt_reports_what_the_store_held_of_all_of_it(engine, monkeypatch):
+    """A long prompt taken while rows decode is prefilled in slices; its cached_tokens is what
+    the store held of the whole prompt when it came (a lookup), not what its first slice read."""
+    from demo.engine.engine import Params
+
+    document = engine.text_ids(" ".join(f"row {i}: Lima, Quito, Porto and Rome." for i in range(30)))
+    assert len(document) > 2 * engine.scheduler.prefill_chunk
+    engine.submit(document + engine.text_ids(" first?"), Params(2, temperature=0.0)).collect()
+    slices, prefill = [], engine.runner.prefill
+    monkeypatch.setattr(engine.runner, "prefill", lambda g: slices.append(g.slice_to) or prefill(g))
+    running_ids = engine.text_ids("a long answer about the ships of Porto")
+    running = engine.submit(running_ids, Params(40, temperature=0.0))
+    wait_for(lambda: running.generated >= 3)
+    ask = document + engine.text_ids(" second?")
+    r = engine.submit(ask, Params(3, temperature=0.0)).collect()
+    assert slices, "it was not sliced: the test no longer covers the slice path"
+    assert r.cached_tokens == len(document) // 16 * 16  # the whole cached document, in blocks
+    assert r.text == engine_stock(engine, ask, Params(3, temperature=0.0))
+    assert running.collect().text == engine_stock(engine, running_ids, Params(40, temperature=0.0))

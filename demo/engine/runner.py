@@ -96,6 +96,11 @@ class Runner:
             end, gen.slice_to = gen.slice_to, 0
             ids = torch.tensor([gen.prompt_ids[:end]], device=self.model.device)
             cache = self.cache([gen], [gen])
+            # what the store holds of the whole prompt before its first slice (that slice
+            # reads only its own part of it)
+            held = (
+                self.held(gen, gen.prompt_ids) if gen.cached is None and gen.params.adapter is None else None
+            )
             try:
                 self.generate(
                     [gen],
@@ -109,10 +114,35 @@ class Runner:
                 gen._events.put(("error", e))
                 gen.finished.set()
                 return []
-            if gen.cached is None:  # what the store held before: the prompt's cached tokens
-                gen.cached = cache.cached_tokens[0] if cache.cached_tokens else 0
+            if gen.cached is None:  # the prompt's cached tokens: what the store held before
+                gen.cached = max(cache.cached_tokens[0] if cache.cached_tokens else 0, held or 0)
             gen.prefilled = end
             return [gen]
+
+    def held(self, gen: Generation, context) -> int | None:
+        """Leading tokens of ``context`` the store holds for ``gen`` (its key: namespace,
+        shared prefix; the base model's), up to all but the last; a lookup, nothing pinned nor
+        counted, the remote tier not asked. None without a store or with cache_prompt off, or
+        when the lookup fails (an adapter loading meanwhile, say: callers then estimate)."""
+        if self.store is None or not gen.params.cache_prompt or len(context) < 2:
+            return None
+        from hf_patch.running_batch import prefill_keys  # the store exists: hf_patch is imported
+
+        try:
+            keys = prefill_keys(self.model, self.cache([gen], [gen]), 1)
+            if keys is None:
+                return None
+            key = keys.keys.row(0, torch.tensor(list(context)), 0)
+            lease = self.store.acquire(
+                key.tokens, key.namespace, max_tokens=len(context) - 1, count=False, remote=False
+            )
+        except Exception:
+            log.debug("a store lookup failed", exc_info=True)
+            return None
+        try:
+            return lease.num_tokens
+        finally:
+            lease.release()
 
     def _adapter_present(self, gen: Generation) -> bool:
         """Whether ``gen``'s adapter is still loaded, and for a reply paused between decode chunks

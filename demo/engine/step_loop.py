@@ -223,29 +223,14 @@ class StepLoop:
     def uncached(self, gen: Generation) -> int:
         """The prompt tokens seating ``gen`` computes (the admission budget's count where rows
         join inside steps): its widest open row's context less the longest prefix the store
-        holds for it (a lookup under its key: nothing pinned, nothing counted as a request)."""
-        from hf_patch.running_batch import prefill_keys
-
+        holds for it (`Runner.held`: a lookup under its key); the whole context where no
+        lookup applies (a request for the generate() path: no adapter state read here)."""
         plain = max(1, gen.width - gen.prefilled)
-        store, row = self.runner.store, max(gen.open_rows, key=lambda r: len(gen.contexts[r]), default=None)
-        if store is None or row is None or not gen.params.cache_prompt or not self.takes(gen):
-            return plain  # (also requests for the generate() path: no adapter state read here)
-        context = gen.contexts[row]
-        try:  # an estimate: anything failing here (an adapter loading meanwhile) counts it all
-            keys = prefill_keys(self.runner.model, self.runner.cache([gen], [gen]), 1)
-            if keys is None:
-                return plain
-            key = keys.keys.row(0, torch.tensor(context), 0)
-            lease = store.acquire(
-                key.tokens, key.namespace, max_tokens=len(context) - 1, count=False, remote=False
-            )
-        except Exception:
-            log.debug("the admission budget's store lookup failed; counting the whole context", exc_info=True)
+        row = max(gen.open_rows, key=lambda r: len(gen.contexts[r]), default=None)
+        if row is None or not self.takes(gen):
             return plain
-        try:
-            return max(1, len(context) - lease.num_tokens)
-        finally:
-            lease.release()
+        held = self.runner.held(gen, gen.contexts[row])
+        return plain if held is None else max(1, len(gen.contexts[row]) - held)
 
     def _seat(self, gens: list[Generation]) -> None:
         """Seat ``gens``' rows (their contexts: prompt, or prompt and reply so far) for the next
