@@ -98,9 +98,7 @@ class Runner:
             cache = self.cache([gen], [gen])
             # what the store holds of the whole prompt before its first slice (that slice
             # reads only its own part of it)
-            held = (
-                self.held(gen, gen.prompt_ids) if gen.cached is None and gen.params.adapter is None else None
-            )
+            held = self.held(gen, gen.prompt_ids) if gen.cached is None and not self.adapters else None
             try:
                 self.generate(
                     [gen],
@@ -123,7 +121,8 @@ class Runner:
         """Leading tokens of ``context`` the store holds for ``gen`` (its key: namespace,
         shared prefix; the base model's), up to all but the last; a lookup, nothing pinned nor
         counted, the remote tier not asked. None without a store or with cache_prompt off, or
-        when the lookup fails (an adapter loading meanwhile, say: callers then estimate)."""
+        when the lookup fails (an adapter loading meanwhile, say: callers then estimate). Keys
+        as the base model: call it while no adapter is loaded."""
         if self.store is None or not gen.params.cache_prompt or len(context) < 2:
             return None
         from hf_patch.running_batch import prefill_keys  # the store exists: hf_patch is imported
