@@ -107,6 +107,17 @@ def document(doc_seed: int) -> list[int]:
     return tokens(DOC_LEN, doc_seed)
 
 
+# a prompt's tokens the store serves: whole blocks short of its last token (generate() computes it)
+PROMPT_HIT = (DOC_LEN + QUESTION_LEN - 1) // BS * BS
+
+
+def prompt_of(seed: int) -> list[int]:
+    """Document ``seed`` and a question of its own."""
+    from tests.hf_models import tokens
+
+    return document(seed) + tokens(QUESTION_LEN, 1000 + seed)
+
+
 def _client(args) -> None:
     import torch
 

@@ -20,10 +20,17 @@ import pytest
 import hf_patch
 from hf_patch.keys.weights import model_scope
 from radixkv import pack_tokens
-from tests.hf_models import assert_same_as_stock, build, ids, tokens
-from tests.sidecar_process import BS, DOC_LEN, QUESTION_LEN, document, sidecar_stats, start_sidecar
+from tests.hf_models import assert_same_as_stock, build, ids
+from tests.sidecar_process import (
+    BS,
+    DOC_LEN,
+    PROMPT_HIT,
+    QUESTION_LEN,
+    prompt_of,
+    sidecar_stats,
+    start_sidecar,
+)
 
-PROMPT_HIT = (DOC_LEN + QUESTION_LEN - 1) // BS * BS  # generate() computes a prompt's last token
 CHILD_S = 120  # the longest the parent waits for its child at each step
 
 
@@ -34,10 +41,6 @@ def sidecar(tmp_path):
     yield path, proc
     proc.kill()
     proc.wait()
-
-
-def prompt_of(seed: int) -> list[int]:
-    return document(seed) + tokens(QUESTION_LEN, 1000 + seed)
 
 
 def clients(path) -> int:

@@ -12,22 +12,15 @@ import time
 
 import hf_patch
 from radixkv.sidecar.connection import Connection, SidecarDown
-from tests.hf_models import assert_same_as_stock, build, ids, tokens
+from tests.hf_models import assert_same_as_stock, build, ids
 from tests.sidecar_process import (
     BS,
-    DOC_LEN,
-    QUESTION_LEN,
+    PROMPT_HIT,
     after_copy,
-    document,
+    prompt_of,
     sidecar_stats,
     start_sidecar,
 )
-
-PROMPT_HIT = (DOC_LEN + QUESTION_LEN - 1) // BS * BS
-
-
-def prompt_of(seed: int) -> list[int]:
-    return document(seed) + tokens(QUESTION_LEN, 1000 + seed)
 
 
 def test_a_commit_from_an_older_connection_is_dropped_not_sent(tmp_path, monkeypatch):

@@ -24,19 +24,19 @@ import hf_patch
 from hf_patch.keys.weights import model_scope
 from radixkv import pack_tokens
 from radixkv.sidecar.connection import SidecarTimeout
-from tests.hf_models import assert_same_as_stock, build, ids, tokens
+from tests.hf_models import assert_same_as_stock, build, ids
 from tests.sidecar_process import (
     BS,
     DOC_LEN,
+    PROMPT_HIT,
     QUESTION_LEN,
     after_copy,
-    document,
+    prompt_of,
     sidecar_stats,
     start_sidecar,
 )
 
 PROMPT_BLOCKS = (DOC_LEN + QUESTION_LEN) // BS
-PROMPT_HIT = (DOC_LEN + QUESTION_LEN - 1) // BS * BS  # generate() computes a prompt's last token
 
 
 @pytest.fixture
@@ -90,10 +90,6 @@ def test_timeouts_from_the_environment_and_their_defaults(monkeypatch, tmp_path)
 
 
 # -- a real sidecar process, paused --------------------------------------------------------
-def prompt_of(seed: int) -> list[int]:
-    return document(seed) + tokens(QUESTION_LEN, 1000 + seed)
-
-
 def until_answered(tier, deadline_s: float = 60) -> None:
     """Until the tier's calls are answered again (its late replies read), bounded."""
     deadline = time.monotonic() + deadline_s
