@@ -46,7 +46,7 @@ import torch
 
 from cuda_ext import ragged_decode
 
-__all__ = ["NAME", "PACKED", "available", "columns", "packed", "verify"]
+__all__ = ["NAME", "PACKED", "available", "columns", "packed", "probed_once", "verify"]
 
 logger = logging.getLogger(__name__)
 
@@ -209,16 +209,25 @@ def verify(model) -> bool:
     The first probe compiles the kernel (~1-3 s): the demo calls this at start."""
     if not available() or not _fits(model):
         return False
-    known = getattr(model, "_radixkv_ragged_ok", None)
+    return probed_once(
+        model, "_radixkv_ragged_ok", _probe, logger, "decode attention stays SDPA for this model"
+    )
+
+
+def probed_once(model, attr: str, probe, log: logging.Logger, otherwise: str) -> bool:
+    """``probe(model) -> (ok, reason)``, run once per model and remembered on it as ``attr``; a
+    probe that raises fails (a model it cannot run keeps the plain path). A failure is logged
+    once on ``log`` as ``otherwise`` (what the model does instead) and the reason."""
+    known = getattr(model, attr, None)
     if known is not None:
         return known
     try:
-        ok, reason = _probe(model)
-    except Exception as e:  # a model the probe cannot run: SDPA, as before
+        ok, reason = probe(model)
+    except Exception as e:
         ok, reason = False, f"the probe failed: {e!r}"
     if not ok:
-        logger.warning("radixkv: decode attention stays SDPA for this model: %s", reason)
-    model._radixkv_ragged_ok = ok
+        log.warning("radixkv: %s: %s", otherwise, reason)
+    setattr(model, attr, ok)
     return ok
 
 

@@ -155,17 +155,13 @@ def packs(model) -> bool:
     separate prefill give (a row joining beside a decoding one)."""
     if not ragged_attention.verify(model):
         return False
-    known = getattr(model, "_radixkv_packed_ok", None)
-    if known is not None:
-        return known
-    try:
-        ok, reason = _probe_packed(model)
-    except Exception as e:  # a model the probe cannot run: rows join through prefill calls
-        ok, reason = False, f"the probe failed: {e!r}"
-    if not ok:
-        logger.warning("radixkv: newcomers join through prefill calls, not inside a step: %s", reason)
-    model._radixkv_packed_ok = ok
-    return ok
+    return ragged_attention.probed_once(
+        model,
+        "_radixkv_packed_ok",
+        _probe_packed,
+        logger,
+        "newcomers join through prefill calls, not inside a step",
+    )
 
 
 def _probe_packed(model) -> tuple[bool, str | None]:
