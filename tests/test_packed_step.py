@@ -30,14 +30,32 @@ def stock(model, prompt: list[int], new: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def prompt_tokens(query, slots) -> int:
+    """Query tokens of a packed kernel call beyond one per row: the prompt tokens it computes."""
+    return query.shape[0] - len(set(slots.tolist()))
+
+
+def fail_prompt_steps(monkeypatch) -> None:
+    """The packed kernel raises MemoryError("simulated") in a step that computes prompt tokens
+    (memory on a big prompt, say); plain decode steps run."""
+    real = ragged_decode.ragged_packed
+
+    def failing(query, key, value, slots, starts, ends, scale):
+        if prompt_tokens(query, slots):
+            raise MemoryError("simulated")
+        return real(query, key, value, slots, starts, ends, scale)
+
+    monkeypatch.setattr(ragged_decode, "ragged_packed", failing)
+
+
 @pytest.fixture
 def packed_calls(monkeypatch):
-    """Query tokens of each packed kernel call beyond one per row (prompt tokens computed)."""
+    """Prompt tokens of each packed kernel call (0: a plain decode step)."""
     calls = []
     real = ragged_decode.ragged_packed
 
     def counted(query, key, value, slots, starts, ends, scale):
-        calls.append(query.shape[0] - len(set(slots.tolist())))
+        calls.append(prompt_tokens(query, slots))
         return real(query, key, value, slots, starts, ends, scale)
 
     monkeypatch.setattr(ragged_decode, "ragged_packed", counted)
@@ -136,7 +154,7 @@ def test_a_packed_step_that_computes_wrong_is_refused_by_the_probe(monkeypatch, 
 
     def off(query, key, value, slots, starts, ends, scale):
         out = real(query, key, value, slots, starts, ends, scale)
-        return out + (query.shape[0] > len(set(slots.tolist())))  # wrong only for prompt tokens
+        return out + (prompt_tokens(query, slots) > 0)  # wrong only in steps with prompt tokens
 
     monkeypatch.setattr(ragged_decode, "ragged_packed", off)
     with caplog.at_level(logging.WARNING, logger="hf_patch.running_batch"):
@@ -238,14 +256,7 @@ def test_a_failing_packed_step_drops_only_the_joining_rows(monkeypatch):
     (slot,), _ = batch.seat([other])
     out = [int(batch.step()[slot].argmax())]
     batch.set_next([out[-1] if i == slot else PAD for i in range(batch.size)])
-    real = ragged_decode.ragged_packed
-
-    def failing(query, key, value, slots, starts, ends, scale):
-        if query.shape[0] > len(set(slots.tolist())):  # a step with prompt tokens
-            raise MemoryError("simulated")
-        return real(query, key, value, slots, starts, ends, scale)
-
-    monkeypatch.setattr(ragged_decode, "ragged_packed", failing)
+    fail_prompt_steps(monkeypatch)
     (joining,), _ = batch.seat([tokens(12, 17)])
     with pytest.raises(running_batch.JoinFailed) as info:
         batch.step()

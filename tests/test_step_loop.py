@@ -536,22 +536,15 @@ def test_a_failing_step_with_newcomers_answers_them_and_the_running_rows_go_on(e
     """The step that computes newcomers' prompts beside the running rows fails (memory on a big
     prompt, say): the newcomers get the error, the running row steps again without them and
     ends as stock."""
-    from cuda_ext import ragged_decode
     from demo.engine.engine import Params
     from hf_patch.running_batch import packs
+    from tests.test_packed_step import fail_prompt_steps
 
     assert packs(engine.model)
     running_ids = engine.text_ids("a long answer about the lighthouses of Porto")
     first = engine.submit(running_ids, Params(40, temperature=0.0))
     wait_for(lambda: first.generated >= 3)
-    real = ragged_decode.ragged_packed
-
-    def failing(query, key, value, slots, starts, ends, scale):
-        if query.shape[0] > len(set(slots.tolist())):  # a step with prompt tokens
-            raise MemoryError("simulated")
-        return real(query, key, value, slots, starts, ends, scale)
-
-    monkeypatch.setattr(ragged_decode, "ragged_packed", failing)
+    fail_prompt_steps(monkeypatch)
     newcomer = engine.submit(engine.text_ids("a newcomer asking about Lima"), Params(5, temperature=0.0))
     with pytest.raises(MemoryError, match="simulated"):
         newcomer.collect()
