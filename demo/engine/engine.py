@@ -97,14 +97,14 @@ class Engine:
             self.scheduler.path = self.loop.takes
             if self.loop.batch.packed:  # the budget counts what seating computes (cached prefixes not)
                 self.scheduler.prefill_cost = self.loop.uncached
-            if max_prefill_tokens is None and self.loop.batch.packed:
-                # newcomers' prompts are computed inside steps: bound what they add to one (twice
-                # the decode tokens of a full batch, at least 64; docs/batching.md#the-admission-budget)
-                self.scheduler.max_prefill_tokens = max(64, 2 * max_batch_size)
-                log.info(
-                    "newcomers join inside decode steps, within %d prompt tokens a step",
-                    self.scheduler.max_prefill_tokens,
-                )
+                if max_prefill_tokens is None:
+                    # newcomers' prompts are computed inside steps: bound what they add to one (twice
+                    # the decode tokens of a full batch, at least 64; docs/batching.md#the-admission-budget)
+                    self.scheduler.max_prefill_tokens = max(64, 2 * max_batch_size)
+                    log.info(
+                        "newcomers join inside decode steps, within %d prompt tokens a step",
+                        self.scheduler.max_prefill_tokens,
+                    )
         else:
             log.info("decoding in generate() calls of --decode-chunk steps, not the step loop: %s", reason)
         self._worker = threading.Thread(target=self._serve, name="radixkv-generate", daemon=True)

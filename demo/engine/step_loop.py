@@ -253,12 +253,17 @@ class StepLoop:
             for g in gens:
                 self._close(g, ("error", e))
             return
+        for (g, _), hit in zip(rows, cached):
+            if g.cached is None:  # a sliced prompt counted its store reads in its first slice
+                g.cached = hit
+        self._occupy(slots, rows)
+
+    def _occupy(self, slots: list[int], rows: list[tuple[Generation, int]]) -> None:
+        """Rows (request, row) just put in ``slots`` of the batch (which may have grown)."""
         grow = self.batch.size - len(self.rows)
         self.rows += [None] * grow
         self.made += [0] * grow
-        for slot, (g, r), hit in zip(slots, rows, cached):
-            if g.cached is None:  # a sliced prompt counted its store reads in its first slice
-                g.cached = hit
+        for slot, (g, r) in zip(slots, rows):
             self.rows[slot], self.made[slot] = Row(g, r, 0), g.replied(r)
         self.sampler = None  # rebuilt over the new layout at the next step
 
@@ -321,12 +326,7 @@ class StepLoop:
         with self._base():  # keyed as the base model computed it
             keys = prefill_keys(runner.model, cache, len(rows))
         new = self.batch.admit(kv, ids, mask, first.tolist(), keys)
-        grow = self.batch.size - len(self.rows)
-        self.rows += [None] * grow
-        self.made += [0] * grow
-        for slot, (g, r) in zip(new, rows):
-            self.rows[slot], self.made[slot] = Row(g, r, 0), g.replied(r)
-        self.sampler = None  # rebuilt over the new layout at the next step
+        self._occupy(new, rows)
         self._emit(new, first.tolist(), logprobs)
         self._end(new, first.tolist())
 
