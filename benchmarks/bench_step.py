@@ -1,12 +1,20 @@
-"""The step loop's two costs, alone: one decode step of B running rows (its attention through
-SDPA and through the ragged kernel of hf_patch.ragged_attention, alternating), and one admission
-prefill of k newcomers (hf_patch.running_batch.RunningBatch, as demo/engine/step_loop.py runs
-them), on the built-in model; with a torch.profiler table of the step's top ops.
+"""The step loop's costs, alone: one decode step of B running rows (its attention through
+SDPA and through the ragged kernel of hf_patch.ragged_attention, alternating); the step with k
+newcomers seated in it (their prompts computed inside it, RunningBatch.seat, as
+demo/engine/step_loop.py admits on the CPU); the same newcomer's step in an empty batch (what an
+idle server computes for it); and one admission prefill of k newcomers (the generate() call that
+admits them elsewhere: CUDA, models the packed kernel does not take); on the built-in model,
+with a torch.profiler table of the step's top ops.
 
-These two numbers bound a newcomer's TTFT under load: it waits for the step in progress, then
-for its own admission prefill (with whoever arrived with it).
+These numbers bound a newcomer's TTFT under load: it waits for the step in progress, then for
+its own step (with whoever joins with it). Clients that send their next request as soon as their
+reply ends (bench_http.py --mixed) arrive just after a step began, so they wait about a whole
+one. The floor it prints is that sum against the newcomer's step alone; `--idle-ttft MS` (an
+idle server's TTFT from bench_http.py --mixed, same machine) adds the per-request work outside
+the forward (HTTP, chat template, sampling, streaming) to both sides.
 
     python benchmarks/bench_step.py                         # cpu, builtin, 32 rows
+    python benchmarks/bench_step.py --rows 31 --width 420 --short 60 --prompt 24 --idle-ttft 23
     python benchmarks/bench_step.py --device cuda --rows 32 --width 1100 --newcomers 1,4,16
 """
 
@@ -23,7 +31,7 @@ import torch
 import hf_patch
 from demo.model.loading import build_builtin
 from hf_patch import ragged_attention
-from hf_patch.running_batch import RunningBatch, prefill_keys
+from hf_patch.running_batch import RunningBatch, packs, prefill_keys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_batch import left_pad  # noqa: E402
@@ -45,6 +53,44 @@ def prefill(model, store, rows: list[list[int]], pad: int, device: str):
         )  # fmt: skip
     first = out.logits[0].argmax(dim=-1).tolist()
     return cache, ids.to(device), mask.to(device), first
+
+
+def seat_steps(
+    batch: RunningBatch, k: int, tokens: int, prompt, device: str, repeats: int = 5
+) -> list[float]:
+    """Times of ``repeats`` steps of ``batch`` with ``k`` newcomers of ``tokens`` uncached tokens
+    seated in each; the newcomers leave after their step (uncommitted), so the batch keeps its
+    rows."""
+    spent = []
+    for _ in range(repeats):
+        slots, _ = batch.seat([prompt(tokens) for _ in range(k)])  # no keys: nothing read from the store
+        sync(device)
+        t0 = time.perf_counter()
+        logits = batch.step()
+        sync(device)
+        spent.append(time.perf_counter() - t0)
+        batch.set_next(logits.argmax(dim=-1).tolist())
+        batch.remove(slots, commit=False)
+    return spent
+
+
+def floor_line(plain: float, own: float, alone: float, idle_ttft_ms: float | None) -> str:
+    """The newcomer's TTFT floor under this load: the step in progress (a plain one: it arrived
+    just after it began) plus its own step, against its step alone; with an idle server's TTFT,
+    the work outside the forward (idle TTFT - its step alone) on both sides."""
+    floor = plain + own
+    line = f"floor (the step under way + its own) {floor * 1e3:.1f} ms = {floor / alone:.1f}x its step alone"
+    if idle_ttft_ms is not None:
+        outside = max(0.0, idle_ttft_ms / 1e3 - alone)
+        line += (
+            f"; with {outside * 1e3:.1f} ms outside the forward: {(floor + outside) * 1e3:.1f} ms = "
+            f"{(floor + outside) / (idle_ttft_ms / 1e3):.1f}x the idle TTFT"
+        )
+    return line
+
+
+def newcomers(args) -> list[int]:
+    return [int(x) for x in args.newcomers.split(",")]
 
 
 def qwen_shape(device: str, dtype: torch.dtype):
@@ -79,7 +125,19 @@ def main() -> None:
         action="store_true",
         help="torch's cuDNN attention off, as the demo and batchrun run",
     )
-    p.add_argument("--newcomers", default="1,4,16", help="admission sizes to time (30-token prompts)")
+    p.add_argument("--newcomers", default="1,4,16", help="admission sizes to time (--prompt tokens each)")
+    p.add_argument(
+        "--prompt",
+        type=int,
+        default=30,
+        help="a newcomer's uncached prompt tokens (bench_http.py --mixed's short prompts: ~24)",
+    )
+    p.add_argument(
+        "--idle-ttft",
+        type=float,
+        help="an idle server's TTFT in ms (bench_http.py --mixed prints it): the floor then counts "
+        "the per-request work outside the forward too",
+    )
     args = p.parse_args()
     if args.no_cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -134,10 +192,27 @@ def main() -> None:
             f"(min {min(times[ragged]) * 1e3:.2f})"
         )
     print(f"  SDPA / ragged: {statistics.median(times['0']) / statistics.median(times['1']):.2f}x")
-    for k in (int(x) for x in args.newcomers.split(",")):
+    plain = statistics.median(times["1"])
+    if packs(model):
+        seated = {k: seat_steps(batch, k, args.prompt, prompt, device) for k in newcomers(args)}
+        alone = statistics.median(
+            seat_steps(RunningBatch(model, store, pad, []), 1, args.prompt, prompt, device, repeats=9)
+        )
+        print(f"  a newcomer's step in an empty batch ({args.prompt} tokens): median {alone * 1e3:.2f} ms")
+        for k, spent in seated.items():
+            own = statistics.median(spent)
+            print(
+                f"  the step with {k:>2} newcomers seated ({args.prompt} tokens each): median {own * 1e3:.2f} ms; "
+                + floor_line(plain, own, alone, args.idle_ttft)
+            )
+    else:
+        print(
+            "  (newcomers are not seated inside steps here: running_batch.packs refuses this model or device)"
+        )
+    for k in newcomers(args):
         spent = []
         for _ in range(5):
-            new = [prompt(30) for _ in range(k)]
+            new = [prompt(args.prompt) for _ in range(k)]
             sync(device)
             t0 = time.perf_counter()
             cache, ids, mask, first = prefill(model, store, new, pad, device)
@@ -145,7 +220,8 @@ def main() -> None:
             sync(device)
             spent.append(time.perf_counter() - t0)
         print(
-            f"admission prefill of {k:>2} newcomers (30 tokens each): median {statistics.median(spent) * 1e3:.2f} ms"
+            f"admission prefill of {k:>2} newcomers ({args.prompt} tokens each): median "
+            f"{statistics.median(spent) * 1e3:.2f} ms"
         )
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.startswith("cuda"):
