@@ -35,7 +35,9 @@ def _metaspace():
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", *SPECIAL_TOKENS], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<unk>", *SPECIAL_TOKENS], show_progress=False
+    )
     tok.train_from_iterator(builtin_corpus(400) + ["é ✓ ß"], trainer=trainer)
     return _fast(tok, unk_token="<unk>")
 
@@ -45,7 +47,9 @@ def _byte_fallback():
     from tokenizers import Tokenizer, decoders, models
 
     words = ["▁the", "▁cache", "▁é", "▁prefix", "ab", "▁", "✓", "."]
-    vocab = {t: i for i, t in enumerate(["<unk>", *SPECIAL_TOKENS, *words, *(f"<0x{b:02X}>" for b in range(256))])}
+    vocab = {
+        t: i for i, t in enumerate(["<unk>", *SPECIAL_TOKENS, *words, *(f"<0x{b:02X}>" for b in range(256))])
+    }
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
@@ -59,7 +63,9 @@ def _wordpiece():
     tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=600, special_tokens=["<unk>", *SPECIAL_TOKENS], show_progress=False)
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=600, special_tokens=["<unk>", *SPECIAL_TOKENS], show_progress=False
+    )
     tok.train_from_iterator(builtin_corpus(400), trainer=trainer)
     return _fast(tok, unk_token="<unk>")
 
