@@ -384,14 +384,15 @@ class RunningBatch:
         return self._packed and ragged_attention.verify(self.model)
 
     def remove(self, slots: Sequence[int], commit: bool = True) -> int:
-        """Free ``slots`` (committing each row first unless ``commit`` is False); the other rows
-        keep their slots. Returns the tokens the commits added to the store."""
+        """Free ``slots`` (committing each row first unless ``commit`` is False; a commit that
+        fails is logged, its row freed uncached); the other rows keep their slots. Returns the
+        tokens the commits added to the store."""
         added = 0
         for i in sorted(set(slots)):
             if not 0 <= i < self.size or not self.live[i]:
                 raise ValueError(f"remove: slot {i} holds no row")
             if commit:
-                added += self.commit(i)
+                added += self._commit_or_log(i)
             self.live[i], self.last[i], self._keys[i] = False, self.pad_id, None
             self.pending[i] = 0
             self.mask[i] = 0
@@ -520,11 +521,20 @@ class RunningBatch:
         return out.logits[0].to(dtype=torch.float32)
 
     def _commit_seated(self) -> None:
-        """Commit the prompts of the rows seated before this step (their KV is complete now)."""
+        """Commit the prompts of the rows seated before this step (their KV is complete now). A
+        commit that fails (the store's, a remote tier's) leaves that prompt uncached, logged:
+        the step's tokens stand, and the row commits again when it leaves."""
         seated, self._seated = self._seated, []
         for i in seated:
             if self.live[i]:
-                self.commit(i)
+                self._commit_or_log(i)
+
+    def _commit_or_log(self, i: int) -> int:
+        try:
+            return self.commit(i)
+        except Exception:
+            logger.exception("radixkv: committing a row's KV failed; it is not cached")
+            return 0
 
     def set_next(self, tokens: Sequence[int]) -> None:
         """The tokens sampled from the last ``step()``'s logits, one per slot (fed next)."""

@@ -573,3 +573,115 @@ def test_a_sliced_prompt_reports_what_the_store_held_of_all_of_it(engine, monkey
     assert r.cached_tokens == len(document) // 16 * 16  # the whole cached document, in blocks
     assert r.text == engine_stock(engine, ask, Params(3, temperature=0.0))
     assert running.collect().text == engine_stock(engine, running_ids, Params(40, temperature=0.0))
+
+
+def test_n_choices_one_ending_at_its_first_token_leaves_the_other_one_row(engine, monkeypatch):
+    """n=2 sampled choices join through a prefill call; where one choice's first token is an EOS
+    the other is left, and the same admission must not seat it again (it then held two slots and
+    got two tokens per step). Every reply equals the same request on the generate() path."""
+    from demo.engine.engine import Params
+    from tests.engine_gate import generate_path
+
+    cfg = engine.model.generation_config
+    monkeypatch.setattr(
+        cfg, "suppress_tokens", [t for t in cfg.suppress_tokens if t not in engine.runner.eos]
+    )
+    eos = min(engine.runner.eos)
+    ids = engine.text_ids("tell me about the harbour of Lima")
+    running_ids = engine.text_ids("a long answer about the ships of Porto")
+    first_token_eos = 0
+    for seed in range(20):
+        p = Params(8, temperature=1.0, seed=seed, n=2, logit_bias=((eos, 6.0),))
+        running = engine.submit(running_ids, Params(30, temperature=0.0, logit_bias=((eos, -100.0),)))
+        wait_for(lambda r=running: r.generated >= 2)  # the n=2 request joins a running batch
+        loop = engine.submit(ids, p).collect()
+        running.collect()
+        with pytest.MonkeyPatch.context() as m:
+            generate_path(engine, m)
+            ref = engine.submit(ids, p).collect()
+        assert [(c.text, c.finish_reason) for c in loop.choices] == [
+            (c.text, c.finish_reason) for c in ref.choices
+        ], seed
+        assert loop.completion_tokens == ref.completion_tokens <= 2 * 8
+        ended = [c.completion_tokens == 1 and c.finish_reason == "stop" for c in ref.choices]
+        first_token_eos += sum(ended) == 1  # one choice ended at its first token, one goes on
+    assert first_token_eos >= 2  # the case this test is about happened
+    engine.check_invariants()
+    assert engine.running == 0
+
+
+def test_a_seat_failing_after_widening_the_batch_leaves_the_running_rows_sampler_on_their_tokens(
+    engine, monkeypatch
+):
+    """A newcomer wider than the batch re-lays it out (every running row's columns move) and
+    then its store read fails: the running row's hook must still see its own tokens (prompt +
+    reply so far, no padding), as the sampler is rebuilt over the new layout."""
+    from demo.engine.engine import Params
+
+    wide = engine.text_ids(
+        "a much wider question about the harbour of Lima, its boats, its markets and streets"
+    )
+    engine.submit(wide, Params(2, temperature=0.0)).collect()  # cached: seating it reads the store
+    running_ids = engine.text_ids("short: Porto")
+    seen = []
+
+    def hook(ids, scores):
+        seen.append(ids.tolist())
+        return scores
+
+    running = engine.submit(running_ids, Params(30, temperature=0.0), hooks=[hook])
+    wait_for(lambda: running.generated >= 3)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("store read failed (simulated)")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine.store, "read", failing)
+        with pytest.raises(RuntimeError, match="simulated"):
+            engine.submit(wide, Params(3, temperature=0.0)).collect()
+    assert running.collect().text == engine_stock(engine, running_ids, Params(30, temperature=0.0))
+    assert len(seen) == 30 and all(ids[: len(running_ids)] == running_ids for ids in seen)
+    assert [len(ids) for ids in seen] == list(range(len(running_ids), len(running_ids) + 30))
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0
+
+
+def test_a_failing_commit_of_a_seated_prompt_costs_its_cache_entry_only(engine, monkeypatch, caplog):
+    """The commit of a newcomer's prompt after the step that computed it fails (the store's, a
+    remote tier's): the prompt is not cached and that is logged; the newcomer and the running
+    row both reply as stock (it failed every running request before)."""
+    from demo.engine.engine import Params
+    from hf_patch.running_batch import RunningBatch
+
+    running_ids = engine.text_ids("a long answer about the bridges of Porto")
+    newcomer_ids = engine.text_ids("a newcomer asking about the bakers of Lima and their bread")
+    running = engine.submit(running_ids, Params(40, temperature=0.0))
+    wait_for(lambda: running.generated >= 3)
+    commit = RunningBatch.commit
+
+    def failing(batch, i):
+        if batch.pending[i] == 0 and i in batch._seated_now:
+            raise RuntimeError("store commit failed (simulated)")
+        return commit(batch, i)
+
+    seated = RunningBatch._commit_seated
+
+    def spy(batch):
+        batch._seated_now = set(batch._seated)
+        seated(batch)
+        batch._seated_now = set()
+
+    monkeypatch.setattr(RunningBatch, "commit", failing)
+    monkeypatch.setattr(RunningBatch, "_commit_seated", spy)
+    monkeypatch.setattr(RunningBatch, "_seated_now", set(), raising=False)
+    with caplog.at_level("ERROR", logger="hf_patch.running_batch"):
+        newcomer = engine.submit(newcomer_ids, Params(5, temperature=0.0)).collect()
+    monkeypatch.undo()
+    assert newcomer.text == engine_stock(engine, newcomer_ids, Params(5, temperature=0.0))
+    assert running.collect().text == engine_stock(engine, running_ids, Params(40, temperature=0.0))
+    assert "it is not cached" in caplog.text and "simulated" in caplog.text
+    # the newcomer's reply was committed when it left: asking again hits its prompt
+    again = engine.submit(newcomer_ids, Params(5, temperature=0.0)).collect()
+    assert again.cached_tokens > 0
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0

@@ -201,7 +201,10 @@ class StepLoop:
             return
         self.admitting = list(gens)
         # n sampled rows of one prompt: one prefill call computes the prompt once for all
-        # (hf_patch.batch_share); seated, each row would compute it
+        # (hf_patch.batch_share); seated, each row would compute it. Split before either runs:
+        # the prefill call can end one of a request's rows (its first token an EOS), and the
+        # row left must not be seated a second time.
+        single = [g for g in gens if len(g.open_rows) == 1]
         shared = [g for g in gens if len(g.open_rows) > 1 and not g.gone_before_running()]
         for cache_prompt in (True, False):
             group = [g for g in shared if g.params.cache_prompt == cache_prompt]
@@ -209,11 +212,7 @@ class StepLoop:
                 self._admit_group(group)
         for cache_prompt in (True, False):
             group = [
-                g
-                for g in gens
-                if g.params.cache_prompt == cache_prompt
-                and len(g.open_rows) == 1
-                and not g.gone_before_running()
+                g for g in single if g.params.cache_prompt == cache_prompt and not g.gone_before_running()
             ]
             if group:
                 self._seat(group)
@@ -252,6 +251,9 @@ class StepLoop:
             log.exception("seating newcomers failed")
             for g in gens:
                 self._close(g, ("error", e))
+            # the seat may have re-laid the batch out first (wider, more slots): the running
+            # rows' columns moved, so the sampler is rebuilt over them
+            self._occupy([], [])
             return
         for (g, _), hit in zip(rows, cached):
             if g.cached is None:  # a sliced prompt counted its store reads in its first slice
