@@ -167,11 +167,30 @@ def test_context_ids_with_no_text_are_not_a_context():
     which a metaspace decoder decodes without its space ("▁cache" -> "cache")."""
     tok = _metaspace()
     special = tok.convert_tokens_to_ids(SPECIAL_TOKENS[0])
-    windowed, whole, words = _anchored(tok, [special] * TextStream.CONTEXT)
-    assert windowed._context == ""
+    windowed, whole, words = _anchored(tok, [special] * (4 * TextStream.CONTEXT + 2))
+    assert windowed._context == ""  # no text as far back as the context is looked for
     for i in words[:20]:
         assert windowed.push([i]) == whole.push([i])
     assert windowed.text == whole.text and not windowed._whole
+
+
+def test_a_byte_fallback_run_across_the_anchor_keeps_its_characters():
+    """Emoji as byte tokens (4 each, fused as one run by Llama 2's decoder chain) around the
+    first anchor, at every offset: a context starting inside a character would decode to
+    U+FFFD alone and in the window, where the whole decode has the emoji (the reply was then
+    garbled, and silent from the next check on)."""
+    tok = _byte_fallback()
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    word = tok.convert_tokens_to_ids("▁the")
+    emoji = tok.encode("😀🎉", add_special_tokens=False)
+    assert len(emoji) == 8
+    for before in range(2 * TextStream.WINDOW - 12, 2 * TextStream.WINDOW + 2):
+        ids = [word] * before + emoji * 3 + [word] * 150
+        windowed, whole = TextStream(decode), WholeStream(decode)
+        for i in ids:
+            assert windowed.push([i]) == whole.push([i]), before
+        assert windowed.finish() == whole.finish() and windowed.text == decode(ids)
+        assert not windowed._whole and windowed._anchor > 2 * TextStream.WINDOW, before
 
 
 def test_new_ids_that_rewrite_the_context_are_read_whole():
@@ -212,7 +231,7 @@ def test_a_long_reply_decodes_a_window_per_push_not_every_id():
 
     def decode(ids):
         decoded.append(len(ids))
-        return "".join(chr(97 + i % 26) for i in ids)
+        return "".join(chr(97 + i % 26) for i in ids if i < 10_000)  # ids >= 10,000: no text
 
     s = TextStream(decode)
     for i in range(4000):
@@ -220,4 +239,12 @@ def test_a_long_reply_decodes_a_window_per_push_not_every_id():
     assert s.finish() == "" and s.text == decode(list(range(4000)))
     # a whole decode per push would be 4000 * 4001 / 2 ~ 8M ids; the window: ids since the
     # anchor + CONTEXT, and a whole decode every WINDOW ids
-    assert sum(decoded) < 4000 * 4001 / 2 / 10, sum(decoded)
+    every_id = 4000 * 4001 / 2
+    assert sum(decoded) < every_id / 10, sum(decoded)
+    # where the window cannot be used (ids with no text: no context), no worse than before
+    decoded.clear()
+    s = TextStream(decode)
+    for i in range(2000):
+        s.push([10_000 + i])
+    assert s.finish() == "" and s.text == ""
+    assert sum(decoded) < 1.02 * 2000 * 2001 / 2 + 2000, sum(decoded)

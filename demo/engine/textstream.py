@@ -13,16 +13,18 @@ class TextStream:
     When a stop string appears, `stopped` turns True and the text ends just before it.
 
     Cost: a reply's first ``2 * WINDOW`` ids are decoded whole at each push. Past them, a push
-    decodes a window: the ids since the last *anchor* plus ``CONTEXT`` ids before it, whose
-    text (decoded alone when the anchor was set) the window's text must start with; the text is
-    then the anchor's text plus the rest of the window's. Every ``WINDOW`` ids the anchor moves
-    on, and the whole decode is compared with that text first. So a push costs
-    O(WINDOW + n / WINDOW) decoded ids instead of O(n) (a 4,000-token reply: ~25x less, and
-    those decodes hold the GIL the step loop wants). A decoder whose text the window cannot
-    reproduce (one that rewrites earlier text by more than ``CONTEXT`` ids, which none of the
-    tokenizers library's decoders does; "clean up tokenization spaces" rewrites one space, and
-    the window sees it) fails a comparison, and the stream decodes every id whole from then on.
-    An anchor is set only where the text does not end in an incomplete character.
+    decodes a window: the ids since the last *anchor* plus at least ``CONTEXT`` ids before it,
+    whose text decoded alone when the anchor was set is the end of the whole text then (a
+    context starting inside a character split over byte tokens is not); the window's text must
+    start with it, and the text is then the anchor's text plus the rest of the window's. Every
+    ``WINDOW`` ids the anchor moves on, and the whole decode is compared with that text first.
+    So a push costs O(WINDOW + n / WINDOW) decoded ids instead of O(n) (a 4,000-token reply:
+    ~20x less, and those decodes hold the GIL the step loop wants). A decoder whose text the
+    window cannot reproduce fails a comparison (none of the tokenizers library's decoders was
+    seen to: transformers' space clean-up rewrites the context, which the window sees; a byte
+    fallback decoder fuses a run of byte tokens, which the context's start keeps whole), and
+    the stream decodes every id whole from then on. An anchor is set only where the text does
+    not end in an incomplete character.
 
     >>> s = TextStream(lambda ids: "".join(map(chr, ids)), stop=["END"])
     >>> [s.push([ord(c)]) for c in "ab EN"], s.push([ord("D")]), s.stopped, s.text
@@ -40,7 +42,8 @@ class TextStream:
         self.stopped = False
         self._anchor = 0  # ids before it: their text is self._head (checked against a whole decode)
         self._head = ""
-        self._context = ""  # the text of the CONTEXT ids before the anchor, decoded alone
+        self._context = ""  # the text of ids[_start:_anchor] decoded alone (see _context_of)
+        self._start = 0
         self._whole = False  # True: the window did not reproduce a whole decode; decode all ids
 
     def _full(self) -> str:
@@ -49,9 +52,8 @@ class TextStream:
         ids = self._ids
         if self._whole or len(ids) < 2 * self.WINDOW:
             return self._decode(ids)
-        start = max(0, self._anchor - self.CONTEXT)
-        window = self._decode(ids[start:]) if self._anchor else None
-        if window is None or not self._context or not window.startswith(self._context):
+        window = self._decode(ids[self._start :]) if self._anchor and self._context else None
+        if window is None or not window.startswith(self._context):
             # no anchor yet; context ids with no text (the window's first decoded id would be
             # a new one: decoders treat a sequence's first token apart, e.g. dropping its
             # space); or the new ids rewrote the context's text
@@ -64,10 +66,30 @@ class TextStream:
                 self._whole = True  # this decoder's text depends on more than the window
                 return whole
             full = whole
-            if not whole.endswith("\ufffd"):  # never anchor inside an incomplete character
+            # never anchor inside an incomplete character; after an anchor with no context,
+            # not again before WINDOW more ids (each try decodes up to 3 x CONTEXT contexts)
+            retry = not self._anchor or self._context or len(ids) - self._anchor >= self.WINDOW
+            if retry and not whole.endswith("\ufffd"):
                 self._anchor, self._head = len(ids), whole
-                self._context = self._decode(ids[max(0, len(ids) - self.CONTEXT) :])
+                self._context = self._context_of(whole)
         return full
+
+    def _context_of(self, whole: str) -> str:
+        """The text of the ids before the anchor, decoded alone from the first start, CONTEXT
+        ids back or further, whose text is the end of ``whole``; '' (no window until the next
+        anchor) if none within 4 x CONTEXT ids. A start inside a character (its bytes split over
+        byte tokens) decodes to U+FFFD alone, and so does the window from there (a byte
+        fallback decoder fuses a whole run of byte tokens): its text would not be the whole
+        decode's."""
+        ids, end = self._ids, len(self._ids)
+        for start in range(end - self.CONTEXT, end - 4 * self.CONTEXT - 1, -1):
+            if start < 0:
+                break
+            text = self._decode(ids[start:end])
+            if text and whole.endswith(text):
+                self._start = start
+                return text
+        return ""
 
     def push(self, ids: Sequence[int]) -> str:
         """Add generated ids; return the newly released text ('' if none)."""
