@@ -267,6 +267,27 @@ def test_commit_refuses_kv_that_does_not_cover_the_tokens():
     store.check_invariants()
 
 
+def test_a_commit_failing_to_make_room_leaves_nothing_pinned(monkeypatch):
+    """Extending a cached prefix pins it for the copy; if making room for the new blocks fails
+    (a demotion to a tier that raises, say), the pin goes with the error."""
+    store = make_store(3)
+    tokens = list(range(16))
+    ks, vs = kv_for(tokens)
+    assert store.commit(tokens[:8], [k[:, :, :8] for k in ks], [v[:, :, :8] for v in vs]) == 8
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("making room failed (simulated)")
+
+    monkeypatch.setattr(store, "_make_room_locked", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        store.commit(tokens, ks, vs)  # needs 2 more blocks, 1 is free
+    monkeypatch.undo()
+    assert store.stats()["pinned_blocks"] == 0 and store.stats()["cached_blocks"] == 2
+    store.check_invariants()
+    assert store.commit(tokens, ks, vs) == 4  # the one free block, as without the failure
+    store.check_invariants()
+
+
 def test_tensors_as_tokens_are_refused():
     store = make_store(8)
     tokens = list(range(8))

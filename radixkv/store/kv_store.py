@@ -262,10 +262,14 @@ class KVStore:
             # Below a demoted prefix the new blocks go to the host too (tiers never go back up).
             tier = match.node.tier
             pool, private = (self.host_pool, self._private_host) if tier else (self.pool, self._private)
-            if pool.num_free < need:
-                self._make_room_locked(tier, need - pool.num_free)
-            take = min(need, pool.num_free)
-            ids = pool.allocate(take)
+            try:
+                if pool.num_free < need:
+                    self._make_room_locked(tier, need - pool.num_free)
+                take = min(need, pool.num_free)
+                ids = pool.allocate(take)
+            except BaseException:  # (an eviction's demotion failing, say) nothing pinned is left
+                self._unpin_locked(tree, match.node)
+                raise
             private.update(ids)
             if take < need:
                 self.counters.uncached_tokens += (need - take) * bs
