@@ -193,6 +193,15 @@ def main() -> None:
         )
     print(f"  SDPA / ragged: {statistics.median(times['0']) / statistics.median(times['1']):.2f}x")
     plain = statistics.median(times["1"])
+    # profiled now: seating newcomers below leaves their slots free in the batch (a plain
+    # step then feeds them too)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(5):
+            step()
+        sync(device)
     if packs(model):
         seated = {k: seat_steps(batch, k, args.prompt, prompt, device) for k in newcomers(args)}
         alone = statistics.median(
@@ -223,13 +232,6 @@ def main() -> None:
             f"admission prefill of {k:>2} newcomers ({args.prompt} tokens each): median "
             f"{statistics.median(spent) * 1e3:.2f} ms"
         )
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.startswith("cuda"):
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(5):
-            step()
-        sync(device)
     sort = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48))
     if device.startswith("cuda"):

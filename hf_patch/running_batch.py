@@ -533,7 +533,7 @@ class RunningBatch:
         try:
             return self.commit(i)
         except Exception:
-            logger.exception("radixkv: committing a row's KV failed; it is not cached")
+            logger.exception("radixkv: committing a row's KV to the store failed; it may not be cached")
             return 0
 
     def set_next(self, tokens: Sequence[int]) -> None:
