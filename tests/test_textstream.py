@@ -66,7 +66,7 @@ def _wordpiece():
     trainer = trainers.WordPieceTrainer(
         vocab_size=600, special_tokens=["<unk>", *SPECIAL_TOKENS], show_progress=False
     )
-    tok.train_from_iterator(builtin_corpus(400), trainer=trainer)
+    tok.train_from_iterator(builtin_corpus(400) + ["x ' y don ' t it ' s"] * 5, trainer=trainer)
     return _fast(tok, unk_token="<unk>")
 
 
@@ -191,6 +191,26 @@ def test_a_byte_fallback_run_across_the_anchor_keeps_its_characters():
             assert windowed.push([i]) == whole.push([i]), before
         assert windowed.finish() == whole.finish() and windowed.text == decode(ids)
         assert not windowed._whole and windowed._anchor > 2 * TextStream.WINDOW, before
+
+
+def test_a_context_of_skipped_special_tokens_is_not_short_enough_for_the_clean_up_to_span():
+    """WordPiece with clean-up, and special tokens (skipped) between "x" and "'": the ids before
+    the anchor decode alone to "'" only, a suffix of the whole text, but the clean-up of " ' "
+    spans from before them to the ids after the anchor ("x ' y" is "x'y" whole)."""
+    tok = _cleanup()
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    special = tok.convert_tokens_to_ids(SPECIAL_TOKENS[0])
+    x, quote, y = (tok.convert_tokens_to_ids(t) for t in ("x", "'", "y"))
+    assert decode([x, special, quote, y]) == "x'y"  # the clean-up this test is about
+    words = tok.encode(" ".join(builtin_corpus(40)), add_special_tokens=False)
+    mid = [x] + [special] * 5 + [quote]
+    ids = words[: 2 * TextStream.WINDOW - len(mid)] + mid + [y] + words[:150]
+    for stop in ((), (" 'q",)):
+        windowed, whole = TextStream(decode, stop), WholeStream(decode, stop)
+        for i in ids:
+            assert windowed.push([i]) == whole.push([i]), stop
+        assert windowed.finish() == whole.finish() and windowed.text == whole.text
+        assert not windowed._whole
 
 
 def test_new_ids_that_rewrite_the_context_are_read_whole():

@@ -76,17 +76,19 @@ class TextStream:
 
     def _context_of(self, whole: str) -> str:
         """The text of the ids before the anchor, decoded alone from the first start, CONTEXT
-        ids back or further, whose text is the end of ``whole``; '' (no window until the next
-        anchor) if none within 4 x CONTEXT ids. A start inside a character (its bytes split over
-        byte tokens) decodes to U+FFFD alone, and so does the window from there (a byte
-        fallback decoder fuses a whole run of byte tokens): its text would not be the whole
-        decode's."""
+        ids back or further, whose text is the end of ``whole`` and at least CONTEXT characters
+        long; '' (no window until the next anchor) if none within 4 x CONTEXT ids. A start
+        inside a character (its bytes split over byte tokens) decodes to U+FFFD alone, and so
+        does the window from there (a byte fallback decoder fuses a whole run of byte tokens):
+        its text would not be the whole decode's. A short text (context ids that are mostly
+        skipped special tokens) would let transformers' space clean-up, which rewrites patterns
+        such as " ' " and " n't" over the whole string, span the context's start unseen."""
         ids, end = self._ids, len(self._ids)
         for start in range(end - self.CONTEXT, end - 4 * self.CONTEXT - 1, -1):
             if start < 0:
                 break
             text = self._decode(ids[start:end])
-            if text and whole.endswith(text):
+            if len(text) >= self.CONTEXT and whole.endswith(text):
                 self._start = start
                 return text
         return ""
