@@ -100,6 +100,34 @@ def test_a_commit_under_a_demoted_prefix_goes_to_the_host_and_host_eviction_drop
     store.check_invariants()
 
 
+def test_a_demotion_whose_copy_fails_leaves_no_host_block_taken(monkeypatch) -> None:
+    """Making room demotes a prefix to the host; if copying it there raises, the host blocks it
+    took go back, the prefix stays on the device, and nothing is pinned."""
+    import radixkv.store.kv_store as kv_store
+
+    store = make_tiered(device_blocks=3, host_blocks=4)
+    first, second = [1] * 8 + [99], [2] * 8 + [99]
+    store.commit(first, *kv_for(first))
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("copy to host failed (simulated)")
+
+    monkeypatch.setattr(kv_store, "copy_blocks", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        store.commit(second, *kv_for(second))  # needs 2 blocks, 1 is free: demotes the first
+    monkeypatch.undo()
+    stats = store.stats()
+    assert stats["host_free_blocks"] == 4 and stats["host_cached_blocks"] == 0
+    assert stats["cached_blocks"] == 2 and stats["pinned_blocks"] == 0
+    store.check_invariants()
+    assert_kv(store, first, 8)
+    store.commit(second, *kv_for(second))  # and the demotion works once copies do
+    assert store.stats()["demoted_blocks"] == 2
+    assert_kv(store, first, 8)  # read from the host now
+    assert_kv(store, second, 8)
+    store.check_invariants()
+
+
 def test_host_pinned_full_falls_back_to_dropping_device_leaves() -> None:
     store = make_tiered(device_blocks=2, host_blocks=2)
     a = [1] * 8 + [0]

@@ -353,8 +353,13 @@ class KVStore:
                 return
             host_ids = host.allocate(n)
             # Under the lock: nobody can pin, read or overwrite the node's blocks meanwhile.
-            self.counters.bytes_to_host += copy_blocks(self.pool, node.block_ids, host, host_ids)
-            self.pool.free(tree.demote(node, host_ids))
+            try:
+                self.counters.bytes_to_host += copy_blocks(self.pool, node.block_ids, host, host_ids)
+                demoted = tree.demote(node, host_ids)
+            except BaseException:  # the node keeps its device blocks; the host ids go back
+                host.free(host_ids)
+                raise
+            self.pool.free(demoted)
             self.counters.demoted_blocks += n
             done += n
 
