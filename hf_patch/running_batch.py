@@ -335,7 +335,6 @@ class RunningBatch:
                 cached.append(self._seat_one(slot, width, context, keys, r))
         except BaseException:  # a store read failed: the rows seated so far leave, uncommitted
             self.remove(slots[: len(cached)], commit=False)
-            self._seated = [i for i in self._seated if i not in set(slots)]
             raise
         return slots, cached
 
@@ -397,6 +396,8 @@ class RunningBatch:
             self.pending[i] = 0
             self.mask[i] = 0
             self.ids[i] = self.pad_id
+        gone = set(slots)
+        self._seated = [i for i in self._seated if i not in gone]  # nothing left to commit there
         return added
 
     def compact(self) -> list[int] | None:
@@ -465,7 +466,6 @@ class RunningBatch:
                 layer.set_length(width)
             joining = [i for i in live if self.pending[i]]
             self.remove(joining, commit=False)
-            self._seated = [i for i in self._seated if i not in set(joining)]
             raise JoinFailed(joining) from e
         fed = torch.tensor(self.last, dtype=torch.long).unsqueeze(1)
         column = torch.tensor([1 if alive else 0 for alive in self.live], dtype=torch.long).unsqueeze(1)
