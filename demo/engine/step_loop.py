@@ -68,6 +68,16 @@ def step_loop_reason(model, processor=None) -> str | None:
     return None
 
 
+def _by_cache_prompt(gens: list[Generation]):
+    """``gens`` in groups of one ``cache_prompt`` value (True first; such groups are admitted
+    apart), each request asked just before its group whether its client left
+    (``gone_before_running``: then answered, and left out); empty groups are skipped."""
+    for cache_prompt in (True, False):
+        group = [g for g in gens if g.params.cache_prompt == cache_prompt and not g.gone_before_running()]
+        if group:
+            yield group
+
+
 class StepLoop:
     """The running rows of the worker (see the module). One worker thread owns it."""
 
@@ -205,17 +215,10 @@ class StepLoop:
         # the prefill call can end one of a request's rows (its first token an EOS), and the
         # row left must not be seated a second time.
         single = [g for g in gens if len(g.open_rows) == 1]
-        shared = [g for g in gens if len(g.open_rows) > 1 and not g.gone_before_running()]
-        for cache_prompt in (True, False):
-            group = [g for g in shared if g.params.cache_prompt == cache_prompt]
-            if group:
-                self._admit_group(group)
-        for cache_prompt in (True, False):
-            group = [
-                g for g in single if g.params.cache_prompt == cache_prompt and not g.gone_before_running()
-            ]
-            if group:
-                self._seat(group)
+        for group in _by_cache_prompt([g for g in gens if len(g.open_rows) > 1]):
+            self._admit_group(group)
+        for group in _by_cache_prompt(single):
+            self._seat(group)
         self.admitting = []
         self.scheduler.set_running(self._gens())
 
@@ -274,10 +277,8 @@ class StepLoop:
         rows into the batch; their first tokens are streamed. If anything past the prefill call
         raises, `serve` answers ``gens`` with the error too (`admitting`)."""
         self.admitting = list(gens)
-        for cache_prompt in (True, False):
-            group = [g for g in gens if g.params.cache_prompt == cache_prompt and not g.gone_before_running()]
-            if group:
-                self._admit_group(group)
+        for group in _by_cache_prompt(gens):
+            self._admit_group(group)
         self.admitting = []
         self.scheduler.set_running(self._gens())
 
