@@ -30,35 +30,45 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def run(engine, rows: int, tokens: int, arrival: bool, tag: str) -> tuple[list[float], float]:
-    """(gaps between the running rows' tokens, the long prompt's TTFT or nan)."""
-    gaps: list[float] = []
-    lock = threading.Lock()
+class Readers:
+    """A thread per request iterating its deltas, as the HTTP threads do; ``gaps``: the times
+    between a reply's streamed pieces, all requests together. ``join()`` waits for the ends."""
 
-    def read(gen) -> None:
+    def __init__(self, gens) -> None:
+        self.gaps: list[float] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._read, args=(g,)) for g in gens]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, gen) -> None:
         last = None
         for _ in gen:
             now = time.perf_counter()
             if last is not None:
-                with lock:
-                    gaps.append(now - last)
+                with self._lock:
+                    self.gaps.append(now - last)
             last = now
 
+    def join(self) -> list[float]:
+        for t in self._threads:
+            t.join()
+        return self.gaps
+
+
+def run(engine, rows: int, tokens: int, arrival: bool, tag: str) -> tuple[list[float], float]:
+    """(gaps between the running rows' tokens, the long prompt's TTFT or nan)."""
     gens = [
         engine.submit(engine.text_ids(f"{tag} row {i} tells about Lima."), Params(tokens, temperature=0.0))
         for i in range(rows)
     ]
-    threads = [threading.Thread(target=read, args=(g,)) for g in gens]
-    for t in threads:
-        t.start()
+    readers = Readers(gens)
     ttft = float("nan")
     if arrival:
         time.sleep(1.0)
         doc = engine.text_ids(f"{tag} document.\n" + table(228) + "Who lives in Lima?")
         ttft = engine.submit(doc, Params(4, temperature=0.0)).collect().ttft_s
-    for t in threads:
-        t.join()
-    return gaps, ttft
+    return readers.join(), ttft
 
 
 def main() -> None:

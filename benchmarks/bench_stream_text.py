@@ -21,7 +21,6 @@ import os
 import random
 import statistics
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -72,19 +71,8 @@ def stream_alone(lengths: list[int]) -> None:
 
 def engine_run(engine, rows: int, tokens: int, tag: str) -> tuple[float, float, list[float]]:
     """(tokens/s, process CPU seconds, gaps between a reply's streamed pieces)."""
+    from benchmarks.bench_long_prompt import Readers
     from demo.engine.engine import Params
-
-    gaps: list[float] = []
-    lock = threading.Lock()
-
-    def read(gen) -> None:
-        last = None
-        for _ in gen:
-            now = time.perf_counter()
-            if last is not None:
-                with lock:
-                    gaps.append(now - last)
-            last = now
 
     away = tuple((e, -100.0) for e in engine.runner.eos)
     gens = [
@@ -92,11 +80,7 @@ def engine_run(engine, rows: int, tokens: int, tag: str) -> tuple[float, float, 
         for i in range(rows)
     ]  # fmt: skip
     t0, c0 = time.perf_counter(), time.process_time()
-    threads = [threading.Thread(target=read, args=(g,)) for g in gens]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    gaps = Readers(gens).join()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     made = sum(g.result.completion_tokens for g in gens)
     assert made == rows * tokens, made
