@@ -28,18 +28,31 @@ def _fast(tok, **kwargs):
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=10**6, **kwargs)
 
 
+def _trained(model, pre_tokenizer, decoder, trainer, texts: list[str]):
+    """A tokenizer of ``model`` trained on the built-in corpus and ``texts`` (600 ids, the
+    chat specials)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer(model)
+    tok.pre_tokenizer, tok.decoder = pre_tokenizer, decoder
+    tok.train_from_iterator(
+        builtin_corpus(400) + texts,
+        trainer=trainer(vocab_size=600, special_tokens=["<unk>", *SPECIAL_TOKENS], show_progress=False),
+    )
+    return _fast(tok, unk_token="<unk>")
+
+
 def _metaspace():
     """SentencePiece-like: "▁" marks a word's space; the decoder drops the first one."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<unk>", *SPECIAL_TOKENS], show_progress=False
+    return _trained(
+        models.BPE(unk_token="<unk>"),
+        pre_tokenizers.Metaspace(),
+        decoders.Metaspace(),
+        trainers.BpeTrainer,
+        ["é ✓ ß"],
     )
-    tok.train_from_iterator(builtin_corpus(400) + ["é ✓ ß"], trainer=trainer)
-    return _fast(tok, unk_token="<unk>")
 
 
 def _byte_fallback():
@@ -58,16 +71,15 @@ def _byte_fallback():
 
 
 def _wordpiece():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(
-        vocab_size=600, special_tokens=["<unk>", *SPECIAL_TOKENS], show_progress=False
+    return _trained(
+        models.WordPiece(unk_token="<unk>"),
+        pre_tokenizers.Whitespace(),
+        decoders.WordPiece(),
+        trainers.WordPieceTrainer,
+        ["x ' y don ' t it ' s"] * 5,
     )
-    tok.train_from_iterator(builtin_corpus(400) + ["x ' y don ' t it ' s"] * 5, trainer=trainer)
-    return _fast(tok, unk_token="<unk>")
 
 
 def _cleanup():
