@@ -23,7 +23,18 @@ from radixkv.persist import (
     SaveAborted,
     SaveResult,
 )
-from radixkv.store import BlockPool, KVStore, LayerSpec, Lease, OutOfBlocks, Tier, host_pool_for
+from radixkv.store import (
+    BlockPool,
+    KVStore,
+    LayerSpec,
+    Lease,
+    OutOfBlocks,
+    StatePool,
+    StateSpec,
+    Tier,
+    host_pool_for,
+    host_states_for,
+)
 from radixkv.tree import MatchResult, PackedTokens, RadixTree, pack_tokens
 
 __all__ = [
@@ -42,7 +53,10 @@ __all__ = [
     "RestoreResult",
     "SaveAborted",
     "SaveResult",
+    "StatePool",
+    "StateSpec",
     "Tier",
     "host_pool_for",
+    "host_states_for",
     "pack_tokens",
 ]

@@ -18,6 +18,14 @@ place: ``read`` copies them straight into the caller's buffers (docs/design.md s
 promotion). A commit extending a host-resident prefix writes its new blocks to the host too,
 so device nodes always form the top of the tree.
 
+Recurrent state (``KVStore(pool, states=StatePool(...))``, models with linear-attention / Mamba /
+conv layers): the tree is stateful. A node may hold a snapshot of every recurrent layer's
+state after its last token, in a slot of the state pool of its tier; a match is usable up to
+its deepest snapshot (``Lease.snap``, read by ``read_state``); ``commit(..., snapshots={pos:
+states})`` caches the KV up to the deepest snapshot given and attaches each snapshot at its
+position. The state pool has a byte budget of its own: snapshots evict snapshots (LRU), never
+KV; a node evicted or dropped frees its snapshot; demotion moves it to the host's state pool.
+
 Task pins (``store.tasks``, ``radixkv.store.task_pins``): prefixes pinned by id until unpinned or flushed.
 Persistence (``save``/``restore``): the work is in ``radixkv.persist``.
 """
@@ -27,17 +35,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 
 import torch
 
 from radixkv import persist
 from radixkv.store.lease import Lease
 from radixkv.store.pool import BlockPool
+from radixkv.store.state_pool import StatePool, check_state_mirror
 from radixkv.store.stats import StoreCounters, store_stats
 from radixkv.store.task_pins import TaskPins
 from radixkv.store.tier import Tier, check_mirror, copy_blocks, gather_into, read_split_rows, scatter_into
 from radixkv.tree import DEVICE, HOST, MatchResult, RadixTree, TierOrderError
+from radixkv.tree.check import snapshot_slots
 from radixkv.tree.node import Tokens, head_of, num_tokens_of, pack_tokens
 
 logger = logging.getLogger(__name__)
@@ -51,13 +61,34 @@ class KVStore:
     radixkv.persist), maintenance (flush, stats, check_invariants).
     """
 
-    def __init__(self, pool: BlockPool, host_pool: BlockPool | None = None, remote=None) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        host_pool: BlockPool | None = None,
+        remote=None,
+        *,
+        states: StatePool | None = None,
+        host_states: StatePool | None = None,
+    ) -> None:
         """``remote``: a shared tier behind both pools (``radixkv.sidecar.client.SidecarTier``):
-        asked for what a match misses, handed every commit to write through."""
+        asked for what a match misses, handed every commit to write through. ``states``: the
+        snapshot pool of a model with recurrent layers (the tree becomes stateful);
+        ``host_states``: its host-tier mirror (needs ``host_pool``)."""
         if host_pool is not None:
             check_mirror(pool, host_pool)
+        if host_states is not None:
+            if states is None or host_pool is None:
+                raise ValueError("host_states needs states= and host_pool= as well")
+            check_state_mirror(states, host_states)
+        if states is not None and remote is not None:
+            raise ValueError(
+                "a remote tier does not carry recurrent-state snapshots yet: no sidecar for a store with states="
+            )
         self.pool = pool
         self.host_pool = host_pool
+        self.states = states
+        self.host_states = host_states
+        self._private_snaps: tuple[set[int], set[int]] = (set(), set())  # slots being written
         self.tiers = (Tier(DEVICE, pool),) + ((Tier(HOST, host_pool),) if host_pool is not None else ())
         self.tree = self._new_tree()
         self.counters = StoreCounters()
@@ -106,6 +137,8 @@ class KVStore:
                 self.counters.requests += 1
                 self.counters.query_tokens += num_tokens_of(tokens)
             lease = Lease(self, tree, match, self.epoch, namespace, self._host_blocks(match))
+            if self.states is not None:
+                self.counters.junction_tokens += match.kv_tokens - match.num_tokens
         if (
             remote
             and self.remote is not None
@@ -170,6 +203,23 @@ class KVStore:
             self.counters.bytes_from_host += host_tokens * self.pool.bytes_per_token  # moved either way
             self.counters.bytes_from_remote += remote_tokens * self.pool.bytes_per_token
 
+    def read_state(self, lease: Lease, out: Sequence[torch.Tensor]) -> bool:
+        """Copy the snapshot ``lease`` pins (the recurrent states after its ``num_tokens``) into one
+        row's ``out`` tensors (``out[j]``: ``states.specs[j].shape``, any device). Returns False,
+        copying nothing, when the lease holds no snapshot (nothing matched: the initial state).
+        Runs without the lock: a pinned node's snapshot is neither evicted nor moved."""
+        if lease._store is not self:
+            raise ValueError("read_state() of a lease acquired from another KVStore")
+        if not lease.active:
+            raise RuntimeError("read_state() from a released lease")
+        if self.states is None or lease.snap < 0:
+            return False
+        pool = self.host_states if lease._match.node.tier else self.states
+        pool.read(lease.snap, out)
+        with self._lock:
+            self.counters.snapshots_read += 1
+        return True
+
     def _read_with_remote(self, leases, num_tokens, k_out, v_out) -> tuple[int, int]:
         """``read`` for rows some of whose blocks the remote tier pinned (after the local ones);
         returns (host tokens, remote tokens) copied."""
@@ -205,6 +255,8 @@ class KVStore:
         v_src: Sequence[torch.Tensor],
         namespace: Hashable = None,
         epoch: int | None = None,
+        *,
+        snapshots: Mapping[int, Sequence[torch.Tensor]] | None = None,
     ) -> int:
         """Cache the whole blocks of ``tokens`` whose KV is ``k_src[l]``/``v_src[l]`` ``[1, H, >=len, D]``.
 
@@ -213,17 +265,105 @@ class KVStore:
         nothing is cached. With a remote tier the key is then queued for write-through (the
         remote copies from this store's blocks in the background).
 
+        ``snapshots`` (a store with ``states``): position -> one row's recurrent states after
+        the first ``position`` tokens (``states.specs`` shapes); positions are multiples of
+        the block size. Only KV up to the deepest position is cached (KV past every snapshot
+        could never be served); each snapshot is attached where its node has none. Without
+        snapshots such a store caches nothing.
+
         Raises ValueError, caching nothing, when ``tokens`` is a tensor/array or a source does
         not hold one row of KV for every whole-block token: a shorter source would leave the
-        end of a cached block unwritten (garbage served as a hit).
+        end of a cached block unwritten (garbage served as a hit); or when a snapshot position
+        is not a block multiple within the tokens, or snapshots come to a store without states.
         """
         whole = num_tokens_of(tokens) // self.block_size * self.block_size
+        if self.states is not None or snapshots:
+            whole = self._check_snapshots(snapshots, whole)
+            if whole == 0:
+                pack_tokens(tokens)  # still refuses a tensor / non-int ids
+                return 0
         if whole:  # packed once: _commit_local and the remote push share it
             tokens = pack_tokens(head_of(tokens, whole))
         added = self._commit_local(tokens, k_src, v_src, namespace, epoch)
+        if snapshots:
+            self._attach_snapshots(tokens, snapshots, namespace, epoch)
         if self.remote is not None and whole and (epoch is None or epoch == self.epoch):
             self.remote.push(tokens, namespace)
         return added
+
+    def _check_snapshots(self, snapshots: Mapping[int, Sequence[torch.Tensor]] | None, whole: int) -> int:
+        """The tokens a stateful commit caches (its deepest snapshot), after checking positions."""
+        if self.states is None:
+            raise ValueError("commit(snapshots=...) to a store without a state pool (KVStore(states=))")
+        deepest = 0
+        for pos, states in (snapshots or {}).items():
+            if type(pos) is not int or pos <= 0 or pos % self.block_size or pos > whole:
+                raise ValueError(
+                    f"snapshot position {pos!r} must be a positive multiple of the block size "
+                    f"({self.block_size}) within the {whole} whole-block tokens"
+                )
+            self.states._check_states("commit", states)
+            deepest = max(deepest, pos)
+        return deepest
+
+    def _attach_snapshots(
+        self,
+        tokens: Tokens,
+        snapshots: Mapping[int, Sequence[torch.Tensor]],
+        namespace: Hashable,
+        epoch: int | None,
+    ) -> None:
+        """Attach each snapshot to the node ending at its position where that node has none:
+        slots taken under the lock (private), written without it, attached under it."""
+        todo = []  # (position, tier, slot, node)
+        with self._lock:
+            if epoch is not None and epoch != self.epoch:
+                return
+            tree = self.tree
+            for pos in sorted(snapshots):
+                node = tree.node_at(head_of(tokens, pos), namespace)
+                if node is None or node.snap >= 0:  # not cached (room) / taken already
+                    continue
+                tier = node.tier
+                pool = self.host_states if tier else self.states
+                if pool is None:  # a host node without a host state pool: no snapshot there
+                    continue
+                if pool.num_free == 0:
+                    self._evict_snapshots_locked(tier, 1)
+                if pool.num_free == 0:
+                    self.counters.uncached_snapshots += 1
+                    continue
+                slot = pool.allocate(1)[0]
+                self._private_snaps[tier].add(slot)
+                tree.pin(node)  # neither evicted nor demoted while its snapshot is written
+                todo.append((pos, tier, slot, node))
+        written = []
+        try:
+            for pos, tier, slot, node in todo:
+                (self.host_states if tier else self.states).write(slot, snapshots[pos])
+                written.append((tier, slot, node))
+        finally:
+            with self._lock:
+                for _pos, tier, slot, node in todo:
+                    self._private_snaps[tier].discard(slot)
+                    pool = self.host_states if tier else self.states
+                    ok = (tier, slot, node) in written and tree is self.tree
+                    if ok and node.attached and node.snap < 0 and node.tier == tier:
+                        tree.set_snapshot(node, slot)
+                        self.counters.snapshots_written += 1
+                    else:
+                        pool.free([slot])
+                    self._unpin_locked(tree, node)
+
+    def _evict_snapshots_locked(self, tier: int, n: int) -> None:
+        slots = self.tree.evict_snapshots(n, tier)
+        if slots:
+            (self.host_states if tier else self.states).free(slots)
+            self.counters.evicted_snapshots += len(slots)
+
+    def _free_snapshot(self, tier: int, slot: int) -> None:
+        """The tree's callback for the snapshot of every node it removes (under the lock)."""
+        (self.host_states if tier else self.states).free([slot])
 
     def _commit_local(
         self,
@@ -253,7 +393,7 @@ class KVStore:
             if epoch is not None and epoch != self.epoch:
                 return 0
             tree = self.tree
-            match = tree.match(tokens, namespace)
+            match = tree.match(tokens, namespace, kv=True)
             cached_blocks = match.num_tokens // bs
             need = num_blocks - cached_blocks
             if need == 0:
@@ -352,16 +492,43 @@ class KVStore:
                 self.counters.evicted_blocks += len(freed)
                 return
             host_ids = host.allocate(n)
+            host_snap = self._host_snapshot_slot_locked(node)
             # Under the lock: nobody can pin, read or overwrite the node's blocks meanwhile.
             try:
                 self.counters.bytes_to_host += copy_blocks(self.pool, node.block_ids, host, host_ids)
-                demoted = tree.demote(node, host_ids)
+                dev_snap = node.snap
+                if host_snap >= 0:
+                    self.counters.bytes_to_host += self.states.copy_to(dev_snap, self.host_states, host_snap)
+                demoted = tree.demote(node, host_ids, host_snap)
             except BaseException:  # the node keeps its device blocks; the host ids go back
                 host.free(host_ids)
+                if host_snap >= 0:
+                    self.host_states.free([host_snap])
                 raise
+            if host_snap >= 0:
+                self.states.free([dev_snap])
             self.pool.free(demoted)
             self.counters.demoted_blocks += n
             done += n
+
+    def _host_snapshot_slot_locked(self, node) -> int:
+        """A host state slot for demoting ``node``'s snapshot, or -1 when it has none; a snapshot
+        the host state pool cannot take (none, or full of pinned ones) is dropped first."""
+        if node.snap < 0:
+            return -1
+        if self.host_states is not None and self.host_states.num_free == 0:
+            self._evict_snapshots_locked(HOST, 1)
+        if self.host_states is None or self.host_states.num_free == 0:
+            self.states.free([self._drop_snapshot_locked(node)])
+            return -1
+        return self.host_states.allocate(1)[0]
+
+    def _drop_snapshot_locked(self, node) -> int:
+        """Take ``node``'s snapshot off it (its KV stays); returns the slot (the caller frees it)."""
+        slot = node.snap
+        self.tree.detach_snapshot(node)
+        self.counters.evicted_snapshots += 1
+        return slot
 
     def _promote_locked(self, node) -> bool:
         """Move the host-resident end of the path to ``node`` back to device blocks (task pins:
@@ -384,12 +551,29 @@ class KVStore:
                 return False
             for c in chain:  # top down: each one's parent is on the device by then
                 ids = self.pool.allocate(len(c.block_ids))
+                dev_snap = -1
+                if c.snap >= 0:
+                    if self.states.num_free == 0:
+                        self._evict_snapshots_locked(DEVICE, 1)
+                    if self.states.num_free == 0:  # every device snapshot pinned: promote without it
+                        self.host_states.free([self._drop_snapshot_locked(c)])
+                    else:
+                        dev_snap = self.states.allocate(1)[0]
                 try:
                     self.counters.bytes_from_host += copy_blocks(host, c.block_ids, self.pool, ids)
+                    host_snap = c.snap
+                    if dev_snap >= 0:
+                        self.counters.bytes_from_host += self.host_states.copy_to(
+                            host_snap, self.states, dev_snap
+                        )
                 except BaseException:  # the node keeps its host blocks; ours go back
                     self.pool.free(ids)
+                    if dev_snap >= 0:
+                        self.states.free([dev_snap])
                     raise
-                host.free(tree.promote(c, ids))
+                host.free(tree.promote(c, ids, dev_snap))
+                if dev_snap >= 0:
+                    self.host_states.free([host_snap])
                 self.counters.promoted_blocks += len(ids)
             return True
         finally:
@@ -514,7 +698,11 @@ class KVStore:
     def _new_tree(self) -> RadixTree:
         # Ids come off the pool's free list (refcount 1), so the tree need not re-check that it
         # does not own them already; check_invariants still recounts them.
-        return RadixTree(self.pool.block_size, check_block_ids=False)
+        if self.states is None:
+            return RadixTree(self.pool.block_size, check_block_ids=False)
+        return RadixTree(
+            self.pool.block_size, check_block_ids=False, stateful=True, free_snapshot=self._free_snapshot
+        )
 
     def _check_layers(self, op: str, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> None:
         n = len(self.pool.layers)
@@ -576,4 +764,19 @@ class KVStore:
                     raise AssertionError(f"{tier.name} pool references differ from owners")
             if self.host_pool is None and owned[HOST]:
                 raise AssertionError("host-resident nodes in a store without a host tier")
+            if self.states is not None:
+                snaps: tuple[list[int], list[int]] = tuple(list(p) for p in self._private_snaps)
+                for tree in trees:
+                    for tier, slots in enumerate(snapshot_slots(tree._roots)):
+                        snaps[tier].extend(slots)
+                for tier, pool in enumerate((self.states, self.host_states)):
+                    if pool is None:
+                        if snaps[tier]:
+                            raise AssertionError("host snapshots in a store without a host state pool")
+                        continue
+                    pool.check_invariants()
+                    if len(snaps[tier]) != len(set(snaps[tier])) or set(snaps[tier]) != pool.used_slots():
+                        raise AssertionError(
+                            f"{('device', 'host')[tier]} state slots differ from their owners"
+                        )
             self.tasks.check_locked()

@@ -44,6 +44,17 @@ class Lease:
         return remote.num_tokens if remote is not None else self._match.num_tokens
 
     @property
+    def snap(self) -> int:
+        """The snapshot slot ending the usable prefix (stateful stores), -1 for the initial state."""
+        return self._match.snap
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens whose KV the matched path holds, past ``num_tokens`` when no snapshot is there:
+        the junction, where a caller computing on should take a snapshot."""
+        return max(self._match.kv_tokens, self.num_tokens)
+
+    @property
     def block_ids(self) -> Sequence[int]:
         """The local pools' blocks (device, then the last ``num_host_blocks`` on the host)."""
         return self._match.block_ids

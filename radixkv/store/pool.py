@@ -65,6 +65,8 @@ class LayerSpec:
 def _uniform(layers: Sequence[LayerSpec]) -> bool:
     """Every layer's K and V have one shape and dtype, on the CPU (then one allocation holds
     them: the CPU copies move all layers at once; on CUDA one kernel launch does already)."""
+    if not layers:
+        return False
     first = layers[0]
     return first.device.type == "cpu" and all(
         (s.num_kv_heads, s.k_head_dim, s.v_head_dim, s.dtype, s.device)
@@ -88,8 +90,8 @@ class BlockPool:
         """``pin_memory``: page-locked CPU storage (a host tier behind a CUDA pool).
         ``storage``: ``(k, v)`` per-layer tensors to use instead of new ones (a view over memory
         another process owns: radixkv.sidecar), each ``[num_blocks, block_size, heads, dim]``."""
-        if not layers:
-            raise ValueError("BlockPool needs at least one LayerSpec")
+        # No layers: a model whose every layer keeps recurrent state (Mamba): blocks hold no
+        # bytes and only number the tree's token runs; the snapshots are in a StatePool.
         if not _is_count(num_blocks) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         check_block_size(block_size)
@@ -147,6 +149,8 @@ class BlockPool:
         if not _is_count(budget) or budget < 0:
             raise ValueError(f"the pool budget must be an int >= 0, got tokens={tokens!r}, bytes={bytes!r}")
         check_block_size(block_size)
+        if not layers and tokens is None:
+            raise ValueError("a pool without layers (no attention KV) is sized in tokens=, not bytes=")
         per_block = block_size * sum(s.bytes_per_token for s in layers)
         num_blocks = tokens // block_size if tokens is not None else bytes // per_block
         if num_blocks <= 0:

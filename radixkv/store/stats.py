@@ -32,6 +32,13 @@ class StoreCounters:
     bytes_from_remote: int = 0
     bytes_to_host: int = 0  # demotions + commits written straight to the host tier
     bytes_from_host: int = 0  # host hits copied into request buffers, and promotions
+    # Recurrent-state snapshots (stores with states=; all zero otherwise)
+    snapshots_written: int = 0  # snapshots attached to nodes by commits
+    snapshots_read: int = 0  # snapshots copied into a request's states (read_state)
+    evicted_snapshots: int = 0  # snapshots dropped for room (their KV stayed)
+    uncached_snapshots: int = 0  # snapshots a commit could not keep: every slot pinned
+    # matched KV past the deepest snapshot (not served: the caller computes on from there)
+    junction_tokens: int = 0
 
     def as_dict(self) -> dict[str, int | float]:
         out: dict[str, int | float] = dataclasses.asdict(self)
@@ -71,6 +78,21 @@ def store_stats(store: KVStore) -> dict[str, int | float]:
             host_retired_blocks=retired_host,
             host_pool_bytes=host.nbytes,
         )
+    states = store.states
+    if states is not None:
+        out.update(
+            snapshots=tree.num_snapshots,
+            state_slots=states.num_slots,
+            free_state_slots=states.num_free,
+            snapshot_bytes=states.slot_bytes,
+            state_pool_bytes=states.nbytes,
+        )
+        if store.host_states is not None:
+            out.update(
+                host_snapshots=tree.num_host_snapshots,
+                host_state_slots=store.host_states.num_slots,
+                host_free_state_slots=store.host_states.num_free,
+            )
     out.update(
         task_prompts=len(store.tasks),
         task_pinned_blocks=store.tasks.device_blocks_locked(),

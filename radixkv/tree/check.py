@@ -168,3 +168,64 @@ def _check_evictable(evictable: SortedList, candidates: set[int], tier: str) -> 
         not extra and not missing,
         f"{tier} evictable set differs from the unpinned leaves: {extra} extra, {missing} missing",
     )
+
+
+def check_snapshots(
+    roots: dict[Hashable, Node], snap_lru: tuple[SortedList, SortedList], num_snaps: list[int], stateful: bool
+) -> None:
+    """Snapshots: only in stateful trees, never on roots, slots unique per tier, counts and the
+    per-tier LRU orders (exactly the unpinned nodes holding one, sorted by last access) right."""
+    slots: tuple[set[int], set[int]] = (set(), set())
+    members: tuple[set[int], set[int]] = (set(), set())
+    for root in roots.values():
+        _require(root.snap == -1 and root.snap_entry is None, f"root {root!r} holds a snapshot")
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.snap < 0:
+                _require(node.snap == -1 and node.snap_entry is None, f"{node!r} has a stale snapshot entry")
+                continue
+            _require(stateful, f"{node!r} holds a snapshot in a tree without recurrent state")
+            _require(node.snap not in slots[node.tier], f"snapshot slot {node.snap} appears twice")
+            slots[node.tier].add(node.snap)
+            if node.pin_count == 0:
+                _require(
+                    node.snap_entry == (node.last_access, node.uid, node),
+                    f"{node!r} has a stale or missing snapshot LRU entry {node.snap_entry!r}",
+                )
+                members[node.tier].add(id(node))
+            else:
+                _require(node.snap_entry is None, f"pinned {node!r} is in the snapshot LRU order")
+    for tier, name in ((DEVICE, "device"), (HOST, "host")):
+        _require(
+            len(slots[tier]) == num_snaps[tier],
+            f"{name} snapshot count {num_snaps[tier]} != recount {len(slots[tier])}",
+        )
+        lru = snap_lru[tier]
+        try:
+            lru._check()
+        except AssertionError as exc:
+            raise TreeInvariantError(f"{name} snapshot LRU is corrupt: {exc!r}") from exc
+        ids = [id(entry[2]) for entry in lru]
+        _require(
+            len(ids) == len(set(ids)) and set(ids) == members[tier],
+            f"{name} snapshot LRU differs from the unpinned nodes holding one",
+        )
+        for entry in lru:
+            _require(
+                entry[2].snap_entry is entry and entry[2].tier == tier, f"stale snapshot entry {entry[:2]}"
+            )
+
+
+def snapshot_slots(roots: dict[Hashable, Node]) -> tuple[list[int], list[int]]:
+    """Every snapshot slot the tree holds, per tier (device, host). O(N)."""
+    out: tuple[list[int], list[int]] = ([], [])
+    for root in roots.values():
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.snap >= 0:
+                out[node.tier].append(node.snap)
+    return out

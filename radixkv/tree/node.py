@@ -169,6 +169,11 @@ class Node:
             parent's tier.
         dev_children: children with ``tier == DEVICE``; a device node without any is a
             demotion candidate (its host children stay where they are).
+        snap: the slot (in the state pool of the node's tier) of the recurrent-state snapshot
+            taken after the edge's last token, or -1 (stateful trees only; see
+            ``RadixTree(stateful=True)``). A split leaves it on the deeper part.
+        snap_entry: this node's entry in the tree's snapshot LRU order (unpinned nodes with a
+            snapshot), or None.
     """
 
     __slots__ = (
@@ -186,6 +191,8 @@ class Node:
         "attached",
         "tier",
         "dev_children",
+        "snap",
+        "snap_entry",
     )
 
     def __init__(
@@ -214,6 +221,8 @@ class Node:
         self.attached = True
         self.tier = tier
         self.dev_children = 0
+        self.snap = -1
+        self.snap_entry: tuple[int, int, Node] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -230,7 +239,7 @@ class Node:
         return (
             f"<{kind} uid={self.uid} blocks={len(self.block_ids)} children={len(self.children)} "
             f"pins={self.own_pins}/{self.pin_count} last_access={self.last_access}"
-            f"{' host' if self.tier else ''}>"
+            f"{' host' if self.tier else ''}{f' snap={self.snap}' if self.snap >= 0 else ''}>"
         )
 
 
@@ -239,15 +248,23 @@ class MatchResult:
     """Longest cached whole-block prefix of a query.
 
     Attributes:
-        num_tokens: matched tokens, a multiple of ``block_size`` (0 on a miss).
+        num_tokens: matched tokens, a multiple of ``block_size`` (0 on a miss). In a stateful
+            tree: the usable prefix, which ends at the deepest snapshot on the matched path.
         block_ids: the ``num_tokens // block_size`` block ids holding them, in order.
         node: the deepest matched node, ending exactly at ``num_tokens``; the namespace
             root when nothing matched. Pin it to keep the blocks alive.
+        snap: stateful trees: ``node``'s snapshot slot (in the state pool of ``node.tier``), or
+            -1 when the usable prefix is empty (the initial state).
+        kv_tokens: tokens whose KV the path holds (>= ``num_tokens``): where the query and the
+            cached path part. A stateful tree serves only ``num_tokens`` of them; a caller
+            that computes on from there takes a snapshot at ``kv_tokens``, the junction.
     """
 
     num_tokens: int
     block_ids: tuple[int, ...]
     node: Node
+    snap: int = -1
+    kv_tokens: int = 0
 
 
 def walk(
@@ -316,7 +333,7 @@ def split(node: Node, cut: int, width: int, uid: int) -> Node:
         node.last_access,
         node.pin_count,
         tier=node.tier,
-    )
+    )  # no snapshot: the state at the cut was never taken
     top.dev_children = 1 if node.tier == DEVICE else 0
     node.data = node.data[cut:]
     node.block_ids = node.block_ids[nb:]

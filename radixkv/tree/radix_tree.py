@@ -15,6 +15,13 @@ Two LRU orders: ``evict``/``demote`` take unpinned device nodes without device c
 (``_evictable``), ``evict_host`` unpinned host leaves (``_host_evictable``). A tree that only
 ever holds device nodes behaves exactly as one without tiers.
 
+Stateful trees (``stateful=True``, for models with recurrent layers): a node may carry a
+snapshot of the recurrent states after its last token (``Node.snap``, a slot the store's state
+pool holds). A match is usable only up to the deepest snapshot on its path; the KV matched
+beyond it is reported (``MatchResult.kv_tokens``, the junction) but not served. Snapshots
+have an LRU order of their own per tier (``evict_snapshots``), so state pressure never evicts
+KV; a removed node's snapshot slot goes to ``free_snapshot(tier, slot)``.
+
 The tree is not thread-safe; the store wraps it in one lock.
 
 >>> tree = RadixTree(block_size=2)
@@ -37,7 +44,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from sortedcontainers import SortedList
 
 import radixkv.tree.node as _node
-from radixkv.tree.check import check_tree
+from radixkv.tree.check import check_snapshots, check_tree
 from radixkv.tree.node import (
     DEVICE,
     HOST,
@@ -69,7 +76,16 @@ class RadixTree:
     host pools, whose blocks the store copies), inspection.
     """
 
-    def __init__(self, block_size: int = 16, *, check_block_ids: bool = True) -> None:
+    def __init__(
+        self,
+        block_size: int = 16,
+        *,
+        check_block_ids: bool = True,
+        stateful: bool = False,
+        free_snapshot: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """``free_snapshot(tier, slot)``: called with the snapshot slot of every node the tree
+        removes (eviction, drop, clear); without it the pairs collect in ``freed_snapshots``."""
         _node.check_block_size(block_size)
         self._block_size = block_size
         self._width = block_size * TOKEN_BYTES  # bytes of one packed block
@@ -90,6 +106,11 @@ class RadixTree:
         # bench_tree request (cache misses); KVStore's ids come off the pool's free list: off.
         self._owned: set[int] | None = set() if check_block_ids else None
         self._owned_host: set[int] | None = set() if check_block_ids else None  # another id space
+        self._stateful = stateful
+        self._snap_lru = (SortedList(), SortedList())  # unpinned nodes with a snapshot, per tier
+        self._num_snaps = [0, 0]  # per tier
+        self.freed_snapshots: list[tuple[int, int]] = []
+        self._free_snapshot = free_snapshot or (lambda tier, slot: self.freed_snapshots.append((tier, slot)))
 
     # ---------------------------------------------------------------- counters
 
@@ -122,6 +143,21 @@ class RadixTree:
     def num_host_pinned_blocks(self) -> int:
         """Of ``num_pinned_blocks``, those held by host-resident nodes. O(1)."""
         return self._num_host_pinned_blocks
+
+    @property
+    def stateful(self) -> bool:
+        """Whether matches stop at snapshots of recurrent state (``RadixTree(stateful=True)``)."""
+        return self._stateful
+
+    @property
+    def num_snapshots(self) -> int:
+        """Device-resident snapshots held by nodes. O(1)."""
+        return self._num_snaps[DEVICE]
+
+    @property
+    def num_host_snapshots(self) -> int:
+        """Host-resident snapshots held by nodes. O(1)."""
+        return self._num_snaps[HOST]
 
     @property
     def num_nodes(self) -> int:
@@ -172,6 +208,8 @@ class RadixTree:
         """Detach an unpinned leaf already taken out of the evictable set; cascade to its parent."""
         parent = node.parent
         assert parent is not None
+        if node.snap >= 0:
+            self._drop_snap(node)
         del parent.children[node.key]
         node.parent = None
         node.attached = False
@@ -205,6 +243,29 @@ class RadixTree:
         entry = node.evict_entry = (node.last_access, node.uid, node)
         self._lru[node.tier].add(entry)
 
+    def _drop_snap(self, node: Node) -> None:
+        """Take ``node``'s snapshot out of the tree and hand its slot to ``free_snapshot``."""
+        if node.snap_entry is not None:
+            self._snap_lru[node.tier].remove(node.snap_entry)
+            node.snap_entry = None
+        slot, node.snap = node.snap, -1
+        self._num_snaps[node.tier] -= 1
+        self._free_snapshot(node.tier, slot)
+
+    def _add_snap_entry(self, node: Node) -> None:
+        entry = node.snap_entry = (node.last_access, node.uid, node)
+        self._snap_lru[node.tier].add(entry)
+
+    def _touch_snaps(self, node: Node) -> None:
+        """Refresh the snapshot LRU entries of the path ending at ``node`` that a walk stamped.
+        Stateful trees only; O(d) steps plus O(log S) per snapshot moved."""
+        while node is not None and not node.is_root:
+            entry = node.snap_entry
+            if entry is not None and entry[0] != node.last_access:
+                self._snap_lru[node.tier].remove(entry)
+                self._add_snap_entry(node)
+            node = node.parent
+
     def _touch(self, node: Node) -> None:
         """Move ``node`` to the most-recent end of the eviction order if it is a candidate. O(log L)."""
         if node.evict_entry is not None and node.evict_entry[0] != node.last_access:
@@ -213,14 +274,16 @@ class RadixTree:
 
     # ---------------------------------------------------------------- lookup and insert
 
-    def match(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:
+    def match(self, tokens: Tokens, namespace: Hashable = None, *, kv: bool = False) -> MatchResult:
         """Longest cached whole-block prefix of ``tokens`` under ``namespace``.
 
         Tokens beyond the last whole block are ignored. Side effects: when the match ends
         inside an edge, that node is split at the block boundary so ``result.node`` ends
         exactly at ``num_tokens`` (the original node object stays the deeper part); every node
         on the matched path becomes most recently used; an unknown namespace gets an (empty)
-        root. O(n) to pack the query (in C; a slice for ``PackedTokens``), one dict lookup and
+        root. In a stateful tree the result ends at the deepest snapshot on the path (see
+        ``MatchResult``), unless ``kv``: then at the whole KV match (a commit extending it).
+        O(n) to pack the query (in C; a slice for ``PackedTokens``), one dict lookup and
         one ``memcmp`` per node on the path (O(d) Python steps), O(log(edge blocks))
         comparisons on a partially matched edge, and O(log L) to refresh the deepest node's
         place in the eviction order.
@@ -239,7 +302,19 @@ class RadixTree:
         self._touch(node)
         if node.tier:
             self._touch_device_end(node)
-        return MatchResult(pos // TOKEN_BYTES, tuple(ids), node)
+        if not self._stateful:
+            return MatchResult(pos // TOKEN_BYTES, tuple(ids), node)
+        self._touch_snaps(node)
+        if kv:
+            return MatchResult(pos // TOKEN_BYTES, tuple(ids), node, node.snap, pos // TOKEN_BYTES)
+        kv_tokens = pos // TOKEN_BYTES
+        usable = node
+        while usable.snap < 0 and not usable.is_root:
+            pos -= len(usable.data)
+            usable = usable.parent
+        return MatchResult(
+            pos // TOKEN_BYTES, tuple(ids[: pos // self._width]), usable, usable.snap, kv_tokens
+        )
 
     def insert(
         self, tokens: Tokens, block_ids: Sequence[int], namespace: Hashable = None, tier: int = DEVICE
@@ -280,6 +355,8 @@ class RadixTree:
             self._touch(node)  # walk() stamped ``node``: keep its place in the eviction order
             if node.tier:
                 self._touch_device_end(node)
+            if self._stateful:
+                self._touch_snaps(node)
             raise TierOrderError(f"cannot insert device blocks under host-resident {(edge or node)!r}")
         if cached < end_bytes and self._owned is None:  # trusted ids (check_block_ids=False)
             new_ids = list(block_ids[cached // self._width :])
@@ -291,6 +368,8 @@ class RadixTree:
                 self._touch(node)  # walk() stamped ``node``: keep its place in the eviction order
                 if node.tier:
                     self._touch_device_end(node)
+                if self._stateful:
+                    self._touch_snaps(node)
                 raise
         if edge is not None:
             if cached == end_bytes:  # already cached, ending inside ``edge``
@@ -306,6 +385,8 @@ class RadixTree:
             node = self._add_leaf(node, query[pos:], new_ids, tick, tier)
         if node.tier:
             self._touch_device_end(node)
+        if self._stateful:
+            self._touch_snaps(node)
         return pos // TOKEN_BYTES
 
     # ---------------------------------------------------------------- pins
@@ -327,6 +408,9 @@ class RadixTree:
                 if n.evict_entry is not None:
                     self._lru[n.tier].remove(n.evict_entry)
                     n.evict_entry = None
+                if n.snap_entry is not None:
+                    self._snap_lru[n.tier].remove(n.snap_entry)
+                    n.snap_entry = None
             n.pin_count += 1
             n = n.parent
 
@@ -349,6 +433,8 @@ class RadixTree:
                 self._num_pinned_blocks -= len(n.block_ids)
                 if n.tier:
                     self._num_host_pinned_blocks -= len(n.block_ids)
+                if n.snap >= 0:
+                    self._add_snap_entry(n)
                 if not n.children:  # only ``node`` itself can be a leaf on this path
                     if n.is_root:
                         self._drop_root(n)
@@ -498,10 +584,12 @@ class RadixTree:
         """The least recently used unpinned device node without device children, or None. O(1)."""
         return self._evictable[0][2] if self._evictable else None
 
-    def demote(self, node: Node, host_ids: Sequence[int]) -> list[int]:
+    def demote(self, node: Node, host_ids: Sequence[int], host_snap: int = -1) -> list[int]:
         """Mark candidate ``node`` host-resident, its KV now in ``host_ids``; return its device ids.
 
-        The caller has copied the blocks (same order, one host id per block). ``node`` keeps
+        The caller has copied the blocks (same order, one host id per block), and a snapshot
+        the node holds into host slot ``host_snap`` (its device slot, ``node.snap`` before the
+        call, is the caller's to free). ``node`` keeps
         its place in the LRU order (its ``last_access``); its parent may become a candidate.
         Raises ValueError, changing nothing, when ``node`` is not a demotion candidate or the
         id count differs. O(log L + len(host_ids)).
@@ -510,6 +598,8 @@ class RadixTree:
             raise ValueError(f"cannot demote {node!r}: not an unpinned device node without device children")
         if len(host_ids) != len(node.block_ids):
             raise ValueError(f"demote needs {len(node.block_ids)} host block ids, got {len(host_ids)}")
+        if (node.snap >= 0) != (host_snap >= 0):
+            raise ValueError(f"demote of {node!r}: a host snapshot slot exactly when the node has a snapshot")
         new_ids = list(host_ids)
         if self._owned_host is not None:
             new_ids = _node.check_block_ids(new_ids, self._owned_host)
@@ -517,7 +607,14 @@ class RadixTree:
             self._owned_host.update(new_ids)
         self._evictable.remove(node.evict_entry)
         node.evict_entry = None
+        if node.snap >= 0:
+            self._snap_lru[DEVICE].remove(node.snap_entry)
+            self._num_snaps[DEVICE] -= 1
+            self._num_snaps[HOST] += 1
         old, node.block_ids, node.tier = node.block_ids, new_ids, HOST
+        if node.snap >= 0:
+            node.snap = host_snap
+            self._add_snap_entry(node)
         self._num_host_blocks += len(new_ids)
         if not node.children:
             self._add_evictable(node)
@@ -527,7 +624,7 @@ class RadixTree:
             self._add_evictable(parent)
         return old
 
-    def promote(self, node: Node, device_ids: Sequence[int]) -> list[int]:
+    def promote(self, node: Node, device_ids: Sequence[int], device_snap: int = -1) -> list[int]:
         """Mark pinned host ``node`` under a device parent device-resident, its KV now in
         ``device_ids``; return its host ids. The reverse of ``demote``, for a caller holding
         the only pins on ``node`` (a reader's lease fixes which of its ids are host ids).
@@ -540,12 +637,20 @@ class RadixTree:
             raise ValueError(f"cannot promote {node!r}: not a pinned host node under a device node")
         if len(device_ids) != len(node.block_ids):
             raise ValueError(f"promote needs {len(node.block_ids)} device block ids, got {len(device_ids)}")
+        if (node.snap >= 0) != (device_snap >= 0):
+            raise ValueError(
+                f"promote of {node!r}: a device snapshot slot exactly when the node has a snapshot"
+            )
         new_ids = list(device_ids)
         if self._owned is not None:
             new_ids = _node.check_block_ids(new_ids, self._owned)
             self._owned_host.difference_update(node.block_ids)
             self._owned.update(new_ids)
         old, node.block_ids, node.tier = node.block_ids, new_ids, DEVICE
+        if node.snap >= 0:  # pinned: no LRU entry to move; the host slot is the caller's to free
+            node.snap = device_snap
+            self._num_snaps[HOST] -= 1
+            self._num_snaps[DEVICE] += 1
         self._num_host_blocks -= len(old)
         self._num_host_pinned_blocks -= len(old)  # pinned: unpin counts it as a device node now
         parent = node.parent
@@ -570,6 +675,90 @@ class RadixTree:
             node = node.parent
         if not node.is_root:
             self._touch(node)
+
+    # ---------------------------------------------------------------- snapshots
+    # Stateful trees only: a snapshot is the recurrent state after a node's last token, held in
+    # a slot of the state pool of the node's tier. The store allocates and copies the slots.
+
+    def node_at(self, tokens: Tokens, namespace: Hashable = None) -> Node | None:
+        """The node ending exactly after the whole blocks of ``tokens`` (an edge is split there),
+        or None when that prefix is not all cached (or is empty). Moves no recency. O(as match)."""
+        bs = self._block_size
+        n = _node.num_tokens_of(tokens)
+        query = pack(tokens, n - n % bs)
+        root = self._roots.get(namespace)
+        if root is None or not query:
+            return None
+        node, pos, edge, matched = self._walk_quietly(root, query)
+        if edge is not None and pos + matched == len(query):
+            return self._split(edge, matched)
+        return node if pos == len(query) else None
+
+    def _walk_quietly(self, root: Node, query: bytes) -> tuple[Node, int, Node | None, int]:
+        """``walk`` without stamping recency (each node keeps its ``last_access``)."""
+        pos, node = 0, root
+        width = self._width
+        while pos < len(query):
+            child = node.children.get(query[pos : pos + width])
+            if child is None:
+                return node, pos, None, 0
+            if query.startswith(child.data, pos):
+                node, pos = child, pos + len(child.data)
+                continue
+            blocks = 1
+            while (
+                pos + (blocks + 1) * width <= len(query)
+                and query[pos + blocks * width : pos + (blocks + 1) * width]
+                == child.data[blocks * width : (blocks + 1) * width]
+            ):
+                blocks += 1
+            return node, pos, child, blocks * width
+        return node, pos, None, 0
+
+    def set_snapshot(self, node: Node, slot: int) -> None:
+        """Attach snapshot ``slot`` (in the state pool of ``node.tier``) to ``node``, which has none.
+
+        Raises ValueError, changing nothing, for a tree that is not stateful, a root, a node no
+        longer in the tree, one with a snapshot already, or a slot that is not an int >= 0. O(log S).
+        """
+        if not self._stateful:
+            raise ValueError("set_snapshot on a tree without recurrent state (RadixTree(stateful=True))")
+        if node.is_root:
+            raise ValueError("a namespace root holds the initial state: it takes no snapshot")
+        self._check_owned(node, "attach a snapshot to")
+        if node.snap >= 0:
+            raise ValueError(f"{node!r} holds a snapshot already")
+        if type(slot) is not int or slot < 0:
+            raise ValueError(f"snapshot slot must be an int >= 0, got {slot!r}")
+        node.snap = slot
+        self._num_snaps[node.tier] += 1
+        if node.pin_count == 0:
+            self._add_snap_entry(node)
+
+    def detach_snapshot(self, node: Node) -> int:
+        """Take ``node``'s snapshot off it, its KV staying; returns the slot (the caller's now)."""
+        if node.snap < 0:
+            raise ValueError(f"{node!r} holds no snapshot")
+        if node.snap_entry is not None:
+            self._snap_lru[node.tier].remove(node.snap_entry)
+            node.snap_entry = None
+        slot, node.snap = node.snap, -1
+        self._num_snaps[node.tier] -= 1
+        return slot
+
+    def evict_snapshots(self, num_snapshots: int, tier: int = DEVICE) -> list[int]:
+        """Drop up to ``num_snapshots`` least recently used unpinned snapshots of ``tier``; their
+        nodes (and KV) stay. Returns the slots (ownership passes to the caller). O(log S) each."""
+        if num_snapshots < 0:
+            raise ValueError(f"evict_snapshots needs num_snapshots >= 0, got {num_snapshots}")
+        lru, slots = self._snap_lru[tier], []
+        while len(slots) < num_snapshots and lru:
+            node = lru.pop(0)[2]
+            node.snap_entry = None
+            slots.append(node.snap)
+            node.snap = -1
+            self._num_snaps[tier] -= 1
+        return slots
 
     # ---------------------------------------------------------------- inspection
 
@@ -598,3 +787,4 @@ class RadixTree:
             num_host_pinned_blocks=self._num_host_pinned_blocks,
             owned_host=self._owned_host,
         )
+        check_snapshots(self._roots, self._snap_lru, self._num_snaps, self._stateful)
