@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DummyLayer
 
 from hf_patch.keys import RowKey
 from hf_patch.layer import AppendLayer
-from hf_patch.model_spec import accepts
+from hf_patch.model_spec import ModelLayout, accepts
 from radixkv import KVStore, LayerSpec, Lease, PackedTokens, pack_tokens  # noqa: F401 (doctest)
 
 logger = logging.getLogger(__name__)
@@ -108,16 +108,17 @@ def shared_prefixes(rows: Sequence[PackedTokens], block_size: int) -> tuple[list
 def _forward_prefix(
     model,
     store: KVStore,
-    specs: Sequence[LayerSpec],
+    layout: ModelLayout,
     prefix: PackedTokens,
     lease: Lease,
     chunk_size: int | None,
-) -> Cache:
+) -> list[AppendLayer]:
     """KV of ``prefix`` in a one-row scratch cache: the leased part read from the store, the
-    rest computed by forwards of at most ``chunk_size`` tokens (generate's ``prefill_chunk_size``)."""
+    rest computed by forwards of at most ``chunk_size`` tokens (generate's ``prefill_chunk_size``).
+    Returns the KV layers, in the pool's order (layers that keep nothing are DummyLayers)."""
     length, cached = prefix.num_tokens, lease.num_tokens
-    layers = [AppendLayer() for _ in specs]
-    for layer, spec in zip(layers, specs):
+    layers = [AppendLayer() for _ in layout.specs]
+    for layer, spec in zip(layers, layout.specs):
         layer.allocate(
             1, spec.num_kv_heads, spec.k_head_dim, spec.v_head_dim, length, spec.dtype, spec.device
         )
@@ -128,7 +129,10 @@ def _forward_prefix(
         )  # fmt: skip
         for layer in layers:
             layer.set_length(cached)
-    scratch = Cache(layers=layers)
+    by_model_layer = [DummyLayer() for _ in layout.kinds]
+    for i, layer in zip(layout.kv_layers, layers):
+        by_model_layer[i] = layer
+    scratch = Cache(layers=by_model_layer)
     device = model.device
     ids = torch.from_numpy(np.frombuffer(prefix, dtype=np.int64).copy()).to(device).unsqueeze(0)
     extra = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}  # skip the vocab matmul
@@ -143,7 +147,7 @@ def _forward_prefix(
             use_cache=True,
             **extra,
         )
-    return scratch
+    return layers
 
 
 @dataclass
@@ -181,7 +185,7 @@ def _any_row_cached(store: KVStore, rows: Sequence[tuple[PackedTokens, Hashable]
 def compute_shared(
     model,
     store: KVStore,
-    specs: Sequence[LayerSpec],
+    layout: ModelLayout,
     epoch: int,
     rows: Sequence[RowKey],
     keep: Sequence[int] | None = None,
@@ -225,7 +229,7 @@ def compute_shared(
         for ns, members in groups.items():
             prefixes, deepest = found[ns]
             _share_group(
-                model, store, specs, epoch, rows, keep, reusable, members, ns, prefixes, deepest, chunk_size, out
+                model, store, layout, epoch, rows, keep, reusable, members, ns, prefixes, deepest, chunk_size, out
             )  # fmt: skip
     except BaseException:
         for lease in out.leases.values():
@@ -235,7 +239,7 @@ def compute_shared(
 
 
 def _share_group(
-    model, store, specs, epoch, rows, keep, reusable, members, namespace, prefixes, deepest_of, chunk_size, out
+    model, store, layout, epoch, rows, keep, reusable, members, namespace, prefixes, deepest_of, chunk_size, out
 ) -> None:  # fmt: skip
     """compute_shared for the rows ``members`` of one namespace, whose shared ``prefixes`` and
     deepest prefix per member (``shared_prefixes``) are known."""
@@ -259,10 +263,10 @@ def _share_group(
             if lease.num_tokens < prefix.num_tokens:
                 owner = next(i for i in members if reusable[i].startswith(prefix))
                 ids = rows[owner].ids.head(prefix.num_tokens)
-                scratch = _forward_prefix(model, store, specs, ids, lease, chunk_size)
+                scratch = _forward_prefix(model, store, layout, ids, lease, chunk_size)
                 store.commit(
-                    prefix, [layer.keys for layer in scratch.layers],
-                    [layer.values for layer in scratch.layers], namespace, epoch=epoch,
+                    prefix, [layer.keys for layer in scratch],
+                    [layer.values for layer in scratch], namespace, epoch=epoch,
                 )  # fmt: skip
                 out.computed[owner] = out.computed.get(owner, 0) + prefix.num_tokens - lease.num_tokens
         for row in waiting.get(p, ()):

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
 from hf_patch.keys import SharedPrefix
-from hf_patch.layer import AppendLayer
+from hf_patch.layer import AppendLayer, StateAppendLayer, StateLayer
 from radixkv import KVStore
 
 
@@ -81,11 +81,28 @@ class RadixCache(Cache):
         self.shared_prefix = shared_prefix
         self.cached_tokens: list[int] = []
         self._request = None  # hf_patch.request.Request while a generate() call runs
+        self.consumed = 0  # tokens the layers hold, for a model without attention layers
 
-    def start(self, num_layers: int) -> None:
-        """Forget the previous call's KV and make one empty layer per model layer."""
-        self.layers = [AppendLayer() for _ in range(num_layers)]
+    def start(self, layout) -> None:
+        """Forget the previous call's KV and make one empty layer per model layer, of the kind
+        ``layout`` (hf_patch.model_spec.ModelLayout) says the model keeps there."""
+        states = {}
+        for layer_idx, _part, idx in layout.state_entries:
+            states[layer_idx] = max(states.get(layer_idx, 0), idx + 1)
+        make = {
+            "kv": lambda i: AppendLayer(),
+            "state": lambda i: StateLayer(number_of_states=states[i]),
+            "kv+state": lambda i: StateAppendLayer(number_of_states=states[i]),
+            "none": lambda i: DummyLayer(),
+        }
+        self.layers = [make[kind](i) for i, kind in enumerate(layout.kinds)]
         self.cached_tokens = []
+        self.consumed = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self.layers and not any(isinstance(layer, CacheLayerMixin) for layer in self.layers):
+            return self.consumed  # only recurrent layers (Mamba): no layer counts tokens
+        return super().get_seq_length(layer_idx)
 
     def __repr__(self) -> str:
         return f"RadixCache(namespace={self.namespace!r}, layers={len(self.layers)}, cached_tokens={self.cached_tokens})"

@@ -27,7 +27,7 @@ from hf_patch.keys.adapters import mixed_batch, row_adapters, unkeyable_reason
 from hf_patch.keys.multimodal import Images
 from hf_patch.keys.vlm_families import text_only_token_types
 from hf_patch.keys.weights import fingerprint, flush_if_weights_changed, model_scope
-from hf_patch.model_spec import check_store_fits, layer_specs
+from hf_patch.model_spec import check_store_fits, model_layout
 from hf_patch.request import KeyParts, Request
 from hf_patch.stores import default_store
 
@@ -43,7 +43,7 @@ def open_request(model, cache: RadixCache, reason: str | None = None) -> Iterato
     nothing committed, counted as uncacheable). Raises RuntimeError if ``cache`` is in use by
     another call. On exit, every pin the request holds is released, whatever happened.
     """
-    specs = layer_specs(model)  # also refuses recurrent / shared-KV models
+    layout = model_layout(model)  # also refuses models whose cache radixkv does not know
     # Resolved per call, never written back to the cache: the same RadixCache() may later serve
     # another model (or this one after .half()), which needs its own default store.
     if cache.store is None:
@@ -55,8 +55,8 @@ def open_request(model, cache: RadixCache, reason: str | None = None) -> Iterato
     flush_if_weights_changed(store, model, before)
     if cache._request is not None:
         raise RuntimeError("this RadixCache is already in use by a running call")
-    cache.start(len(specs))
-    request = cache._request = Request(cache, store, specs)
+    cache.start(layout)
+    request = cache._request = Request(cache, store, layout, model)
     # Weights changed while the call ran (another thread's optimizer step): its KV is of no one
     # weights, and the identity a sidecar would file it under is already the new one.
     request.weights_unchanged = lambda: fingerprint(model) == before
@@ -66,7 +66,7 @@ def open_request(model, cache: RadixCache, reason: str | None = None) -> Iterato
     try:
         yield request
     finally:
-        request.release()
+        request.close()
         cache._request = None
 
 
@@ -122,5 +122,5 @@ def sharing(model, request: Request, model_kwargs: dict, chunk_size: int | None 
     if not can_share(kwargs) or mixed_batch(model):
         return None
     return functools.partial(
-        compute_shared, model, request.store, request.specs, request.epoch, chunk_size=chunk_size
+        compute_shared, model, request.store, request.layout, request.epoch, chunk_size=chunk_size
     )

@@ -9,8 +9,12 @@ from the block pool into the same buffers (one copy, no concatenation afterwards
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+from radixkv import StateSpec
 
 
 class AppendLayer(DynamicLayer):
@@ -159,3 +163,124 @@ def allocate_stacked(layers, batch: int, specs, capacity: int) -> None:
         return
     for layer, s in zip(layers, specs):
         layer.allocate(batch, s.num_kv_heads, s.k_head_dim, s.v_head_dim, capacity, s.dtype, s.device)
+
+
+class StateLayer(LinearAttentionLayer):
+    """A linear-attention / Mamba / conv layer's states, ``[batch, ...]`` tensors allocated up
+    front (``allocate``) so a snapshot read from the store lands in them and the model's own
+    ``update_conv_state`` / ``update_recurrent_state`` copy into them in place."""
+
+    def allocate(self, batch: int, entries: Sequence[tuple[str, int, StateSpec]]) -> None:
+        """Zeroed states ``[batch, *spec.shape]`` for each ``(part, state index, spec)`` of this
+        layer (part ``"conv"`` or ``"recurrent"``); no previous state until ``mark_filled``."""
+        for part, idx, spec in entries:
+            t = torch.zeros(batch, *spec.shape, dtype=spec.dtype, device=spec.device)
+            if part == "conv":
+                self.conv_states[idx] = t
+                self.is_conv_states_initialized[idx] = True
+                self.conv_kernel_size[idx] = spec.shape[-1]
+            else:
+                self.recurrent_states[idx] = t
+                self.is_recurrent_states_initialized[idx] = True
+            self.dtype, self.device = spec.dtype, spec.device
+
+    def mark_filled(self, filled: bool = True) -> None:
+        """Declare the states those of the tokens so far (the model then continues from them)."""
+        for idx in range(self.number_of_states):
+            self.has_previous_state[idx] = filled
+
+    def state_tensors(self, part: str) -> dict[int, torch.Tensor | None]:
+        return self.conv_states if part == "conv" else self.recurrent_states
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for states in (self.conv_states, self.recurrent_states):
+            for idx, t in states.items():
+                if t is not None:
+                    states[idx] = t.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for states in (self.conv_states, self.recurrent_states):
+            for idx, t in states.items():
+                if t is not None:
+                    states[idx] = t[indices]
+
+
+class StateAppendLayer(StateLayer, AppendLayer):
+    """Both in one layer (Falcon-H1, Zamba): recurrent states and full-attention KV growing in
+    place. Dispatches ``lazy_initialization`` as transformers' LinearAttentionAndFullAttentionLayer
+    does: two positional tensors are K and V."""
+
+    is_compileable = False
+
+    def __init__(self, number_of_states: int = 1, **kwargs) -> None:
+        AppendLayer.__init__(self)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if len(args) == 2 and not kwargs:
+            AppendLayer.lazy_initialization(self, *args)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        AppendLayer.reset(self)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        AppendLayer.reorder_cache(self, beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        StateLayer.batch_repeat_interleave(self, repeats)
+        AppendLayer.batch_repeat_interleave(self, repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        StateLayer.batch_select_indices(self, indices)
+        AppendLayer.batch_select_indices(self, indices)
+
+    def offload(self) -> None:
+        LinearAttentionLayer.offload(self)
+        AppendLayer.offload(self)
+
+    def prefetch(self) -> None:
+        LinearAttentionLayer.prefetch(self)
+        AppendLayer.prefetch(self)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("a layer with recurrent state cannot be cropped back to an earlier token")
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+def row_view(layer, row: int, pad: int):
+    """A one-row layer over row ``row`` of a batch layer: KV views of its columns from ``pad`` on
+    (length 0), state views ``[row:row+1]`` (no previous state). What a forward over that row
+    alone writes lands in the batch layer's buffers (no copy afterwards). A layer that holds
+    nothing (transformers' DummyLayer) is its own view."""
+    if not isinstance(layer, (AppendLayer, StateLayer)):
+        return layer
+    view = (
+        type(layer)(number_of_states=layer.number_of_states)
+        if isinstance(layer, StateLayer)
+        else AppendLayer()
+    )
+    if isinstance(layer, AppendLayer) and layer._k_buf is not None:
+        k, v = layer.buffers()
+        view.adopt(k[row : row + 1, :, pad:], v[row : row + 1, :, pad:])
+    if isinstance(layer, StateLayer):
+        for states, ready in ((layer.conv_states, layer.is_conv_states_initialized),
+                              (layer.recurrent_states, layer.is_recurrent_states_initialized)):  # fmt: skip
+            target = view.conv_states if states is layer.conv_states else view.recurrent_states
+            flags = (
+                view.is_conv_states_initialized
+                if states is layer.conv_states
+                else view.is_recurrent_states_initialized
+            )
+            for idx, t in states.items():
+                if t is not None:
+                    target[idx] = t[row : row + 1]
+                    flags[idx] = ready[idx]
+        view.conv_kernel_size = dict(layer.conv_kernel_size)
+        view.dtype, view.device = layer.dtype, layer.device
+    return view

@@ -39,6 +39,7 @@ from hf_patch.keys.encoder_outputs import feed_features, remember_features
 from hf_patch.keys.inputs import unkeyed_inputs
 from hf_patch.keys.multimodal import UnkeyableImages, drop_pixels, has_images, image_keys, keyed_inputs
 from hf_patch.keys.weights import watch_fused_optimizers
+from hf_patch.model_spec import cache_arg
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +105,13 @@ def _wrap_generate(original):
 
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
-        cache = kwargs.get("past_key_values")
-        if not isinstance(cache, RadixCache):
+        cache = _radix_cache(kwargs)
+        if cache is None:
             return original(self, *args, **kwargs)
+        if cache_arg(self) == "cache_params" and kwargs.get("past_key_values") is cache:
+            # The Mamba families take their cache as cache_params: as past_key_values their
+            # forward would ignore it (and compute every token with no state at all).
+            kwargs["cache_params"] = kwargs.pop("past_key_values")
         args, kwargs = _positional_to_keywords(names, args, kwargs)
         _reject_unsupported_kwargs(self, kwargs)
         _clear_cache_implementation(self, kwargs)
@@ -127,6 +132,15 @@ def _wrap_generate(original):
     return generate
 
 
+def _radix_cache(kwargs: dict) -> RadixCache | None:
+    """The RadixCache of a call, under either cache argument name (``cache_params``: Mamba)."""
+    for name in ("past_key_values", "cache_params"):
+        cache = kwargs.get(name)
+        if isinstance(cache, RadixCache):
+            return cache
+    return None
+
+
 def _rows_per_prompt(generation_config) -> int:
     return max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
 
@@ -144,8 +158,8 @@ def _wrap_encode(original):
 
     @functools.wraps(original)
     def encode(self, inputs_tensor, model_kwargs, model_input_name, generation_config, *args, **kwargs):
-        cache = model_kwargs.get("past_key_values")
-        request = getattr(cache, "_request", None) if isinstance(cache, RadixCache) else None
+        cache = _radix_cache(model_kwargs)
+        request = getattr(cache, "_request", None) if cache is not None else None
         if (
             request is not None
             and not request.uncacheable
@@ -198,8 +212,8 @@ def _wrap_encode(original):
 def _wrap_prefill(original):
     @functools.wraps(original)
     def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True, *args, **kwargs):
-        cache = model_kwargs.get("past_key_values")
-        request = getattr(cache, "_request", None) if isinstance(cache, RadixCache) else None
+        cache = _radix_cache(model_kwargs)
+        request = getattr(cache, "_request", None) if cache is not None else None
         embeds = model_kwargs.get("inputs_embeds")
         if (
             request is not None
@@ -238,6 +252,17 @@ def _wrap_prefill(original):
                 feed_features(
                     images, request.common, request.skipped, request.known, model_kwargs, containers
                 )
+            if request.layout.stateful:
+                request.start_decode_snapshots(_eos_ids(generation_config))
+                if request.common and model_kwargs.get("cache_params") is cache:
+                    # generate() slices the prompt by the cache's length only for past_key_values
+                    sliced = dict(model_kwargs)
+                    if sliced.get("attention_mask") is not None:
+                        sliced["attention_mask"] = sliced["attention_mask"][:, request.common :]
+                    return original(
+                        self, input_ids[:, request.common :], generation_config, sliced, is_first_iteration,
+                        *args, **kwargs,
+                    )  # fmt: skip
         return original(self, input_ids, generation_config, model_kwargs, is_first_iteration, *args, **kwargs)
 
     setattr(_prefill, _MARK, True)

@@ -5,6 +5,12 @@ Left padding: real token j of every row has position j whatever its padding, and
 stored after the position encoding, so KV of an unpadded prefix is valid in any padded row.
 Row i with ``pad_i`` left pads and a match of ``m_i`` tokens; the batch preloads a common
 column count ``L = min_i(pad_i + m_i)``, the most a rectangular batch allows.
+
+A model with recurrent layers (``ModelLayout.stateful``) cannot start rows at one column: each
+row's state exists only at its own snapshot. Each row is caught up alone from its snapshot to
+its last prompt token but one (``hf_patch.recurrent``), straight into its row of the batch's
+buffers, and generate() computes the last column; the commit attaches the snapshots taken on
+the way and during the decode.
 """
 
 from __future__ import annotations
@@ -20,8 +26,17 @@ from cuda_ext.stacking import chunks, interleave, stacked
 from hf_patch.cache import RadixCache
 from hf_patch.keys import RowKey, SharedPrefix, row_key
 from hf_patch.keys.inputs import log_once
-from hf_patch.layer import allocate_stacked
-from radixkv import KVStore, LayerSpec, Lease
+from hf_patch.layer import StateLayer, allocate_stacked, row_view
+from hf_patch.model_spec import ModelLayout
+from hf_patch.recurrent import (
+    STEPWISE_TOKENS,
+    DecodeSnapshots,
+    catch_up,
+    cut_points,
+    mark_row_filled,
+    state_views,
+)
+from radixkv import KVStore, Lease
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +95,12 @@ class KeyParts:
 class Request:
     """State of one generate() call on a RadixCache."""
 
-    def __init__(self, cache: RadixCache, store: KVStore, specs: tuple[LayerSpec, ...]) -> None:
+    def __init__(self, cache: RadixCache, store: KVStore, layout: ModelLayout, model=None) -> None:
         self.cache = cache
         self.store = store
-        self.specs = specs
+        self.layout = layout
+        self.specs = layout.specs  # the pool's layers: the KV-bearing model layers, in order
+        self.model = model  # a stateful call runs the rows' catch-up forwards itself
         self.epoch = store.epoch  # KV computed now is stale if the store is flushed meanwhile
         self.leases: list[Lease] = []
         # [B, T] int64 on the CPU, rows as seen by the first forward. Rows are packed for the
@@ -107,6 +124,16 @@ class Request:
         # generate() expands each prompt to max(num_beams, num_return_sequences) rows
         self.rows_per_prompt = 1
         self.weights_unchanged = None  # () -> bool, set by hf_patch.call: False skips the commit
+        # Stateful models: per row, the snapshots its catch-up took (position -> states), and
+        # the decode's (hf_patch.recurrent.DecodeSnapshots).
+        self.snapshots: list[dict[int, list[torch.Tensor]]] = []
+        self.row_logits: list[torch.Tensor | None] = []  # preload(score=True): per row [1, keep, V]
+        self.decode: DecodeSnapshots | None = None
+
+    @property
+    def kv_layers(self) -> list:
+        """The cache layers holding KV, in the pool's layer order."""
+        return [self.cache.layers[i] for i in self.layout.kv_layers]
 
     def mark_uncacheable(self, reason: str) -> None:
         """Run this call as stock generate() with a plain cache: nothing read, nothing committed."""
@@ -152,7 +179,7 @@ class Request:
         try:
             row_keys = [keys.row(i, row, pad) for i, (row, pad) in enumerate(zip(rows, self.pads))]
             keep = [1] * batch if keep is None else keep
-            if share is not None and batch > 1:
+            if share is not None and batch > 1 and not self.layout.stateful:
                 result = share(row_keys, keep)
                 shared, self.computed = result.leases, result.computed
             for i, key in enumerate(row_keys):
@@ -182,9 +209,13 @@ class Request:
         rows_per_prompt: int = 1,
         share=None,
         keep: list[int] | None = None,
+        score: bool = False,
     ) -> None:
         """Match every row (unless ``match`` ran already), copy the common reusable prefix into
         fresh layer buffers, and unpin.
+
+        ``score`` (stateful models): run every row to its end, keeping the logits of its last
+        ``keep[i]`` positions in ``row_logits[i]`` (scoring); the cache then holds whole rows.
 
         ``keys``: each row's namespace, adapter, shared prefix and extra ids.
         ``prompt_only``: commit only the prompt afterwards (beam search: the cache rows are
@@ -196,19 +227,140 @@ class Request:
         self.rows_per_prompt = rows_per_prompt
         batch, length = input_ids.shape
         capacity = initial_capacity(length, max_length)
-        allocate_stacked(self.cache.layers, batch, self.specs, capacity)
+        if self.specs:
+            allocate_stacked(self.kv_layers, batch, self.specs, capacity)
         self.cache.cached_tokens = [0] * batch
+        if self.layout.stateful:
+            self._allocate_states(batch)
         try:
             self.match(input_ids, attention_mask, keys, reuse, share, keep)
-            if self.common > 0:
+            if self.layout.stateful and self.pads is not None:
+                self._catch_up_rows(input_ids, keep, score)
+            elif self.common > 0:
                 self._copy_prefix(self.common, self.computed)
         finally:
             self.release()  # the copy is done: blocks need not stay pinned through decode
 
+    # -- stateful models ----------------------------------------------------------------------------
+    def _allocate_states(self, batch: int) -> None:
+        per_layer: dict[int, list] = {}
+        for (layer_idx, part, idx), spec in zip(self.layout.state_entries, self.layout.state_specs):
+            per_layer.setdefault(layer_idx, []).append((part, idx, spec))
+        for layer_idx, entries in per_layer.items():
+            self.cache.layers[layer_idx].allocate(batch, entries)
+
+    def _catch_up_rows(self, input_ids: torch.Tensor, keep: list[int] | None, score: bool = False) -> None:
+        """Bring every row's KV and states to its last prompt token but ``keep[i]`` (default 1),
+        each from its own snapshot, in its own forwards (hf_patch.recurrent); rows with the
+        same key are computed once and copied. Pad columns are zeroed (they are masked, but
+        must be finite). ``score``: on to each row's end, its last ``keep[i]`` logits kept."""
+        batch, length = input_ids.shape
+        keep = [1] * batch if keep is None else keep
+        layers = self.cache.layers
+        bs = self.store.block_size
+        interval = self.store.snapshot_interval or 256
+        done: dict[tuple, int] = {}
+        device_ids = input_ids.to(self.model.device)
+        for i, pad in enumerate(self.pads):
+            stop = length - pad - keep[i]
+            lease = self.leases[i] if self.leases else None
+            key = None
+            if self.keys is not None:
+                row = self.keys.row(i, self.prompt_ids[i], pad)
+                key = (row.namespace, row.tokens, pad, keep[i])
+            views = [row_view(layer, i, pad) for layer in layers]
+            end = stop + keep[i] if score else stop
+            if key is not None and key in done:
+                self._copy_row(done[key], i, pad, end)
+                self.snapshots.append(self.snapshots[done[key]])
+                self.row_logits.append(self.row_logits[done[key]])
+                self.cache.cached_tokens[i] = self.cache.cached_tokens[done[key]]
+                continue
+            start = 0
+            junction = lease.kv_tokens if lease is not None else 0
+            stepwise = not self.layout.continues_in_chunks
+            if stepwise and lease is not None and stop - lease.num_tokens > STEPWISE_TOKENS:
+                lease = None  # cheaper computed again in one forward than stepped through
+            if lease is not None and lease.num_tokens > 0 and stop > 0:
+                start = min(lease.num_tokens, stop)
+                kv_views = [views[j] for j in self.layout.kv_layers]
+                self.store.read(
+                    [lease], start, [v.buffers()[0][:, :, :start] for v in kv_views],
+                    [v.buffers()[1][:, :, :start] for v in kv_views],
+                )  # fmt: skip
+                if not self.store.read_state(lease, state_views(views, self.layout, 0)):
+                    start = 0  # no snapshot (cannot happen for a positive usable match): recompute
+            mark_row_filled(views, start)
+            self.cache.cached_tokens[i] = start
+            cuts = (
+                cut_points(start, max(start, stop), 0 if stepwise else interval, junction, bs)
+                if self.keys is not None
+                else []
+            )
+            if score and end % bs == 0 and end > 0:
+                cuts.append(end)  # the whole row's state: the next call over it reuses all of it
+            snaps, logits = catch_up(
+                self.model, self.layout, views, device_ids[i, pad:], start, end, cuts, keep[i] if score else 0
+            )
+            self.snapshots.append(snaps)
+            self.row_logits.append(logits)
+            if key is not None:
+                done[key] = i
+        for i, pad in enumerate(self.pads):
+            if pad:
+                for layer in self.kv_layers:
+                    for buf in layer.buffers():
+                        buf[i, :, :pad].zero_()
+        common = length if score else length - min(keep)
+        for layer in layers:
+            if hasattr(layer, "set_length"):
+                layer.set_length(common)
+            if isinstance(layer, StateLayer):
+                layer.mark_filled()
+        self.cache.consumed = common
+        self.common = common
+
+    def _copy_row(self, src: int, dst: int, pad: int, stop: int) -> None:
+        """Row ``dst`` becomes a copy of row ``src`` (same key and padding): KV and states."""
+        for layer in self.kv_layers:
+            for buf in layer.buffers():
+                buf[dst, :, pad : pad + stop] = buf[src, :, pad : pad + stop]
+        for t in state_views(self.cache.layers, self.layout):
+            t[dst] = t[src]
+
+    def start_decode_snapshots(self, eos: list[int]) -> None:
+        """Take per-row snapshots at block boundaries during generate()'s decode (stateful
+        models; not for beams, whose cache rows are reordered running beams)."""
+        if not self.layout.stateful or self.pads is None or self.prompt_only or self.keys is None:
+            return
+        lengths = [self.common - pad for pad in self.pads]
+        self.decode = DecodeSnapshots(
+            self.model, self.cache, self.layout, lengths, self.store.block_size, eos
+        )
+
+    def close(self) -> None:
+        """Release every pin and stop the decode's snapshots (end of the call)."""
+        self.release()
+        if self.decode is not None:
+            self.decode.close()
+
+    def _row_snapshots(self, i: int, pad: int, end: int, kv_length: int) -> dict[int, list[torch.Tensor]]:
+        """Row ``i``'s snapshots at positions <= ``end`` (its committed tokens): the catch-up's,
+        the decode's deepest, and the final state when it ends on a block boundary."""
+        out = {p: s for p, s in self.snapshots[i].items() if p <= end} if i < len(self.snapshots) else {}
+        if self.decode is not None and i in self.decode.latest:
+            pos, states = self.decode.latest[i]
+            if pos <= end:
+                out[pos] = states
+        final = kv_length - pad
+        if final <= end and final % self.store.block_size == 0 and final > 0 and not self.prompt_only:
+            out[final] = [t[i] for t in state_views(self.cache.layers, self.layout)]
+        return out
+
     def _copy_prefix(self, common: int, computed: dict[int, int]) -> None:
         """Read each row's first ``common - pad`` tokens; ``computed[i]`` of row i's were computed
         for the batch by row i (in-batch sharing): not cached for it, nor a hit in the store."""
-        layers = self.cache.layers
+        layers = self.kv_layers
         k_bufs, v_bufs = zip(*(layer.buffers() for layer in layers))
         # [n, B, H, capacity, D] views: all layers at once when they are slices of one buffer
         groups = [g for g in (stacked(interleave(k_bufs, v_bufs)),) if g is not None]
@@ -265,10 +417,16 @@ class Request:
         if self.weights_unchanged is not None and not self.weights_unchanged():
             logger.warning("radixkv: weights changed during the call; its KV is not cached")
             return 0
-        layers = self.cache.layers
-        kv_length = layers[0].get_seq_length()  # the last sampled token is never fed: no KV for it
+        layers = self.kv_layers
+        kv_length = self.cache.get_seq_length()  # the last sampled token is never fed: no KV for it
         num_rows, prompt_length = self.prompt_ids.shape
-        if layers[0].keys is None or layers[0].keys.shape[0] != num_rows:
+        stateful = self.layout.stateful
+        if stateful:
+            first = state_views(self.cache.layers, self.layout)[0]
+            if first.shape[0] != num_rows or not self.snapshots:
+                logger.debug("cache batch differs from the prompt batch (or no catch-up): nothing committed")
+                return 0
+        elif layers[0].keys is None or layers[0].keys.shape[0] != num_rows:
             logger.debug("cache batch differs from the prompt batch: nothing committed")
             return 0
         prompt_only = self.prompt_only
@@ -294,6 +452,7 @@ class Request:
                 [layer.values[i : i + 1, :, pad:end] for layer in layers],
                 key.namespace,
                 epoch=self.epoch,
+                snapshots=self._row_snapshots(i, pad, end - pad, kv_length) if stateful else None,
             )
         return added
 

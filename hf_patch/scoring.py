@@ -108,6 +108,16 @@ def _cached_logits(model, request, cache: RadixCache, ids, mask, keep: list[int]
     prefix of every row read from the store (and shared prefixes computed once), the rows
     committed afterwards."""
     width = ids.shape[1]
+    if request.layout.stateful:  # each row from its own snapshot, its logits from its own forward
+        request.preload(
+            ids, mask, max_length=width, eos_token_ids=[], prompt_only=True,
+            keys=key_parts(model, cache, ids.shape, 1), keep=keep, score=True,
+        )  # fmt: skip
+        request.commit(ids)
+        k = max(keep)
+        return torch.cat(
+            [F.pad(lg, (0, 0, k - lg.shape[1], 0)) for lg in request.row_logits], dim=0
+        )  # [B, k, V], rows' own logits right-aligned
     request.preload(
         ids, mask, max_length=width, eos_token_ids=[], prompt_only=True,
         keys=key_parts(model, cache, ids.shape, 1), share=sharing(model, request, {}), keep=keep,

@@ -19,16 +19,26 @@ from collections.abc import Hashable
 from hf_patch.cache_files import restore_store_of
 from hf_patch.identity import current_identity, identity_digest, kv_layout
 from hf_patch.keys.weights import model_scope
-from hf_patch.model_spec import layer_specs
-from radixkv import BlockPool, KVStore
+from hf_patch.model_spec import ModelLayout, model_layout
+from radixkv import BlockPool, KVStore, StatePool
 from radixkv.persist.manifest import encode_namespace
 from radixkv.sidecar.client import CONNECT_TIMEOUT_S, TIMEOUT_S, SidecarTier
+from radixkv.store.state_pool import host_states_for, snapshot_bytes
 from radixkv.store.tier import host_pool_for
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_BUDGET_BYTES = 1 << 30  # 1 GiB of KV per model unless RADIXKV_CACHE_TOKENS/BYTES say otherwise
+# Models with recurrent layers: the share of the byte budget their snapshots get (their own
+# pool: snapshots never evict KV), and at least this many snapshots whatever the share.
+STATE_SHARE = 0.25
+MIN_SNAPSHOTS = 16
+# Tokens between the snapshots a prefill takes (hf_patch.recurrent): the most a second request
+# over the same document recomputes. A multiple of the block size (rounded up).
+DEFAULT_SNAPSHOT_INTERVAL = 256
+# A model without attention KV: blocks hold no bytes, they only number the tree's token runs.
+STATE_ONLY_TOKENS = 1 << 20
 
 _default_stores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -73,6 +83,8 @@ def build_store(
     host_cache_tokens: int | None = None,
     host_cache_bytes: int | None = None,
     sidecar: str | os.PathLike | None = None,
+    state_bytes: int | None = None,
+    snapshot_interval: int | None = None,
 ) -> KVStore:
     """A new KVStore shaped for ``model``.
 
@@ -97,6 +109,13 @@ def build_store(
     ``RADIXKV_SIDECAR_TIMEOUT_S`` (10) bounds each call to it and
     ``RADIXKV_SIDECAR_CONNECT_TIMEOUT_S`` (5) attaching: past them a call is a miss (or a write
     not made), with a warning naming the socket and the timeout, and the connection stays.
+
+    Models with recurrent layers (Mamba, linear attention, conv: ``hf_patch.model_spec``) also
+    get a pool of state snapshots: ``state_bytes``, else ``RADIXKV_STATE_BYTES``, else a quarter
+    of the byte budget (and the KV pool the rest), at least 16 snapshots; a model with no
+    attention KV gives its whole budget to snapshots. ``snapshot_interval`` (else
+    ``RADIXKV_SNAPSHOT_INTERVAL``, else 256): tokens between the snapshots a prefill takes.
+    The host tier gets the same split.
     """
     if budget_tokens is not None and budget_bytes is not None:
         raise ValueError("give at most one of budget_tokens= and budget_bytes=")
@@ -111,12 +130,28 @@ def build_store(
         budget_bytes = None if budget_tokens else (_env_int("RADIXKV_CACHE_BYTES") or DEFAULT_BUDGET_BYTES)
     if sidecar is None:
         sidecar = os.environ.get("RADIXKV_SIDECAR") or None
-    specs = layer_specs(model)
-    pool = BlockPool.from_budget(specs, block_size, tokens=budget_tokens, bytes=budget_bytes)
+    layout = model_layout(model)
+    specs = layout.specs
+    if state_bytes is None:
+        state_bytes = _env_int("RADIXKV_STATE_BYTES")
+    states = host_states = None
+    if layout.stateful:
+        pool, states = _stateful_pools(layout, block_size, budget_tokens, budget_bytes, state_bytes)
+    else:
+        pool = BlockPool.from_budget(specs, block_size, tokens=budget_tokens, bytes=budget_bytes)
     host = None
     if host_cache_tokens is not None or host_cache_bytes is not None:
-        host = host_pool_for(pool, tokens=host_cache_tokens, bytes=host_cache_bytes)
+        if layout.stateful:
+            host, host_states = _host_pools(pool, states, host_cache_tokens, host_cache_bytes)
+        else:
+            host = host_pool_for(pool, tokens=host_cache_tokens, bytes=host_cache_bytes)
     remote = None
+    if sidecar is not None and layout.stateful:
+        logger.warning(
+            "radixkv: the sidecar does not carry recurrent-state snapshots yet; %s uses its local store only",
+            type(model).__name__,
+        )
+        sidecar = None
     if sidecar is not None:
         remote = SidecarTier(
             os.fspath(sidecar),
@@ -126,20 +161,69 @@ def build_store(
             timeout_s=_env_seconds("RADIXKV_SIDECAR_TIMEOUT_S", TIMEOUT_S, 3600),
             connect_timeout_s=_env_seconds("RADIXKV_SIDECAR_CONNECT_TIMEOUT_S", CONNECT_TIMEOUT_S, 3600),
         )
-    store = KVStore(pool, host, remote=remote)
+    store = KVStore(pool, host, remote=remote, states=states, host_states=host_states)
+    if layout.stateful:
+        interval = snapshot_interval or _env_int("RADIXKV_SNAPSHOT_INTERVAL") or DEFAULT_SNAPSHOT_INTERVAL
+        store.snapshot_interval = -(-interval // block_size) * block_size
     logger.info(
-        "radixkv store for %s: %d blocks x %d tokens, %.1f MiB, %d layers%s%s",
+        "radixkv store for %s: %d blocks x %d tokens, %.1f MiB, %d layers%s%s%s",
         type(model).__name__,
         pool.num_blocks,
         block_size,
         pool.nbytes / 2**20,
         len(specs),
+        f"; {states.num_slots} state snapshots of {states.slot_bytes / 2**20:.2f} MiB"
+        if states is not None
+        else "",
         f"; host tier {host.num_blocks} blocks, {host.nbytes / 2**20:.1f} MiB" if host is not None else "",
         f"; sidecar {sidecar}" if sidecar is not None else "",
     )
     if restore is not None:
         restore_store_of(model, restore, store)
     return store
+
+
+def _stateful_pools(
+    layout: ModelLayout, block_size: int, tokens: int | None, nbytes: int | None, state_bytes: int | None
+) -> tuple[BlockPool, StatePool]:
+    """The block pool and the snapshot pool of a model with recurrent layers (see build_store)."""
+    per_snapshot = snapshot_bytes(layout.state_specs)
+    if not layout.specs:  # no attention KV: the whole budget holds snapshots
+        pool = BlockPool([], STATE_ONLY_TOKENS // block_size, block_size)
+        budget = state_bytes or nbytes or max(DEFAULT_BUDGET_BYTES, MIN_SNAPSHOTS * per_snapshot)
+        return pool, StatePool.from_budget(layout.state_specs, max(budget, per_snapshot))
+    if tokens is not None:
+        pool = BlockPool.from_budget(layout.specs, block_size, tokens=tokens)
+        share = pool.nbytes * STATE_SHARE / (1 - STATE_SHARE)
+    else:
+        share = nbytes * STATE_SHARE
+    if state_bytes is None:
+        state_bytes = int(max(share, MIN_SNAPSHOTS * per_snapshot))
+    if tokens is None:
+        pool = BlockPool.from_budget(layout.specs, block_size, bytes=max(nbytes - state_bytes, 1))
+    return pool, StatePool.from_budget(layout.state_specs, max(state_bytes, per_snapshot))
+
+
+def _host_pools(
+    pool: BlockPool, states: StatePool, tokens: int | None, nbytes: int | None
+) -> tuple[BlockPool, StatePool]:
+    """The host tier's mirrors of a stateful store's pools, split as the device's are."""
+    share = states.nbytes / (states.nbytes + pool.nbytes)
+    if tokens is not None:
+        host = (
+            host_pool_for(pool, tokens=tokens)
+            if pool.layers
+            else BlockPool([], pool.num_blocks, pool.block_size)
+        )
+        state_bytes = int(host.nbytes * share / max(1e-9, 1 - share)) if pool.layers else states.nbytes
+    else:
+        state_bytes = int(nbytes * share)
+        host = (
+            host_pool_for(pool, bytes=max(nbytes - state_bytes, 1))
+            if pool.layers
+            else BlockPool([], pool.num_blocks, pool.block_size)
+        )
+    return host, host_states_for(states, max(state_bytes, states.slot_bytes))
 
 
 def sidecar_namer(model, pool: BlockPool):
@@ -179,16 +263,22 @@ def default_store(model) -> KVStore:
     A model converted since (``.half()``, ``.to(device)``) gets a new store of its new shape;
     the old one is dropped with its KV, which the converted weights would not reproduce.
     """
-    specs = layer_specs(model)
+    layout = model_layout(model)
+    specs = layout.specs
+
+    def fits(store: KVStore) -> bool:
+        states = store.states.specs if store.states is not None else ()
+        return tuple(store.pool.layers) == specs and tuple(states) == layout.state_specs
+
     with _lock:
         store = _default_stores.get(model)
-    if store is not None and tuple(store.pool.layers) == specs:
+    if store is not None and fits(store):
         return store
     if store is not None:
         logger.warning("radixkv: %s changed dtype/device; replacing its default store", type(model).__name__)
     fresh = build_store(model)
     with _lock:
         store = _default_stores.get(model)
-        if store is None or tuple(store.pool.layers) != specs:
+        if store is None or not fits(store):
             _default_stores[model] = store = fresh
     return store

@@ -59,7 +59,7 @@ def test_other_caches_go_straight_to_unpatched_generate(monkeypatch):
     def untouchable(*args, **kwargs):
         raise AssertionError("hf_patch ran for a call without a RadixCache")
 
-    for name in ("layer_specs", "default_store", "flush_if_weights_changed", "Request"):
+    for name in ("model_layout", "default_store", "flush_if_weights_changed", "Request"):
         monkeypatch.setattr(hf_patch.call, name, untouchable)
     for name in ("open_request", "key_parts", "sharing"):
         monkeypatch.setattr(hf_patch.patch, name, untouchable)

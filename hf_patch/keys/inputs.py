@@ -30,6 +30,7 @@ KEYED_INPUTS = frozenset(
         "attention_mask",  # 2-D left padding; any other mask turns reuse off in Request.preload
         "inputs_embeds",  # reused only with RadixCache(extra_ids=...), see hf_patch.patch
         "past_key_values",
+        "cache_params",  # the Mamba families' name for the cache (hf_patch.patch checks it is ours)
         "use_cache",
         "logits_to_keep",
         "output_attentions",

@@ -88,6 +88,9 @@ class KVStore:
         self.host_pool = host_pool
         self.states = states
         self.host_states = host_states
+        # Tokens between the snapshots a caller computing a prefill takes (its policy; hf_patch
+        # sets it from build_store's snapshot_interval). None: the caller's default.
+        self.snapshot_interval: int | None = None
         self._private_snaps: tuple[set[int], set[int]] = (set(), set())  # slots being written
         self.tiers = (Tier(DEVICE, pool),) + ((Tier(HOST, host_pool),) if host_pool is not None else ())
         self.tree = self._new_tree()
