@@ -4,7 +4,11 @@ log, its start-up) is checked against a real `python -m demo`."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,6 +18,7 @@ from demo.api import media_fetch
 from demo.api.app import create_app
 from demo.config import Config
 from tests.demo_checkpoints import save_agent_model
+from tests.demo_process import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +97,26 @@ def test_a_remote_content_length_is_read_as_digits_only(length, outcome):
             )
     finally:
         server.close()
+
+
+# -- item 9: reserved names in --default-chat-template-kwargs ---------------------------------
+
+
+@pytest.mark.parametrize("kwargs,named", [('{"messages": []}', "messages"), ('{"add_generation_prompt": false}', "add_generation_prompt")])  # fmt: skip
+def test_reserved_default_template_kwargs_refuse_to_start(kwargs, named):
+    """The server used to start, then answer every chat request 400 blaming its messages."""
+    args = [sys.executable, "-m", "demo", "--model", "builtin-tiny", "--port", "0"]
+    proc = subprocess.Popen(
+        [*args, "--default-chat-template-kwargs", kwargs], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        started = "serving on" in proc.stdout.readline()  # "" at exit; the line once it listens
+    finally:
+        proc.kill()
+    stderr = proc.stderr.read()
+    assert not started and proc.wait() == 2, stderr[-2000:]
+    assert "default_chat_template_kwargs" in stderr and named in stderr, stderr[-2000:]
+    with pytest.raises(ValueError, match=named):
+        Config(default_chat_template_kwargs=json.loads(kwargs))
+    assert Config(default_chat_template_kwargs={"enable_thinking": False})  # a template variable: fine
