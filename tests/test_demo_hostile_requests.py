@@ -120,3 +120,60 @@ def test_reserved_default_template_kwargs_refuse_to_start(kwargs, named):
     with pytest.raises(ValueError, match=named):
         Config(default_chat_template_kwargs=json.loads(kwargs))
     assert Config(default_chat_template_kwargs={"enable_thinking": False})  # a template variable: fine
+
+
+# -- item 8: deep JSON in the template's inputs ------------------------------------------------
+
+
+def nest(levels: int):
+    """``levels`` objects and arrays inside one another, alternating: {"a": [{"a": [...]}]}."""
+    value: object = 1
+    for i in range(levels):
+        value = [value] if i % 2 else {"a": value}
+    return value
+
+
+def called(name: str, arguments: str) -> list[dict]:
+    """A conversation with an assistant turn that called ``name`` with ``arguments`` (text)."""
+    call = {"id": "c1", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"chat_template_kwargs": {"x": nest(900)}}, "chat_template_kwargs"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": nest(900)}}]}, "tools"),
+        (
+            {"messages": called("f", json.dumps({"k": nest(900)}))},
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        (
+            {"messages": called("f", '{"a": ' + "[" * 4000 + "]" * 4000 + "}")},
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+    ],
+    ids=["chat_template_kwargs", "tools", "arguments", "arguments-past-json-recursion"],
+)
+def test_deep_json_is_a_400_naming_the_field(client, body, param):
+    """These were 500s: RecursionError in demo/model/chat_tokens.py (the 4,000-level arguments:
+    in json.loads)."""
+    err = error(chat(client, tools=[TOOL], **body) if "tools" not in body else chat(client, **body))
+    assert err["param"] == param and "more than 128 levels deep" in err["message"], err
+
+
+def test_json_at_the_depth_bound_is_served(client):
+    """128 levels in all (the body and its fields count): the walks over it stay within the
+    recursion limit, through the chat template's rendering."""
+    assert chat(client, chat_template_kwargs={"x": nest(126)}).status_code == 200
+    assert error(chat(client, chat_template_kwargs={"x": nest(127)}))["param"] == "chat_template_kwargs"
+    assert chat(client, tools=[TOOL], messages=called("f", json.dumps({"k": nest(127)}))).status_code == 200
+    too_deep = called("f", json.dumps({"k": nest(128)}))
+    assert error(chat(client, tools=[TOOL], messages=too_deep))["param"].endswith("function.arguments")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from demo.errors import ApiError
+from demo.request_json import bounded, json_text
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOPS = 4
@@ -259,7 +260,7 @@ def _tool_calls(v: Any, param: str) -> list[dict] | None:
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
-                args = json.loads(args or "{}")
+                args = json_text(args or "{}", f"{param}[{j}].function.arguments")
             except ValueError:
                 raise _bad(
                     f"{param}[{j}].function.arguments must be a JSON object (as text)",
@@ -270,6 +271,7 @@ def _tool_calls(v: Any, param: str) -> list[dict] | None:
                 f"{param}[{j}].function.arguments must be a JSON object (as text)",
                 f"{param}[{j}].function.arguments",
             )
+        bounded(args, f"{param}[{j}].function.arguments")
         _utf8_json(args, f"{param}[{j}].function.arguments")
         call = {"type": "function", "function": {"name": _utf8(fn["name"], param), "arguments": args}}
         if isinstance(c.get("id"), str):
