@@ -177,3 +177,42 @@ def test_json_at_the_depth_bound_is_served(client):
     assert chat(client, tools=[TOOL], messages=called("f", json.dumps({"k": nest(127)}))).status_code == 200
     too_deep = called("f", json.dumps({"k": nest(128)}))
     assert error(chat(client, tools=[TOOL], messages=too_deep))["param"].endswith("function.arguments")
+
+
+# -- item 5: Responses errors name the Responses fields ----------------------------------------
+
+FC = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+LOOKAHEAD = {"type": "string", "pattern": "(?=a)"}  # llguidance cannot enforce a look-ahead
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        *(({"max_output_tokens": v}, "max_output_tokens") for v in (0, -1, 10**12, 1.5, "8", True)),
+        ({"text": {"format": {"type": "xml"}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": LOOKAHEAD}}}, "text.format.schema"),
+        ({"tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": []}]}, "tools[0].parameters"),
+        ({"tools": [{"type": "function", "name": "f", "description": 3}]}, "tools[0].description"),
+        ({"input": ["x"]}, "input[0]"),
+        ({"input": "\ud800"}, "input"),
+        ({"input": [{"role": "user", "content": "x"}, {"role": "user", "content": "\ud800"}]}, "input[1].content"),
+        ({"input": [{"role": "user", "content": "x"}, {**FC, "arguments": "{bad"}]}, "input[1].arguments"),
+        ({"input": [{"role": "user", "content": "x"}, FC, {**FC, "call_id": "c2", "arguments": "[]"}]}, "input[2].arguments"),
+        ({"input": [{"role": "user", "content": "x"}, FC, {**FC, "call_id": "\ud800"}]}, "input[2].call_id"),
+        ({"input": [{"role": "user", "content": "x"}, {**FC, "arguments": json.dumps({"k": nest(200)})}]}, "input[1].arguments"),
+        ({"input": [{"role": "user", "content": "x"}, FC, {"type": "function_call_output", "call_id": "c1", "output": "\ud800"}]}, "input[2].output"),
+        ({"input": [{"type": "reasoning"}]}, "input"),
+        ({"instructions": "\ud800"}, "instructions"),
+    ],
+)  # fmt: skip
+def test_responses_errors_name_the_responses_fields(client, body, param):
+    """They named chat's fields (max_tokens, response_format, tools[0].function.name, messages[1]),
+    which a Responses client never sent."""
+    err = error(client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, **body}))
+    assert err["param"] == param, err
+    for chat_name in ("max_tokens", "response_format", ".function.", "messages"):
+        assert chat_name not in err["message"], err
+    if param == "max_output_tokens":
+        assert "'max_output_tokens'" in err["message"], err

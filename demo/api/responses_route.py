@@ -280,15 +280,18 @@ def install(app: Flask, hooks: Hooks) -> ResponseStore:
                     404, f"Previous response with id '{req.previous_id}' not found.", "previous_response_id"
                 )
             history = list(prev.messages)
-        sampling = schema.sampling(req.chat_body, engine.context, schema.CHAT_ONLY)
-        opts = options.parse(req.chat_body, "chat", hooks.logits_size)
-        agent = agent_options.parse(
-            req.chat_body, config.default_chat_template_kwargs, hooks.tool_format is not None
-        )
-        grammar = structured.grammar(agent, hooks.tool_format, engine.runner.grammars)
+        with req.named():  # the chat parsers' errors name the fields this request sent
+            sampling = schema.sampling(req.chat_body, engine.context, schema.CHAT_ONLY)
+            opts = options.parse(req.chat_body, "chat", hooks.logits_size)
+            agent = agent_options.parse(
+                req.chat_body, config.default_chat_template_kwargs, hooks.tool_format is not None
+            )
+            grammar = structured.grammar(agent, hooks.tool_format, engine.runner.grammars)
+            schema.chat({"messages": req.messages}, engine.context)  # the new input, checked
         conversation = history + req.messages
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        rendered = schema.chat({"messages": system + conversation}, engine.context).messages  # checked
+        # (the stored history was checked when it came, the instructions by responses_input)
+        rendered = schema.chat({"messages": system + conversation}, engine.context).messages
         with hooks.reserve() as slot:
             try:
                 ids = engine.chat_ids(rendered, agent.rendered_tools, agent.template_kwargs)
