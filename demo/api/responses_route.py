@@ -13,8 +13,8 @@ response's own prompt, and usually its reply) is read from the prefix cache.
 Streaming (``stream: true``) sends Responses events in OpenAI's order: response.created,
 response.in_progress, then per output item output_item.added, its deltas
 (reasoning_text.delta, output_text.delta inside content_part.added/done,
-function_call_arguments.delta), output_item.done, and response.completed; each with a
-``sequence_number``. No ``[DONE]`` line (the Responses API has none).
+function_call_arguments.delta), output_item.done, and response.completed (response.incomplete
+when max_output_tokens cut the reply); each with a ``sequence_number``. No ``[DONE]`` line (the Responses API has none).
 """
 
 from __future__ import annotations
@@ -354,8 +354,11 @@ def install(app: Flask, hooks: Hooks) -> ResponseStore:
                         yield sse(e)
                 for e in out.finish():
                     yield sse(e)
-                status = 200
-                yield sse({"type": "response.completed", "response": finished(gen.result)})
+                status, body = 200, finished(gen.result)
+                # OpenAI's last event says how it ended: a reply cut by max_output_tokens is
+                # response.incomplete (a client switching on the type must not read it as done)
+                done = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
+                yield sse({"type": done, "response": body})
             except Disconnected:
                 return
             except Exception as e:  # headers are sent: report in-band (Responses' error event)
