@@ -13,10 +13,14 @@ import threading
 import time
 
 import pytest
+import torch
 
-from demo.api import media_fetch
+from demo.api import media_fetch, structured
 from demo.api.app import create_app
 from demo.config import Config
+from demo.engine import constrained
+from demo.engine.constrained import GrammarHook, json_lark
+from demo.errors import ApiError
 from tests.demo_checkpoints import save_agent_model
 from tests.demo_process import ROOT
 
@@ -216,3 +220,75 @@ def test_responses_errors_name_the_responses_fields(client, body, param):
         assert chat_name not in err["message"], err
     if param == "max_output_tokens":
         assert "'max_output_tokens'" in err["message"], err
+
+
+# -- item 7: schemas no finite value matches ---------------------------------------------------
+
+SELF_REF = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+ROUND = {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"],
+         "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}  # fmt: skip
+TREE = {"$defs": {"n": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
+                        "additionalProperties": False}}, "$ref": "#/$defs/n"}  # fmt: skip
+
+
+def json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+
+
+@pytest.mark.parametrize("schema", [SELF_REF, ROUND], ids=["a-a", "x-a-b-a"])
+def test_ref_cycles_with_no_way_out_are_refused_up_front(client, schema):
+    """They answered 200, finish_reason "stop", with content "" or '{"x": '."""
+    err = error(chat(client, max_tokens=20, response_format=json_schema(schema)))
+    assert err["code"] == "unsupported_schema" and err["param"] == "response_format.json_schema.schema", err
+    assert "#/$defs/a" in err["message"], err
+    text_format = {"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}}
+    err = error(
+        client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 20, "text": text_format})
+    )
+    assert err["code"] == "unsupported_schema" and err["param"] == "text.format.schema", err
+
+
+def test_a_recursive_schema_with_a_way_out_is_served(client):
+    r = chat(client, max_tokens=12, response_format=json_schema(TREE))
+    assert r.status_code == 200, r.get_json()
+    assert r.get_json()["choices"][0]["message"]["content"].startswith('{"kids": [')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_with_no_way_on_is_never_a_finished_reply(client, monkeypatch, stream):
+    """At depth: with the up-front check off, the matcher stops in an error state after the
+    text it could write; the grammar hook used to take any stopped matcher for a complete
+    grammar (EOS only), and the reply was a 200 with finish_reason "stop"."""
+    monkeypatch.setattr(structured, "_check_refs", lambda schema: None, raising=False)
+    for schema in (SELF_REF, ROUND):
+        r = chat(client, max_tokens=20, response_format=json_schema(schema), stream=stream)
+        if not stream:
+            assert error(r)["code"] == "unsupported_schema"
+            continue
+        events = [
+            json.loads(line[6:])
+            for line in r.get_data(as_text=True).splitlines()
+            if line.startswith("data: {")
+        ]
+        assert events[-1].get("error", {}).get("code") == "unsupported_schema", events[-3:]
+        assert not any(c.get("finish_reason") for e in events for c in e.get("choices", ())), events
+
+
+def test_a_refused_token_fails_the_row_instead_of_unmasking_it(app):
+    """The matcher refusing the row's token used to leave the row unmasked for the rest of its
+    reply (logged), answered as if it matched."""
+    grammars = app.extensions["radixkv"]["engine"].runner.grammars
+    hook = GrammarHook(grammars.start(grammars.check(json_lark({"type": "object"}))), prompt_length=2)
+    scores = torch.zeros(grammars.vocab_size)
+    brace = int(hook(torch.tensor([5, 6]), scores.clone()).argmax())  # '{' is the only token allowed
+    not_brace = (brace + 1) % grammars.vocab_size
+    with pytest.raises(constrained.GrammarError, match="refused"):
+        hook(torch.tensor([5, 6, not_brace]), scores.clone())
+
+
+def test_a_stopped_matcher_in_error_is_not_complete(app):
+    grammars = app.extensions["radixkv"]["engine"].runner.grammars
+    hook = GrammarHook(grammars.start(grammars.check(json_lark(SELF_REF))), prompt_length=2)
+    with pytest.raises(ApiError) as e:
+        hook(torch.tensor([5, 6]), torch.zeros(grammars.vocab_size))
+    assert e.value.status == 400 and e.value.code == "unsupported_schema"

@@ -361,6 +361,9 @@ def install(app: Flask, hooks: Hooks) -> ResponseStore:
                 yield sse({"type": done, "response": body})
             except Disconnected:
                 return
+            except ApiError as e:  # refused once running (its grammar had no way on): in-band
+                status = e.status
+                yield sse({"type": "error", "code": e.code, "message": e.message, "param": e.param})
             except Exception as e:  # headers are sent: report in-band (Responses' error event)
                 log.exception("generation failed mid-stream")
                 status = getattr(e, "status", 500)
