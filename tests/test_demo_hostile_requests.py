@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import requests
 import torch
 
 from demo.api import media_fetch, structured
@@ -22,7 +23,7 @@ from demo.engine import constrained
 from demo.engine.constrained import GrammarHook, json_lark
 from demo.errors import ApiError
 from tests.demo_checkpoints import save_agent_model
-from tests.demo_process import ROOT
+from tests.demo_process import ROOT, start_demo
 
 
 @pytest.fixture(scope="module")
@@ -292,3 +293,41 @@ def test_a_stopped_matcher_in_error_is_not_complete(app):
     with pytest.raises(ApiError) as e:
         hook(torch.tensor([5, 6]), torch.zeros(grammars.vocab_size))
     assert e.value.status == 400 and e.value.code == "unsupported_schema"
+
+
+# -- against a real server process: $ref chains (item 7) ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(URL, log path) of a `python -m demo --model builtin-tiny`."""
+    log = tmp_path_factory.mktemp("served") / "server.log"
+    proc, url = start_demo(["--model", "builtin-tiny", "--port", "0"], str(log))
+    yield url, log
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def ref_chain(links: int) -> dict:
+    """A schema whose $defs refer one to the next ``links`` times, ending in a string."""
+    defs = {f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(links)}
+    return {"$defs": {**defs, f"a{links}": {"type": "string"}}, "$ref": "#/$defs/a0"}
+
+
+def test_a_long_ref_chain_is_a_400_not_a_dead_server(served):
+    """2,500 refs in a row (a 90 KB body) made llguidance's schema compiler overflow its stack:
+    SIGSEGV, the whole server gone."""
+    url, _ = served
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "response_format": json_schema(ref_chain(2500))}  # fmt: skip
+    r = requests.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_schema", r.text
+    assert "levels deep" in r.json()["error"]["message"]
+    assert requests.get(url + "/health", timeout=30).status_code == 200
+
+
+def test_a_ref_chain_within_the_bound_is_served(client):
+    assert chat(client, max_tokens=2, response_format=json_schema(ref_chain(400))).status_code == 200

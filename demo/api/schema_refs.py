@@ -1,10 +1,16 @@
 """What ``$ref`` does to a JSON schema, checked before llguidance sees it.
 
+    ref_depth(schema)      # levels the schema nests once its refs are followed (an upper bound)
     endless_refs(schema)   # () if some finite JSON value can match; else the $refs that trap it
 
-No finite value:
-``{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}``, or a required property whose
-schema refers round ``a -> b -> a``, passes llguidance's check: the grammar compiles, and the
+Depth: a request's JSON nests at most 128 levels (demo.request_json), but refs chain without
+nesting; llguidance 1.9 compiles a schema recursively and crashed the whole process (SIGSEGV, a
+stack overflow) on a chain of 2,500 refs (a 180 KB body), or 1,000 objects each holding the next
+by ref, even in a request thread. ``ref_depth`` is the longest path through the schema's objects,
+nested or referred to, a cycle counted whole: an upper bound on any walk's depth.
+
+No finite value: ``{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}``, or a
+required property whose schema refers round ``a -> b -> a``, passes llguidance's check: the grammar compiles, and the
 matcher stops in an error state once it has written what it can (``""`` or ``{"x": ``). Which
 subschemas admit a finite value is a least fixpoint over an AND/OR graph: a schema needs its
 ``$ref`` target, every ``allOf`` item, one ``anyOf`` / ``oneOf`` item and one of its types (an
@@ -12,7 +18,7 @@ object: its required properties; an array: its first ``minItems`` items and ``co
 other type: nothing). What the graph does not model (``not``, ``if``, patterns, bounds, a ref it
 cannot resolve) counts as satisfiable: only a cycle it can prove endless is refused, and
 whatever else cannot be enforced is llguidance's to name (and the grammar hook's, at depth).
-Linear in the schema's size and iterative: a 10,000-long ref chain is fine.
+Both are linear in the schema's size and iterative (neither recurses, whatever the chain).
 """
 
 from __future__ import annotations
@@ -77,6 +83,92 @@ class _Graph:
                     holds[p] = True
                     ready.append(p)
         return holds
+
+
+def _objects(root: Any) -> tuple[list[Any], list[list[int]]]:
+    """Every object (dict) in ``root`` and, per object, the objects it holds (inside it, through
+    lists too) or refers to (a resolvable local ``$ref``), as indices."""
+    objects: list[Any] = []
+    index: dict[int, int] = {}
+    edges: list[list[int]] = []
+
+    def add(d: dict) -> int:
+        if id(d) not in index:
+            index[id(d)] = len(objects)
+            objects.append(d)
+            edges.append([])
+            todo.append(d)
+        return index[id(d)]
+
+    todo: list[dict] = []
+    if isinstance(root, dict):
+        add(root)
+    while todo:
+        d = todo.pop()
+        out = edges[index[id(d)]]
+        ref = d.get("$ref")
+        target = _resolve(root, ref) if isinstance(ref, str) else None
+        if isinstance(target, dict):
+            out.append(add(target))
+        inside = list(d.values())
+        while inside:
+            v = inside.pop()
+            if isinstance(v, dict):
+                out.append(add(v))
+            elif isinstance(v, list):
+                inside += v
+    return objects, edges
+
+
+def ref_depth(root: Any) -> int:
+    """The objects on the longest path through ``root`` (nesting and refs), each cycle's objects
+    counted whole: the depth a walk that follows refs can reach. Iterative (Tarjan's strongly
+    connected components, then the longest path over them)."""
+    objects, edges = _objects(root)
+    n = len(objects)
+    order, low, component = [-1] * n, [0] * n, [-1] * n
+    stack, on_stack, components = [], [False] * n, []
+    counter = 0
+    for first in range(n):
+        if order[first] != -1:
+            continue
+        work = [(first, 0)]
+        while work:
+            v, i = work.pop()
+            if i == 0:
+                order[v] = low[v] = counter
+                counter += 1
+                stack.append(v)
+                on_stack[v] = True
+            if i < len(edges[v]):
+                work.append((v, i + 1))
+                w = edges[v][i]
+                if order[w] == -1:
+                    work.append((w, 0))
+                elif on_stack[w]:
+                    low[v] = min(low[v], order[w])
+                continue
+            if low[v] == order[v]:  # v roots a component: pop it
+                members = []
+                while True:
+                    w = stack.pop()
+                    on_stack[w] = False
+                    component[w] = len(components)
+                    members.append(w)
+                    if w == v:
+                        break
+                components.append(members)
+            if work:  # back in v's parent: its low takes v's
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[v])
+    # Tarjan emits a component after every component it reaches: longest paths in that order
+    longest = [0] * len(components)
+    for c, members in enumerate(components):
+        reach = max(
+            (longest[component[w]] for v in members for w in edges[v] if component[w] != c), default=0
+        )
+        longest[c] = len(members) + reach
+    return max(longest, default=0)
 
 
 def endless_refs(root: Any) -> tuple[str, ...]:

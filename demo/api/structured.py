@@ -10,8 +10,9 @@
 
 A forced call wins over response_format (the reply is the call). Anything the grammar library
 cannot enforce (an unsupported keyword, a bad pattern, a dangling $ref) is a 400 naming it, and
-so is, before the library sees it, a schema whose $ref cycles allow no finite value
-(demo.api.schema_refs; the matcher dead-ended after ``{"x": ``, answered as a finished 200).
+so is, before the library sees it, a schema whose $refs nest it deeper than MAX_REF_DEPTH (the
+library's compiler overflowed its stack: the process died) or whose $ref cycles allow no finite
+value (demo.api.schema_refs; the matcher dead-ended after ``{"x": ``, answered as a finished 200).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from demo.api.agent_options import AgentOptions
 from demo.api.tool_parsers import ToolFormat
 from demo.engine.constrained import JSON_OPTIONS, Grammars, json_lark
 from demo.errors import ApiError
+
+# Objects on a path through a schema once its $refs are followed (schema_refs.ref_depth): four
+# times under the shortest chain that crashed llguidance 1.9 in a thread (about 2,000), and far
+# past real schemas (a request's JSON itself nests at most 128 levels).
+MAX_REF_DEPTH = 512
 
 
 def _lark(
@@ -65,7 +71,10 @@ def grammar(agent: AgentOptions, fmt: ToolFormat | None, grammars: Grammars) -> 
 
 
 def _check_refs(schema: dict) -> None:
-    """ValueError if the schema's $refs trap it in cycles with no way out."""
+    """ValueError if the schema's $refs nest it too deep, or trap it in cycles with no way out."""
+    depth = schema_refs.ref_depth(schema)
+    if depth > MAX_REF_DEPTH:
+        raise ValueError(f"its $refs nest it {depth} levels deep (at most {MAX_REF_DEPTH})")
     endless = schema_refs.endless_refs(schema)
     if endless:
         shown = ", ".join(endless[:8]) + (", ..." if len(endless) > 8 else "")
