@@ -4,7 +4,9 @@ log, its start-up) is checked against a real `python -m demo`."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -16,6 +18,7 @@ import pytest
 import requests
 import torch
 
+from demo import log_format
 from demo.api import media_fetch, structured
 from demo.api.app import create_app
 from demo.config import Config
@@ -295,7 +298,7 @@ def test_a_stopped_matcher_in_error_is_not_complete(app):
     assert e.value.status == 400 and e.value.code == "unsupported_schema"
 
 
-# -- against a real server process: $ref chains (item 7) ----------------------------------------
+# -- against a real server process: its log (item 10) and $ref chains (item 7) ----------------
 
 
 @pytest.fixture(scope="module")
@@ -309,6 +312,51 @@ def served(tmp_path_factory):
         proc.wait(60)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+FORGED = "1999-01-01 00:00:00,000 INFO demo.api.conventions: FORGED"
+
+
+def raw_get(url: str, target: bytes) -> bytes:
+    """The status line of a GET of ``target`` sent byte for byte (no client re-quoting)."""
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        return s.makefile("rb").readline()
+
+
+def test_a_request_path_cannot_forge_a_log_line(served):
+    """The access log wrote the decoded path raw: CR, LF (a whole fake line) and ESC."""
+    url, log = served
+    target = b"/v1/x%0d%0a" + FORGED.replace(" ", "%20").encode() + b"%1b[31m%e2%80%a8end"
+    assert b" 404 " in raw_get(url, target)
+    written = log.read_bytes()
+    assert b"\x1b" not in written and b"\r" not in written and "\u2028".encode() not in written
+    lines = written.decode().splitlines()
+    assert not any(line.startswith("1999-01-01") for line in lines), lines[-3:]
+    assert any(f"GET /v1/x\\r\\n{FORGED}\\x1b[31m\\u2028end 404 " in line for line in lines), lines[-3:]
+
+
+def test_the_log_formatter_escapes_every_record(caplog):
+    """Any record (args, message, exception text) from any logger: one line, no escapes."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(log_format.EscapingFormatter(log_format.FORMAT))
+    logger = logging.getLogger("tests.hostile.log")
+    logger.addHandler(handler)
+    try:
+        logger.warning("model %s, adapter %r", "m\r\nFAKE", "a\x9b31m\u202e")
+        try:
+            raise ValueError("bad\r\n" + FORGED + "\x1b[0m")
+        except ValueError:
+            logger.exception("failed for %s", "x\ny")
+    finally:
+        logger.removeHandler(handler)
+    text = out.getvalue()
+    assert "m\\r\\nFAKE" in text and "\\x9b31m\\u202e" in text and "x\\ny" in text
+    assert not any(c in text for c in "\r\x1b\x9b\u202e")
+    assert "Traceback (most recent call last):" in text  # a traceback keeps its lines
+    assert not any(line.startswith("1999") for line in text.splitlines())
 
 
 def ref_chain(links: int) -> dict:
