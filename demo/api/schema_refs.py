@@ -5,7 +5,7 @@
 
 Depth: a request's JSON nests at most 128 levels (demo.request_json), but refs chain without
 nesting; llguidance 1.9 compiles a schema recursively and crashed the whole process (SIGSEGV, a
-stack overflow) on a chain of 2,500 refs (a 180 KB body), or 1,000 objects each holding the next
+stack overflow) on a chain of 2,500 refs (a 90 KB body), or 1,000 objects each holding the next
 by ref, even in a request thread. ``ref_depth`` is the longest path through the schema's objects,
 nested or referred to, a cycle counted whole: an upper bound on any walk's depth.
 
