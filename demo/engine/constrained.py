@@ -31,15 +31,12 @@ name the unsupported schema keyword, and a mask per token in tens of microsecond
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from demo.errors import ApiError
-
-log = logging.getLogger(__name__)
 
 # JSON as json.dumps writes it (", " and ": "), which is also how chat templates re-render a
 # call's arguments (tojson): a constrained reply re-renders to the same text next turn. No free
