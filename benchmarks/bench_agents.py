@@ -77,7 +77,7 @@ def streamed_ttft(stream, kind: str) -> tuple[float, str, object]:
             usage = ev.usage or usage
         else:
             delta = ev.delta if ev.type == "response.output_text.delta" else None
-            if ev.type == "response.completed":
+            if ev.type in ("response.completed", "response.incomplete"):  # (max_output_tokens cut it)
                 usage, rid = ev.response.usage, ev.response.id
         if delta:
             first = first or time.perf_counter() - t0

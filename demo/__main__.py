@@ -12,11 +12,12 @@ import signal
 import sys
 import time
 
+from demo import log_format
 from demo.config import from_args
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_format.configure()  # every line escaped: a client cannot forge one (demo.log_format)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["save-builtin"]:
         from demo.save_builtin import main as save_builtin

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import logging
 import os
 import re
@@ -51,6 +50,7 @@ from flask import Blueprint, jsonify, request
 import hf_patch
 from demo.cache_mismatch import describe
 from demo.errors import ApiError
+from demo.request_json import json_body
 from radixkv import CacheFileError, CacheFileMismatch, SaveAborted
 from radixkv.persist.cache_file import read_manifest
 
@@ -299,10 +299,7 @@ def _body(fields: tuple[str, ...]) -> dict:
     data = request.get_data(cache=False)
     if not data.strip():
         return {}
-    try:
-        body = json.loads(data)
-    except (ValueError, RecursionError):
-        raise ApiError(400, "the request body is not valid JSON") from None
+    body = json_body(data)
     if body is None:
         return {}
     if not isinstance(body, dict) or set(body) - set(fields):

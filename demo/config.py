@@ -13,8 +13,10 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
+from demo.api.agent_options import template_kwargs
 from demo.api.images import MediaPolicy, parse_limit_mm
 from demo.api.proxies import TrustedProxies
+from demo.errors import ApiError
 from demo.model.adapters import LoraModule, parse_lora_modules
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -161,8 +163,10 @@ class Config:
                 f"responses_max_stored must be >= 0 and responses_max_age > 0 seconds, got "
                 f"{self.responses_max_stored} and {self.responses_max_age}"
             )
-        if not isinstance(self.default_chat_template_kwargs, dict):
-            raise ValueError("default_chat_template_kwargs must be a JSON object")
+        try:  # the request's own rule: reserved names (messages, add_generation_prompt, ...) refused
+            template_kwargs(self.default_chat_template_kwargs, "default_chat_template_kwargs")
+        except ApiError as e:
+            raise ValueError(e.message) from None
         self.media_policy  # noqa: B018  (raises ValueError for bad image limits)
         self.proxies  # noqa: B018  (raises ValueError for a bad --trusted-proxies entry)
 

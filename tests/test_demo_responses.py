@@ -9,6 +9,7 @@ import json
 import jsonschema
 import openai
 import pytest
+from openai.types.responses import ResponseIncompleteEvent
 
 from demo.api.app import create_app
 from demo.api.conversations import ResponseStore, StoredResponse
@@ -116,13 +117,31 @@ def test_stream_event_order(url):
         "response.output_text.done",
         "response.content_part.done",
         "response.output_item.done",
-        "response.completed",
+        f"response.{plain.status}",  # completed, or incomplete where max_output_tokens cut it
     ]
     assert set(kinds[4:-4]) == {"response.output_text.delta"}
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == plain.output_text == events[-1].response.output_text
     assert events[-1].response.usage.output_tokens == plain.usage.output_tokens
+
+
+def test_a_truncated_stream_ends_with_response_incomplete(url):
+    """OpenAI ends a reply cut by max_output_tokens with response.incomplete; it used to end with
+    response.completed (holding status incomplete), which a client switching on the event type
+    takes for a finished answer."""
+    c = client(url)
+    kw = {"model": "agent-tiny", "input": "Tell me about Rome.", "max_output_tokens": 2, "temperature": 0}
+    assert c.responses.create(**kw).status == "incomplete"  # the reply is longer than 2 tokens
+    events = list(c.responses.create(**kw, stream=True))
+    last = events[-1]
+    assert isinstance(last, ResponseIncompleteEvent) and last.type == "response.incomplete", last
+    assert (
+        last.response.status == "incomplete"
+        and last.response.incomplete_details.reason == "max_output_tokens"
+    )
+    assert "response.completed" not in [e.type for e in events]
+    assert c.responses.retrieve(last.response.id).status == "incomplete"
 
 
 def test_tool_call_round_trip(url):
@@ -136,6 +155,7 @@ def test_tool_call_round_trip(url):
                                       parallel_tool_calls=False, max_output_tokens=80, temperature=0, stream=True))  # fmt: skip
     streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert streamed == calls[0].arguments
+    assert r.status == "completed" and events[-1].type == "response.completed"  # the call ended it
     nxt = c.responses.create(
         model="agent-tiny", previous_response_id=r.id, tools=TOOLS, max_output_tokens=4, temperature=0,
         input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "5"}],
@@ -219,7 +239,7 @@ def test_reasoning_item(url):
     events = list(c.responses.create(**kw, stream=True, extra_body=thinking))
     kinds = [e.type for e in events]
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
-    assert kinds[-3:] == ["response.reasoning_text.done", "response.output_item.done", "response.completed"]
+    assert kinds[-3:] == ["response.reasoning_text.done", "response.output_item.done", f"response.{r.status}"]
     assert set(kinds[3:-3]) == {"response.reasoning_text.delta"}
     assert (
         "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")

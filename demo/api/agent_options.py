@@ -141,7 +141,7 @@ def template_kwargs(value: Any, param: str) -> dict:
         raise _bad(f"'{param}' must be an object", param)
     reserved = sorted(set(value) & _RESERVED)
     if reserved:
-        raise _bad(f"'{param}' may not set {', '.join(reserved)}", param)
+        raise _bad(f"'{param}' may not set {', '.join(reserved)}: apply_chat_template's own arguments", param)
     _utf8_json(value, param)
     return dict(value)
 

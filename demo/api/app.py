@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import threading
 import time
@@ -53,6 +52,7 @@ from demo.metrics import Metrics
 from demo.model import adapters, vision
 from demo.model.adapters import Adapters
 from demo.model.loading import BUILTIN
+from demo.request_json import json_body
 from demo.task_prompts import TaskPrompts
 from demo.task_prompts import load as load_task_prompts
 from hf_patch.attention_backend import avoid_cudnn_sdpa
@@ -161,10 +161,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         data = request.get_data(cache=False)
         if len(data) > max_body:
             raise ApiError(413, f"request body larger than {max_body} bytes")
-        try:
-            return json.loads(data or b"null")
-        except (ValueError, RecursionError):
-            raise ApiError(400, "the request body is not valid JSON") from None
+        return json_body(data)
 
     def authenticated(check):
         """check(headers) under the failed-attempt throttle of the client's address."""
@@ -414,7 +411,11 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
             reuse=engine.store is not None,
             queued=engine.queued,
             engine_histograms=(
-                ("radixkv_batch_size", "Requests per generate() call (in the step loop: per admission).", engine.scheduler.batch_sizes),
+                (
+                    "radixkv_batch_size",
+                    "Requests per generate() call (in the step loop: per admission).",
+                    engine.scheduler.batch_sizes,
+                ),
                 (
                     "radixkv_queue_wait_seconds",
                     "Admission wait: submit to the request's first batch.",

@@ -9,7 +9,8 @@
 - X-Request-Id: a client's id (1-128 characters of ``[A-Za-z0-9._:-]``, so it is safe in a log
   line) is kept, otherwise one is made (32 hex digits); it is echoed on every response and
   written in the request's access log line (``METHOD path status seconds request_id=...``), and
-  ``request_id()`` gives it to the handlers.
+  ``request_id()`` gives it to the handlers. The path is logged as the client sent it, decoded:
+  python -m demo's formatter (demo.log_format) escapes what could break or recolour the line.
 """
 
 from __future__ import annotations

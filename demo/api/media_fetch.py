@@ -27,6 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from demo.api.schema import decimal
+
 _CHUNK = 64 << 10
 _RESOLVERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="radixkv-resolve")
 
@@ -121,8 +123,8 @@ def fetch(
                 f"HTTP {resp.status} {resp.reason}"
                 + (f" (redirect to {where} not followed)" if where else "")
             )
-        length = resp.getheader("Content-Length")
-        if length is not None and length.strip().isdigit() and int(length) > max_bytes:
+        length = decimal((resp.getheader("Content-Length") or "").strip())
+        if length is not None and length > max_bytes:  # (a malformed length: read to the limit)
             raise TooLarge
         chunks, size = [], 0
         while chunk := resp.read1(_CHUNK):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from demo.api.schema import _bad, _int, _number
+from demo.api.schema import _bad, _int, _number, decimal
 
 MAX_N = 16  # choices per request: each is a row of the batch, on a server with one worker
 MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's limits
@@ -46,13 +46,14 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     out = {}
     for key, value in bias.items():
         # OpenAI's keys are token ids as strings ("50256"); JSON object keys are strings anyway.
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < vocab_size):
+        token = decimal(key)
+        if token is None or token >= vocab_size:
             raise _bad(
-                f"'logit_bias' keys must be token ids in 0..{vocab_size - 1}, got {key!r}", "logit_bias"
+                f"'logit_bias' keys must be token ids in 0..{vocab_size - 1}, got {key[:40]!r}", "logit_bias"
             )
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise _bad(f"'logit_bias' values must be numbers in [-100, 100], got {value!r}", "logit_bias")
-        out[int(key)] = float(value)
+        out[token] = float(value)
     return out
 
 

@@ -13,8 +13,8 @@ response's own prompt, and usually its reply) is read from the prefix cache.
 Streaming (``stream: true``) sends Responses events in OpenAI's order: response.created,
 response.in_progress, then per output item output_item.added, its deltas
 (reasoning_text.delta, output_text.delta inside content_part.added/done,
-function_call_arguments.delta), output_item.done, and response.completed; each with a
-``sequence_number``. No ``[DONE]`` line (the Responses API has none).
+function_call_arguments.delta), output_item.done, and response.completed (response.incomplete
+when max_output_tokens cut the reply); each with a ``sequence_number``. No ``[DONE]`` line (the Responses API has none).
 """
 
 from __future__ import annotations
@@ -280,15 +280,18 @@ def install(app: Flask, hooks: Hooks) -> ResponseStore:
                     404, f"Previous response with id '{req.previous_id}' not found.", "previous_response_id"
                 )
             history = list(prev.messages)
-        sampling = schema.sampling(req.chat_body, engine.context, schema.CHAT_ONLY)
-        opts = options.parse(req.chat_body, "chat", hooks.logits_size)
-        agent = agent_options.parse(
-            req.chat_body, config.default_chat_template_kwargs, hooks.tool_format is not None
-        )
-        grammar = structured.grammar(agent, hooks.tool_format, engine.runner.grammars)
+        with req.named():  # the chat parsers' errors name the fields this request sent
+            sampling = schema.sampling(req.chat_body, engine.context, schema.CHAT_ONLY)
+            opts = options.parse(req.chat_body, "chat", hooks.logits_size)
+            agent = agent_options.parse(
+                req.chat_body, config.default_chat_template_kwargs, hooks.tool_format is not None
+            )
+            grammar = structured.grammar(agent, hooks.tool_format, engine.runner.grammars)
+            schema.chat({"messages": req.messages}, engine.context)  # the new input, checked
         conversation = history + req.messages
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-        rendered = schema.chat({"messages": system + conversation}, engine.context).messages  # checked
+        # (the stored history was checked when it came, the instructions by responses_input)
+        rendered = schema.chat({"messages": system + conversation}, engine.context).messages
         with hooks.reserve() as slot:
             try:
                 ids = engine.chat_ids(rendered, agent.rendered_tools, agent.template_kwargs)
@@ -351,10 +354,16 @@ def install(app: Flask, hooks: Hooks) -> ResponseStore:
                         yield sse(e)
                 for e in out.finish():
                     yield sse(e)
-                status = 200
-                yield sse({"type": "response.completed", "response": finished(gen.result)})
+                status, body = 200, finished(gen.result)
+                # OpenAI's last event says how it ended: a reply cut by max_output_tokens is
+                # response.incomplete (a client switching on the type must not read it as done)
+                done = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
+                yield sse({"type": done, "response": body})
             except Disconnected:
                 return
+            except ApiError as e:  # refused once running (its grammar had no way on): in-band
+                status = e.status
+                yield sse({"type": "error", "code": e.code, "message": e.message, "param": e.param})
             except Exception as e:  # headers are sent: report in-band (Responses' error event)
                 log.exception("generation failed mid-stream")
                 status = getattr(e, "status", 500)

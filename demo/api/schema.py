@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from demo.errors import ApiError
+from demo.request_json import bounded, json_text
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_STOPS = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
+MAX_DIGITS = 18  # significant digits of a decimal() read exactly: past any id, size or bound here
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,18 @@ def _int(body: dict, name: str) -> int | None:
     if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
         raise _bad(f"'{name}' must be an integer, got {type(v).__name__}", name)
     return v
+
+
+def decimal(text: str) -> int | None:
+    """The value of ``text`` if it is ASCII digits, else None: the one way a number written by a
+    client (a logit_bias key, a remote Content-Length) becomes an int. ``str.isdigit()`` also
+    takes "²" and other scripts' digits, which ``int()`` refuses or reads, and ``int()`` of more
+    than 4,300 digits raises; a value of more than MAX_DIGITS significant digits comes back as
+    ``10**MAX_DIGITS``, above anything it is compared with."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    digits = text.lstrip("0")
+    return int(digits or "0") if len(digits) <= MAX_DIGITS else 10**MAX_DIGITS
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -246,7 +260,7 @@ def _tool_calls(v: Any, param: str) -> list[dict] | None:
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
-                args = json.loads(args or "{}")
+                args = json_text(args or "{}", f"{param}[{j}].function.arguments")
             except ValueError:
                 raise _bad(
                     f"{param}[{j}].function.arguments must be a JSON object (as text)",
@@ -257,6 +271,7 @@ def _tool_calls(v: Any, param: str) -> list[dict] | None:
                 f"{param}[{j}].function.arguments must be a JSON object (as text)",
                 f"{param}[{j}].function.arguments",
             )
+        bounded(args, f"{param}[{j}].function.arguments")
         _utf8_json(args, f"{param}[{j}].function.arguments")
         call = {"type": "function", "function": {"name": _utf8(fn["name"], param), "arguments": args}}
         if isinstance(c.get("id"), str):

@@ -14,6 +14,12 @@ at a step is only seen at the next call, and after a pause the row's context (pr
 so far) comes back whole, so the hook counts the reply tokens it consumed (``fed``) and
 catches up from there. Once the grammar is complete only EOS is allowed, so the row ends.
 
+A matcher in an error state is never taken for a complete grammar (llguidance stops it either
+way): a grammar with no way on (a schema whose $ref cycles allow no finite value, where
+demo.api.schema_refs did not see it) ends the request with a 400 ``unsupported_schema``, a token
+the matcher refused (the mask was not honoured) with GrammarError; either way the row's
+request fails alone, and no reply is answered as if it matched.
+
 The grammar only chooses among tokens: what is cached (prompt and reply KV) is computed from
 the token ids as always, keyed as always; nothing about the grammar enters the prefix cache.
 
@@ -25,13 +31,12 @@ name the unsupported schema keyword, and a mask per token in tens of microsecond
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger(__name__)
+from demo.errors import ApiError
 
 # JSON as json.dumps writes it (", " and ": "), which is also how chat templates re-render a
 # call's arguments (tojson): a constrained reply re-renders to the same text next turn. No free
@@ -64,6 +69,11 @@ def apply_bitmask(scores: torch.Tensor, mask: torch.Tensor, rows: Sequence[int] 
     scores[:, : allowed.shape[1]].masked_fill_(allowed == 0, -float("inf"))
 
 
+class GrammarError(RuntimeError):
+    """A row's matcher refused the token the row took: the mask was not honoured (a defect here,
+    not the client's)."""
+
+
 @dataclass
 class RowGrammar:
     """One row's grammar state: the llguidance matcher and how many reply tokens it consumed."""
@@ -72,7 +82,6 @@ class RowGrammar:
     eos: tuple[int, ...]  # the ids that end the row once the grammar is complete
     vocab: int  # the matcher's vocabulary (its mask's width in bits, rounded up to 32)
     fed: int = 0
-    broken: bool = False  # the matcher refused a token (logged); the row is no longer masked
 
 
 class Grammars:
@@ -148,8 +157,7 @@ class GrammarHook:
 
     def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         state = self._advance(ids)
-        if state.broken:
-            return scores  # logged: the row is no longer masked
+        self._check(state)
         if state.matcher.is_stopped():  # complete: only EOS
             if self._eos is None or self._eos.device != scores.device:
                 self._eos = torch.tensor(state.eos, dtype=torch.long, device=scores.device)
@@ -161,21 +169,35 @@ class GrammarHook:
             # the matcher's width (logits may be wider: those past it are never this row's)
             self._mask = self._lt.allocate_token_bitmask(1, state.vocab)
         self._lt.fill_next_token_bitmask(state.matcher, self._mask, 0)
+        self._check(state)  # (the mask is where a grammar with no way on is found)
         # In place on the row's [vocab] (a view of the sampler's copy): no copy per step
         apply_bitmask(scores.unsqueeze(0), self._mask)
         return scores
 
+    @staticmethod
+    def _check(state: RowGrammar) -> None:
+        """ApiError 400 if the matcher is in an error state: stopped, but not complete."""
+        if state.matcher.is_error():
+            raise ApiError(
+                400,
+                f"the reply cannot go on after {state.fed} tokens: its grammar has no continuation "
+                f"(the schema allows no complete value here): {state.matcher.get_error()[:300]}",
+                code="unsupported_schema",
+            )
+
     def _advance(self, ids: torch.Tensor) -> RowGrammar:
-        """Feed the matcher the reply tokens in ``ids`` it has not consumed yet."""
+        """Feed the matcher the reply tokens in ``ids`` it has not consumed yet (GrammarError if
+        it refuses one)."""
         state = self.state
         reply = ids.shape[0] - self.prompt_length
-        if state.fed < reply and not state.broken:
-            for token in ids[self.prompt_length + state.fed :].tolist():
+        if state.fed < reply:
+            for k, token in enumerate(ids[self.prompt_length + state.fed :].tolist()):
                 if state.matcher.is_stopped():
                     break  # nothing after the grammar's end is the reply's (EOS ends the row)
                 if not state.matcher.consume_token(token):
-                    log.warning("the grammar refused token %d: %s", token, state.matcher.get_error())
-                    state.broken = True
-                    break
+                    raise GrammarError(
+                        f"the grammar refused token {token} at reply token {state.fed + k}: "
+                        f"{state.matcher.get_error()[:300]}"
+                    )
         state.fed = max(state.fed, reply)
         return state

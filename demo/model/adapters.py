@@ -42,6 +42,7 @@ from flask import Blueprint, Response, request
 
 from demo.errors import ApiError
 from demo.model.adapter_files import AdapterError, local_files
+from demo.request_json import json_body
 
 log = logging.getLogger(__name__)
 BASE = "__base__"  # PEFT's adapter_names entry for "no adapter"
@@ -364,10 +365,7 @@ def _plain_modules(model) -> None:
 
 
 def _body() -> dict:
-    try:
-        body = json.loads(request.get_data(cache=False) or b"null")
-    except (ValueError, RecursionError):
-        raise ApiError(400, "the request body is not valid JSON") from None
+    body = json_body(request.get_data(cache=False))
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
