@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, DummyLayer
+from transformers.cache_utils import Cache
 
 from hf_patch.keys import RowKey
-from hf_patch.layer import AppendLayer
+from hf_patch.layer import AppendLayer, allocate_layers, make_layers, pool_buffers, pool_tensors, row_view
 from hf_patch.model_spec import ModelLayout, accepts
+from hf_patch.recurrent import DEFAULT_INTERVAL, catch_up, cut_points, fill_row
 from radixkv import KVStore, LayerSpec, Lease, PackedTokens, pack_tokens  # noqa: F401 (doctest)
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ PLAIN_MODEL_KWARGS = frozenset(
     {
         "attention_mask",
         "past_key_values",
+        "cache_params",  # the Mamba families' name for it
         "use_cache",
         "position_ids",
         "output_attentions",
@@ -112,27 +114,35 @@ def _forward_prefix(
     prefix: PackedTokens,
     lease: Lease,
     chunk_size: int | None,
-) -> list[AppendLayer]:
+) -> tuple[list[torch.Tensor], list[torch.Tensor], dict | None]:
     """KV of ``prefix`` in a one-row scratch cache: the leased part read from the store, the
     rest computed by forwards of at most ``chunk_size`` tokens (generate's ``prefill_chunk_size``).
-    Returns the KV layers, in the pool's order (layers that keep nothing are DummyLayers)."""
+    Returns its K and V in the pool's layer order (``hf_patch.layer.pool_tensors``), and for a
+    model with recurrent layers the snapshots it took (at each snapshot interval, the junction
+    and the prefix's end: ``hf_patch.recurrent``), else None."""
     length, cached = prefix.num_tokens, lease.num_tokens
-    layers = [AppendLayer() for _ in layout.specs]
-    for layer, spec in zip(layers, layout.specs):
-        layer.allocate(
-            1, spec.num_kv_heads, spec.k_head_dim, spec.v_head_dim, length, spec.dtype, spec.device
-        )
+    layers = make_layers(layout)
+    allocate_layers(layers, layout, 1, length)
+    if layout.stateful:
+        views = [row_view(layer, 0, 0) for layer in layers]
+        start = fill_row(store, layout, views, lease, length, count=False)
+        interval = 0 if not layout.continues_in_chunks else store.snapshot_interval or DEFAULT_INTERVAL
+        cuts = cut_points(start, length, interval, lease.kv_tokens, store.block_size)
+        ids = torch.from_numpy(np.frombuffer(prefix, dtype=np.int64).copy()).to(model.device)
+        snapshots, _ = catch_up(model, layout, views, ids, start, length, cuts)
+        return (*pool_tensors(views, layout), snapshots)
     if cached:
+        ks, vs = pool_buffers(layers, layout)
         store.read(
-            [lease], cached, [layer.buffers()[0][:, :, :cached] for layer in layers],
-            [layer.buffers()[1][:, :, :cached] for layer in layers], count=False,
-        )  # fmt: skip
+            [lease], cached, [k[:, :, :cached] for k in ks], [v[:, :, :cached] for v in vs], count=False
+        )
         for layer in layers:
-            layer.set_length(cached)
-    by_model_layer = [DummyLayer() for _ in layout.kinds]
-    for i, layer in zip(layout.kv_layers, layers):
-        by_model_layer[i] = layer
-    scratch = Cache(layers=by_model_layer)
+            if isinstance(layer, AppendLayer):
+                layer.set_length(cached)
+        if layout.index_positions is not None:  # the indexer's position history (Qwen4-Exp)
+            layer = layers[layout.index_positions]
+            layer.indexer_position_ids = torch.arange(cached, device=layer.keys.device).expand(3, 1, cached)
+    scratch = Cache(layers=layers)
     device = model.device
     ids = torch.from_numpy(np.frombuffer(prefix, dtype=np.int64).copy()).to(device).unsqueeze(0)
     extra = {"logits_to_keep": 1} if accepts(model, "logits_to_keep") else {}  # skip the vocab matmul
@@ -147,7 +157,7 @@ def _forward_prefix(
             use_cache=True,
             **extra,
         )
-    return layers
+    return (*pool_tensors(layers, layout), None)
 
 
 @dataclass
@@ -263,11 +273,8 @@ def _share_group(
             if lease.num_tokens < prefix.num_tokens:
                 owner = next(i for i in members if reusable[i].startswith(prefix))
                 ids = rows[owner].ids.head(prefix.num_tokens)
-                scratch = _forward_prefix(model, store, layout, ids, lease, chunk_size)
-                store.commit(
-                    prefix, [layer.keys for layer in scratch],
-                    [layer.values for layer in scratch], namespace, epoch=epoch,
-                )  # fmt: skip
+                ks, vs, snapshots = _forward_prefix(model, store, layout, ids, lease, chunk_size)
+                store.commit(prefix, ks, vs, namespace, epoch=epoch, snapshots=snapshots)
                 out.computed[owner] = out.computed.get(owner, 0) + prefix.num_tokens - lease.num_tokens
         for row in waiting.get(p, ()):
             key = rows[row].tokens

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_patch.keys import SharedPrefix
-from hf_patch.layer import AppendLayer, StateAppendLayer, StateLayer
+from hf_patch.layer import AppendLayer, make_layers
 from radixkv import KVStore
 
 
@@ -86,16 +86,7 @@ class RadixCache(Cache):
     def start(self, layout) -> None:
         """Forget the previous call's KV and make one empty layer per model layer, of the kind
         ``layout`` (hf_patch.model_spec.ModelLayout) says the model keeps there."""
-        states = {}
-        for layer_idx, _part, idx in layout.state_entries:
-            states[layer_idx] = max(states.get(layer_idx, 0), idx + 1)
-        make = {
-            "kv": lambda i: AppendLayer(),
-            "state": lambda i: StateLayer(number_of_states=states[i]),
-            "kv+state": lambda i: StateAppendLayer(number_of_states=states[i]),
-            "none": lambda i: DummyLayer(),
-        }
-        self.layers = [make[kind](i) for i, kind in enumerate(layout.kinds)]
+        self.layers = make_layers(layout)
         self.cached_tokens = []
         self.consumed = 0
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionLayer
 
 from radixkv import StateSpec
 
@@ -260,14 +260,17 @@ def row_view(layer, row: int, pad: int):
     nothing (transformers' DummyLayer) is its own view."""
     if not isinstance(layer, (AppendLayer, StateLayer)):
         return layer
-    view = (
-        type(layer)(number_of_states=layer.number_of_states)
-        if isinstance(layer, StateLayer)
-        else AppendLayer()
-    )
+    if isinstance(layer, StateLayer):
+        view = type(layer)(number_of_states=layer.number_of_states)
+    else:
+        view = type(layer)()
     if isinstance(layer, AppendLayer) and layer._k_buf is not None:
         k, v = layer.buffers()
         view.adopt(k[row : row + 1, :, pad:], v[row : row + 1, :, pad:])
+    if isinstance(layer, IndexedAppendLayer) and layer._index_buf is not None:
+        view._index_buf = layer._index_buf[row : row + 1, pad:]
+        view.is_indexer_initialized = True
+        view._refresh_index()
     if isinstance(layer, StateLayer):
         for states, ready in ((layer.conv_states, layer.is_conv_states_initialized),
                               (layer.recurrent_states, layer.is_recurrent_states_initialized)):  # fmt: skip
@@ -284,3 +287,129 @@ def row_view(layer, row: int, pad: int):
         view.conv_kernel_size = dict(layer.conv_kernel_size)
         view.dtype, view.device = layer.dtype, layer.device
     return view
+
+
+class IndexedAppendLayer(AppendLayer):
+    """Full-attention KV plus a sparse-attention indexer's keys (DeepSeek-V3.2's DSA and its kin:
+    transformers' DynamicIndexedLayer): ``[batch, capacity, index_head_dim]``, growing in place
+    like the KV. The store keeps them as one more pool layer of one head, the key dims split
+    in two halves as its K and V (``index_halves``), so they page exactly like KV."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._index_buf: torch.Tensor | None = None
+        self.index_length = 0
+        self.indexer_keys: torch.Tensor | None = None
+        self.indexer_position_ids: torch.Tensor | None = None  # Qwen4-Exp keeps [3, B, T] here
+        self.is_indexer_initialized = False
+
+    def allocate_index(self, batch: int, dim: int, capacity: int, dtype, device) -> None:
+        self._index_buf = torch.empty(batch, capacity, dim, dtype=dtype, device=device)
+        self.index_length = 0
+        self.is_indexer_initialized = True
+        self._refresh_index()
+
+    def _refresh_index(self) -> None:
+        self.indexer_keys = self._index_buf[:, : self.index_length]
+
+    def index_halves(self, full: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer keys as a pool layer's K and V: ``[B, 1, capacity (or length), dim // 2 + rest]``."""
+        buf = self._index_buf if full else self._index_buf[:, : self.index_length]
+        split = -(-buf.shape[-1] // 2)
+        view = buf.unsqueeze(1)
+        return view[..., :split], view[..., split:]
+
+    def set_length(self, length: int) -> None:
+        super().set_length(length)
+        if self._index_buf is not None:
+            self.index_length = length
+            self._refresh_index()
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        b, q, d = indexer_key_states.shape
+        if self._index_buf is None:
+            self.allocate_index(b, d, max(q, 16), indexer_key_states.dtype, indexer_key_states.device)
+        end = self.index_length + q
+        if end > self._index_buf.shape[1]:
+            new = self._index_buf.new_empty(b, max(end, 2 * self._index_buf.shape[1]), d)
+            new[:, : self.index_length] = self._index_buf[:, : self.index_length]
+            self._index_buf = new
+        self._index_buf[:, self.index_length : end] = indexer_key_states
+        self.index_length = end
+        self._refresh_index()
+        return self.indexer_keys
+
+    def _map_batch(self, fn) -> None:
+        super()._map_batch(fn)
+        if self._index_buf is not None:
+            self._index_buf = fn(self._index_buf)
+            self._refresh_index()
+        if self.indexer_position_ids is not None:
+            self.indexer_position_ids = fn(self.indexer_position_ids.transpose(0, 1)).transpose(0, 1)
+
+    def reset(self) -> None:
+        super().reset()
+        self._index_buf = self.indexer_keys = self.indexer_position_ids = None
+        self.index_length = 0
+        self.is_indexer_initialized = False
+
+
+def pool_buffers(layers: Sequence, layout) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every pool layer's whole ``[B, H, capacity, D]`` K and V buffers, in the pool's order
+    (``ModelLayout``: the KV layers, then the indexer keys' halves)."""
+    ks, vs = [], []
+    for i in layout.kv_layers:
+        k, v = layers[i].buffers()
+        ks.append(k)
+        vs.append(v)
+    for i in layout.index_layers:
+        k, v = layers[i].index_halves()
+        ks.append(k)
+        vs.append(v)
+    return ks, vs
+
+
+def pool_tensors(layers: Sequence, layout) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """As ``pool_buffers``, the filled columns only (``[B, H, length, D]``: what a commit copies)."""
+    ks = [layers[i].keys for i in layout.kv_layers]
+    vs = [layers[i].values for i in layout.kv_layers]
+    for i in layout.index_layers:
+        k, v = layers[i].index_halves(full=False)
+        ks.append(k)
+        vs.append(v)
+    return ks, vs
+
+
+def make_layers(layout) -> list:
+    """One empty cache layer per model layer, of the kind ``layout`` (hf_patch.model_spec.ModelLayout)
+    says the model keeps there: KV (with indexer keys where it has them), states, both, or nothing."""
+    states: dict[int, int] = {}
+    for layer_idx, _part, idx in layout.state_entries:
+        states[layer_idx] = max(states.get(layer_idx, 0), idx + 1)
+    indexed = set(layout.index_layers)
+    out = []
+    for i, kind in enumerate(layout.kinds):
+        if kind == "kv":
+            out.append(IndexedAppendLayer() if i in indexed else AppendLayer())
+        elif kind == "state":
+            out.append(StateLayer(number_of_states=states[i]))
+        elif kind == "kv+state":
+            out.append(StateAppendLayer(number_of_states=states[i]))
+        else:
+            out.append(DummyLayer())
+    return out
+
+
+def allocate_layers(layers: Sequence, layout, batch: int, capacity: int) -> None:
+    """Empty buffers of ``capacity`` tokens for every KV and indexer layer, zeroed states
+    ``[batch, ...]`` for every state layer (``make_layers``' layers)."""
+    kv_specs = layout.specs[: len(layout.kv_layers)]
+    if kv_specs:
+        allocate_stacked([layers[i] for i in layout.kv_layers], batch, kv_specs, capacity)
+    for i, spec in zip(layout.index_layers, layout.specs[len(layout.kv_layers) :]):
+        layers[i].allocate_index(batch, spec.k_head_dim + spec.v_head_dim, capacity, spec.dtype, spec.device)
+    per_layer: dict[int, list] = {}
+    for (layer_idx, part, idx), spec in zip(layout.state_entries, layout.state_specs):
+        per_layer.setdefault(layer_idx, []).append((part, idx, spec))
+    for layer_idx, entries in per_layer.items():
+        layers[layer_idx].allocate(batch, entries)

@@ -17,11 +17,11 @@ from transformers.cache_utils import (
     CacheLayerMixin,
     DummyLayer,
     DynamicCache,
+    DynamicIndexedLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
     LinearAttentionAndSlidingWindowAttentionLayer,
-    LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
 )
 
@@ -41,6 +41,7 @@ _LAYER_KINDS = {
     DynamicLayer: "kv",
     DummyLayer: "none",  # no cache at all (Nemotron-H's MLP / MoE layers); shared KV is refused above
     DynamicSlidingWindowLayer: "kv",
+    DynamicIndexedLayer: "kv",  # + the DSA indexer's per-token keys: one more pool layer (ModelLayout)
     LinearAttentionLayer: "state",
     LinearAttentionAndFullAttentionLayer: "kv+state",
     LinearAttentionAndSlidingWindowAttentionLayer: "kv+state",
@@ -64,7 +65,8 @@ class ModelLayout:
     size), ``"kv+state"`` (both in one layer: Falcon-H1, Zamba) or ``"none"``. The block pool
     holds the KV layers, in model order (``kv_layers``, ``specs``); a snapshot holds every
     state tensor (``state_entries[j] = (layer, "conv" | "recurrent", state index)``, shapes
-    ``state_specs[j]`` without the batch dim). ``cache_arg``: the forward's cache argument
+    ``state_specs[j]`` without the batch dim); then one pool layer per ``index_layers`` entry.
+    ``cache_arg``: the forward's cache argument
     (``cache_params`` for the Mamba families, else ``past_key_values``).
     """
 
@@ -73,6 +75,12 @@ class ModelLayout:
     kv_layers: tuple[int, ...]
     state_entries: tuple[tuple[int, str, int], ...] = ()
     state_specs: tuple[StateSpec, ...] = ()
+    # KV layers that also keep a sparse-attention indexer's keys (DeepSeek-V3.2's DSA): each is
+    # one more pool layer after the KV layers' (``specs``: one head, the key dims split in two
+    # halves as its K and V). ``index_positions``: the layer where the model keeps the indexer's
+    # position history (Qwen4-Exp), or None.
+    index_layers: tuple[int, ...] = ()
+    index_positions: int | None = None
     cache_arg: str = "past_key_values"
     # False: a multi-token forward from a cached state is wrong (Mamba-1 mixers); only one
     # token at a time may follow a snapshot (hf_patch.recurrent.catch_up)
@@ -192,12 +200,13 @@ def model_layout(model) -> ModelLayout:
     check_supported(model)
     text_config = model.config.get_text_config(decoder=True)
     probe = _ProbeCache(config=text_config)
-    if not any(isinstance(layer, (LinearAttentionCacheLayerMixin, DummyLayer)) for layer in probe.layers):
+    if all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in probe.layers):
         probe = DynamicCache()  # plain KV: full layers, as RadixCache keeps them
     arg = cache_arg(model)
     token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     model(input_ids=token, **{arg: probe}, use_cache=True)
     kinds, specs, kv_layers, entries, state_specs = [], [], [], [], []
+    index_layers, index_specs, index_positions = [], [], None
     for i, layer in enumerate(probe.layers):
         kind = _LAYER_KINDS.get(type(layer), "kv")
         has_kv = getattr(layer, "keys", None) is not None and getattr(layer, "is_initialized", False)
@@ -222,6 +231,17 @@ def model_layout(model) -> ModelLayout:
                     f"wrote {layer.keys.shape[2]} KV columns for one input token; "
                     "radixkv needs exactly one KV column per token",
                 )
+        if isinstance(layer, DynamicIndexedLayer) and layer.is_indexer_initialized:
+            keys = layer.indexer_keys  # [1, 1, index_head_dim]
+            dim = keys.shape[-1]
+            if keys.dim() != 3 or keys.shape[1] != 1 or dim < 2:
+                raise _refuse(
+                    model, f"layer {i} wrote indexer keys of shape {tuple(keys.shape)} for one token"
+                )
+            index_layers.append(i)
+            index_specs.append(LayerSpec(1, -(-dim // 2), dim // 2, keys.dtype, keys.device))
+        if getattr(layer, "indexer_position_ids", None) is not None:
+            index_positions = i
         if "state" in kind:
             for idx in range(layer.number_of_states):
                 for part, tensors, ready in (
@@ -244,7 +264,15 @@ def model_layout(model) -> ModelLayout:
         raise _refuse(model, "wrote no KV and no recurrent state in a probe forward")
     chunks = not any(type(m).__name__ in _NO_INITIAL_STATE_MIXERS for m in model.modules())
     layout = ModelLayout(
-        tuple(kinds), tuple(specs), tuple(kv_layers), tuple(entries), tuple(state_specs), arg, chunks
+        kinds=tuple(kinds),
+        specs=tuple(specs + index_specs),
+        kv_layers=tuple(kv_layers),
+        state_entries=tuple(entries),
+        state_specs=tuple(state_specs),
+        index_layers=tuple(index_layers),
+        index_positions=index_positions,
+        cache_arg=arg,
+        continues_in_chunks=chunks,
     )
     with _lock:
         _specs[model] = (placement, layout)

@@ -28,13 +28,15 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_patch.layer import AppendLayer, StateLayer
+from hf_patch.layer import AppendLayer, StateLayer, pool_buffers
 from hf_patch.model_spec import ModelLayout, accepts
 
 # A model that continues only one token at a time after a snapshot (ModelLayout.continues_in_chunks
 # False: Mamba-1 mixers) steps through at most this many tokens; a row further from its snapshot
 # is computed again from the start in one forward (a decode step costs about a 64-token forward).
 STEPWISE_TOKENS = 64
+# Tokens between snapshots when the store names no interval (hf_patch.stores sets one).
+DEFAULT_INTERVAL = 256
 
 
 class RowCache(Cache):
@@ -204,3 +206,25 @@ class DecodeSnapshots:
 
     def close(self) -> None:
         self._handle.remove()
+
+
+def fill_row(store, layout: ModelLayout, views: list, lease, stop: int, *, count: bool = True) -> int:
+    """Read what ``lease`` serves of one row (at most ``stop`` tokens) into its row ``views``: the
+    KV (and indexer keys) from the pool, the states from its snapshot; returns the tokens read, 0
+    when computing the row from the start is better (a model that steps one token at a time
+    after a snapshot, far from it) or nothing is usable. ``count``: a prompt's hit (not an
+    in-batch prefix). The views then continue from there (``mark_row_filled``)."""
+    start = 0
+    if lease is not None and lease.num_tokens > 0 and stop > 0:
+        if layout.continues_in_chunks or stop - lease.num_tokens <= STEPWISE_TOKENS:
+            start = min(lease.num_tokens, stop)
+    if start:
+        ks, vs = pool_buffers(views, layout)
+        store.read([lease], start, [k[:, :, :start] for k in ks], [v[:, :, :start] for v in vs], count=count)
+        if not store.read_state(lease, state_views(views, layout, 0)):
+            start = 0  # no snapshot at a positive usable match: cannot happen; recompute then
+    mark_row_filled(views, start)
+    if layout.index_positions is not None and start:  # the indexer's position history so far
+        view = views[layout.index_positions]
+        view.indexer_position_ids = torch.arange(start, device=view.keys.device).expand(3, 1, start)
+    return start

@@ -26,14 +26,14 @@ from cuda_ext.stacking import chunks, interleave, stacked
 from hf_patch.cache import RadixCache
 from hf_patch.keys import RowKey, SharedPrefix, row_key
 from hf_patch.keys.inputs import log_once
-from hf_patch.layer import StateLayer, allocate_stacked, row_view
+from hf_patch.layer import StateLayer, allocate_layers, pool_buffers, pool_tensors, row_view
 from hf_patch.model_spec import ModelLayout
 from hf_patch.recurrent import (
-    STEPWISE_TOKENS,
+    DEFAULT_INTERVAL,
     DecodeSnapshots,
     catch_up,
     cut_points,
-    mark_row_filled,
+    fill_row,
     state_views,
 )
 from radixkv import KVStore, Lease
@@ -179,7 +179,7 @@ class Request:
         try:
             row_keys = [keys.row(i, row, pad) for i, (row, pad) in enumerate(zip(rows, self.pads))]
             keep = [1] * batch if keep is None else keep
-            if share is not None and batch > 1 and not self.layout.stateful:
+            if share is not None and batch > 1:
                 result = share(row_keys, keep)
                 shared, self.computed = result.leases, result.computed
             for i, key in enumerate(row_keys):
@@ -227,28 +227,29 @@ class Request:
         self.rows_per_prompt = rows_per_prompt
         batch, length = input_ids.shape
         capacity = initial_capacity(length, max_length)
-        if self.specs:
-            allocate_stacked(self.kv_layers, batch, self.specs, capacity)
+        allocate_layers(self.cache.layers, self.layout, batch, capacity)
         self.cache.cached_tokens = [0] * batch
-        if self.layout.stateful:
-            self._allocate_states(batch)
         try:
             self.match(input_ids, attention_mask, keys, reuse, share, keep)
             if self.layout.stateful and self.pads is not None:
                 self._catch_up_rows(input_ids, keep, score)
             elif self.common > 0:
                 self._copy_prefix(self.common, self.computed)
+            if self.layout.index_positions is not None and self.pads is not None and self.common:
+                self._set_index_positions(self.common)
         finally:
             self.release()  # the copy is done: blocks need not stay pinned through decode
 
-    # -- stateful models ----------------------------------------------------------------------------
-    def _allocate_states(self, batch: int) -> None:
-        per_layer: dict[int, list] = {}
-        for (layer_idx, part, idx), spec in zip(self.layout.state_entries, self.layout.state_specs):
-            per_layer.setdefault(layer_idx, []).append((part, idx, spec))
-        for layer_idx, entries in per_layer.items():
-            self.cache.layers[layer_idx].allocate(batch, entries)
+    def _set_index_positions(self, common: int) -> None:
+        """The indexer's position history of the preloaded columns (Qwen4-Exp keeps it on a cache
+        layer and extends it each forward): real token j at position j, pads at 0, in 3 dims."""
+        rows = len(self.pads)
+        positions = torch.arange(common).expand(rows, common) - torch.tensor(self.pads).unsqueeze(1)
+        layer = self.cache.layers[self.layout.index_positions]
+        device = layer.keys.device
+        layer.indexer_position_ids = positions.clamp(min=0).to(device)[None].expand(3, rows, common)
 
+    # -- stateful models ----------------------------------------------------------------------------
     def _catch_up_rows(self, input_ids: torch.Tensor, keep: list[int] | None, score: bool = False) -> None:
         """Bring every row's KV and states to its last prompt token but ``keep[i]`` (default 1),
         each from its own snapshot, in its own forwards (hf_patch.recurrent); rows with the
@@ -258,7 +259,7 @@ class Request:
         keep = [1] * batch if keep is None else keep
         layers = self.cache.layers
         bs = self.store.block_size
-        interval = self.store.snapshot_interval or 256
+        interval = self.store.snapshot_interval or DEFAULT_INTERVAL
         done: dict[tuple, int] = {}
         device_ids = input_ids.to(self.model.device)
         for i, pad in enumerate(self.pads):
@@ -276,22 +277,11 @@ class Request:
                 self.row_logits.append(self.row_logits[done[key]])
                 self.cache.cached_tokens[i] = self.cache.cached_tokens[done[key]]
                 continue
-            start = 0
             junction = lease.kv_tokens if lease is not None else 0
             stepwise = not self.layout.continues_in_chunks
-            if stepwise and lease is not None and stop - lease.num_tokens > STEPWISE_TOKENS:
-                lease = None  # cheaper computed again in one forward than stepped through
-            if lease is not None and lease.num_tokens > 0 and stop > 0:
-                start = min(lease.num_tokens, stop)
-                kv_views = [views[j] for j in self.layout.kv_layers]
-                self.store.read(
-                    [lease], start, [v.buffers()[0][:, :, :start] for v in kv_views],
-                    [v.buffers()[1][:, :, :start] for v in kv_views],
-                )  # fmt: skip
-                if not self.store.read_state(lease, state_views(views, self.layout, 0)):
-                    start = 0  # no snapshot (cannot happen for a positive usable match): recompute
-            mark_row_filled(views, start)
-            self.cache.cached_tokens[i] = start
+            start = fill_row(self.store, self.layout, views, lease, stop)
+            served = max(0, start - self.computed.get(i, 0))  # in-batch sharing computed the rest for it
+            self.cache.cached_tokens[i] = served
             cuts = (
                 cut_points(start, max(start, stop), 0 if stepwise else interval, junction, bs)
                 if self.keys is not None
@@ -306,11 +296,11 @@ class Request:
             self.row_logits.append(logits)
             if key is not None:
                 done[key] = i
+        ks, vs = pool_buffers(layers, self.layout)
         for i, pad in enumerate(self.pads):
             if pad:
-                for layer in self.kv_layers:
-                    for buf in layer.buffers():
-                        buf[i, :, :pad].zero_()
+                for buf in (*ks, *vs):
+                    buf[i, :, :pad].zero_()
         common = length if score else length - min(keep)
         for layer in layers:
             if hasattr(layer, "set_length"):
@@ -322,9 +312,9 @@ class Request:
 
     def _copy_row(self, src: int, dst: int, pad: int, stop: int) -> None:
         """Row ``dst`` becomes a copy of row ``src`` (same key and padding): KV and states."""
-        for layer in self.kv_layers:
-            for buf in layer.buffers():
-                buf[dst, :, pad : pad + stop] = buf[src, :, pad : pad + stop]
+        ks, vs = pool_buffers(self.cache.layers, self.layout)
+        for buf in (*ks, *vs):
+            buf[dst, :, pad : pad + stop] = buf[src, :, pad : pad + stop]
         for t in state_views(self.cache.layers, self.layout):
             t[dst] = t[src]
 
@@ -360,8 +350,8 @@ class Request:
     def _copy_prefix(self, common: int, computed: dict[int, int]) -> None:
         """Read each row's first ``common - pad`` tokens; ``computed[i]`` of row i's were computed
         for the batch by row i (in-batch sharing): not cached for it, nor a hit in the store."""
-        layers = self.kv_layers
-        k_bufs, v_bufs = zip(*(layer.buffers() for layer in layers))
+        layers = self.kv_layers + [self.cache.layers[i] for i in self.layout.index_layers]
+        k_bufs, v_bufs = pool_buffers(self.cache.layers, self.layout)
         # [n, B, H, capacity, D] views: all layers at once when they are slices of one buffer
         groups = [g for g in (stacked(interleave(k_bufs, v_bufs)),) if g is not None]
         groups = groups or [buf.unsqueeze(0) for buf in (*k_bufs, *v_bufs)]
@@ -435,6 +425,7 @@ class Request:
         eos = set(self.eos_token_ids)
         seen: set[tuple[Hashable, bytes]] = set()
         added = 0
+        ks, vs = pool_tensors(self.cache.layers, self.layout)
         for i, pad in enumerate(self.pads):
             if prompt_only:
                 end = prompt_length
@@ -448,8 +439,8 @@ class Request:
             seen.add((key.namespace, key.tokens))
             added += self.store.commit(
                 key.tokens,
-                [layer.keys[i : i + 1, :, pad:end] for layer in layers],
-                [layer.values[i : i + 1, :, pad:end] for layer in layers],
+                [k[i : i + 1, :, pad:end] for k in ks],
+                [v[i : i + 1, :, pad:end] for v in vs],
                 key.namespace,
                 epoch=self.epoch,
                 snapshots=self._row_snapshots(i, pad, end - pad, kv_length) if stateful else None,

@@ -15,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import torch
-from transformers.cache_utils import DynamicCache
 
 from hf_patch.keys.adapters import row_adapters
 from hf_patch.keys.weights import flush_if_weights_changed, model_scope
-from hf_patch.model_spec import check_store_fits, layer_specs
+from hf_patch.layer import allocate_layers, make_layers, pool_tensors, row_view
+from hf_patch.model_spec import check_store_fits, model_layout
+from hf_patch.recurrent import catch_up
 from hf_patch.stores import default_store
 from radixkv import KeyedNamespace, KVStore
 
@@ -77,7 +78,7 @@ def pin_prompts(
     per prompt; sliding-window layers are computed as full layers (the mask comes from
     positions), as the RadixCache does.
     """
-    specs = layer_specs(model)  # refuses models whose KV cannot be reused
+    layout = model_layout(model)  # refuses models whose KV cannot be reused
     if store is None:
         store = default_store(model)
     else:
@@ -103,15 +104,19 @@ def pin_prompts(
     pinned: dict[Hashable, int] = {}
     for task_id, ids in token_lists.items():
         epoch = store.epoch  # a flush during the forward pass (weights changed) makes its KV stale
-        cache = DynamicCache()  # no config: full layers everywhere, even for sliding-window models
-        model(input_ids=torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True)
-        if len(cache.layers) != len(specs):
-            raise RuntimeError(
-                f"{type(model).__name__} wrote {len(cache.layers)} KV layers, expected {len(specs)}"
-            )
-        keys = [layer.keys for layer in cache.layers]
-        values = [layer.values for layer in cache.layers]
-        pinned[task_id] = store.tasks.pin(task_id, ids, keys, values, scope, epoch=epoch)
+        # RadixCache's layers (full KV even for sliding-window layers, the states of recurrent
+        # ones), one forward; a recurrent model's snapshot at the prompt's whole-block end
+        layers = make_layers(layout)
+        allocate_layers(layers, layout, 1, len(ids))
+        views = [row_view(layer, 0, 0) for layer in layers]
+        cuts = [len(ids) // bs * bs] if layout.stateful else []
+        snapshots, _ = catch_up(
+            model, layout, views, torch.tensor(ids, device=model.device), 0, len(ids), cuts
+        )
+        keys, values = pool_tensors(views, layout)
+        pinned[task_id] = store.tasks.pin(
+            task_id, ids, keys, values, scope, epoch=epoch, snapshots=snapshots if layout.stateful else None
+        )
     return pinned
 
 

@@ -117,8 +117,8 @@ def test_model_converted_after_first_use_gets_a_store_of_its_new_dtype():
 
 # -- unsupported models -----------------------------------------------------------------------------
 # Each names why: a recurrent state kept outside the cache (RecurrentGemma on its modules), a
-# model's own state object (MiniMax), cache layers not yet served (DSA indexer keys, DeepSeek-V4's
-# compressed caches), KV columns that are not tokens (CPM-Ant). The hybrid, recurrent and
+# model's own state object (MiniMax), cache layers not yet served (DeepSeek-V4's compressed
+# caches), KV columns that are not tokens (CPM-Ant). The hybrid, recurrent and
 # shared-KV families radixkv serves are in tests/test_hf_recurrent.py.
 UNSUPPORTED = {
     # three blocks: stock itself cannot run an all-recurrent one (no attention layer for the length)
@@ -127,23 +127,6 @@ UNSUPPORTED = {
         "layer_types": ["linear_attention", "full_attention"],
         "num_local_experts": 2,
         "head_dim": 16,
-    },
-    "glm_moe_dsa": {
-        "num_key_value_heads": 4,
-        "kv_lora_rank": 32,
-        "q_lora_rank": 32,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 16,
-        "v_head_dim": 16,
-        "head_dim": 8,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "first_k_dense_replace": 1,
-        "moe_intermediate_size": 32,
-        "index_topk": 8,
-        "index_head_dim": 16,
-        "index_n_heads": 2,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     },
     "deepseek_v4": {},
     "cpmant": {},

@@ -38,6 +38,8 @@ class TaskPins:
         v_src: Sequence[torch.Tensor],
         namespace: Hashable = None,
         epoch: int | None = None,
+        *,
+        snapshots=None,
     ) -> int:
         """Cache the whole blocks of ``tokens`` (KV as for ``commit``) and pin them under ``task_id``.
 
@@ -46,6 +48,8 @@ class TaskPins:
 
         Pinned until ``unpin(task_id)`` or the store's ``flush()``: never evicted nor demoted. Pinning
         an id again replaces its prompt (the old one is unpinned once the new one holds).
+        ``snapshots``: a stateful store's snapshots of the prompt, as for ``commit`` (the one at
+        the prompt's whole-block end is what makes it usable).
         Returns the pinned tokens (whole blocks). Raises ValueError, pinning nothing, when the
         prompt is shorter than one block or the device pool cannot hold it beside the other
         task prompts (naming blocks needed and blocks that exist); RuntimeError when running
@@ -63,7 +67,7 @@ class TaskPins:
         packed = pack_tokens(head_of(tokens, need * bs))
         with store._lock:
             others = self._task_device_blocks_locked(exclude=(task_id,))
-            match = store.tree.match(packed, namespace)
+            match = store.tree.match(packed, namespace, kv=True)
             shared = len(
                 others.intersection(match.block_ids[: len(match.block_ids) - store._host_blocks(match)])
             )
@@ -74,10 +78,10 @@ class TaskPins:
             )
         for _attempt in range(3):  # traffic may evict what commit cached before we pin it: retry
             with store._lock:  # a prefix demoted earlier comes back: task prompts live on the device
-                prefix = store.tree.match(packed, namespace)
+                prefix = store.tree.match(packed, namespace, kv=True)
                 if prefix.node.tier:
                     store._promote_locked(prefix.node)
-            store.commit(packed, k_src, v_src, namespace, epoch)
+            store.commit(packed, k_src, v_src, namespace, epoch, snapshots=snapshots)
             with store._lock:
                 if epoch is not None and epoch != store.epoch:  # checked with the pin, under one lock
                     raise RuntimeError(
