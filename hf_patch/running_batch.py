@@ -60,7 +60,7 @@ from hf_patch.call import key_parts
 from hf_patch.keys.adapters import unkeyable_reason
 from hf_patch.keys.weights import fingerprint, flush_if_weights_changed
 from hf_patch.layer import AppendLayer
-from hf_patch.model_spec import layer_specs
+from hf_patch.model_spec import layer_specs, model_layout
 from hf_patch.request import KeyParts
 
 __all__ = ["JoinFailed", "RowKeys", "RunningBatch", "packs", "prefill_keys", "unsupported_reason"]
@@ -92,6 +92,13 @@ def unsupported_reason(model) -> str | None:
         return "M-RoPE (3-D positions)"
     if getattr(model, "get_input_embeddings", None) is None:
         return "the model has no input embeddings"
+    try:
+        layout = model_layout(model)
+    except ValueError as e:  # UnsupportedModelError: no RadixCache call would run either
+        return str(e)
+    if layout.stateful or layout.index_layers or set(layout.kinds) != {"kv"}:
+        # rows would need their states (or indexer keys, or shared layers) carried per slot
+        return "recurrent, sparse-indexed or shared-KV layers (rows decode in generate() calls)"
     return None
 
 

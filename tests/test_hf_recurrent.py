@@ -207,3 +207,31 @@ def test_a_cold_batch_computes_its_shared_document_once(name):
     doc_blocks = len(DOC) // BS * BS
     assert cache.cached_tokens == [0, doc_blocks, doc_blocks]
     assert store.stats()["inserted_tokens"] < 2 * doc_blocks  # the document went in once
+
+
+def test_host_tier_demotes_snapshots_with_their_nodes_and_serves_them():
+    """A device pool too small for two documents: the first is demoted, its snapshots to the
+    host's state pool; asking about it again reads KV and states from the host, equal to stock."""
+    model = build_hybrid("qwen3_5_text")
+    store = hf_patch.build_store(
+        model, block_size=BS, budget_tokens=96, snapshot_interval=INTERVAL, host_cache_tokens=1024
+    )
+    other = tokens(70, seed=60)
+    same_as_stock(model, ids(DOC + tokens(5, seed=61)), store)
+    same_as_stock(model, ids(other + tokens(5, seed=62)), store)
+    stats = store.stats()
+    assert stats["demoted_blocks"] > 0 and stats["host_snapshots"] > 0
+    cache, _ = same_as_stock(model, ids(DOC + tokens(5, seed=61)), store)
+    assert cache.cached_tokens[0] >= len(DOC) // BS * BS - INTERVAL
+    assert store.stats()["host_hit_tokens"] > 0
+
+
+def test_generate_many_over_a_hybrid_model_equals_stock_per_prompt():
+    model = build_hybrid("mamba2")
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096, snapshot_interval=INTERVAL)
+    prompts = [DOC + tokens(4 + i, seed=70 + i) for i in range(4)] + [tokens(25, seed=79)]
+    results = hf_patch.generate_many(model, prompts, store=store, progress=False, **GEN)
+    for prompt, result in zip(prompts, results):
+        ref = stock(model, ids(prompt), **GEN)
+        assert result.token_ids == ref.sequences[0, len(prompt) :].tolist()
+    assert sum(r.cached_tokens for r in results) >= 3 * (len(DOC) // BS * BS)
