@@ -231,7 +231,9 @@ class Request:
         self.cache.cached_tokens = [0] * batch
         try:
             self.match(input_ids, attention_mask, keys, reuse, share, keep)
-            if self.layout.stateful and self.pads is not None:
+            if self.layout.stateful and self.pads is not None and (reuse or score):
+                # (reuse=False: per-token outputs of the whole prompt are wanted, so generate()
+                # computes it in one forward, as stock; nothing is committed then)
                 self._catch_up_rows(input_ids, keep, score)
             elif self.common > 0:
                 self._copy_prefix(self.common, self.computed)
@@ -350,7 +352,7 @@ class Request:
     def _copy_prefix(self, common: int, computed: dict[int, int]) -> None:
         """Read each row's first ``common - pad`` tokens; ``computed[i]`` of row i's were computed
         for the batch by row i (in-batch sharing): not cached for it, nor a hit in the store."""
-        layers = self.kv_layers + [self.cache.layers[i] for i in self.layout.index_layers]
+        layers = self.kv_layers  # (indexed layers among them: set_length moves their indexer keys too)
         k_bufs, v_bufs = pool_buffers(self.cache.layers, self.layout)
         # [n, B, H, capacity, D] views: all layers at once when they are slices of one buffer
         groups = [g for g in (stacked(interleave(k_bufs, v_bufs)),) if g is not None]

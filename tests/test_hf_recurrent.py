@@ -235,3 +235,17 @@ def test_generate_many_over_a_hybrid_model_equals_stock_per_prompt():
         ref = stock(model, ids(prompt), **GEN)
         assert result.token_ids == ref.sequences[0, len(prompt) :].tolist()
     assert sum(r.cached_tokens for r in results) >= 3 * (len(DOC) // BS * BS)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text", "mamba2"])
+def test_beams_and_per_token_outputs_equal_stock(name):
+    """Beams reorder the cache's rows (the prompt alone is committed, with its snapshots);
+    output_hidden_states wants every prompt token's output: computed whole, nothing read."""
+    model = build_hybrid(name)
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096, snapshot_interval=INTERVAL)
+    beams = dict(num_beams=3, num_return_sequences=2, max_new_tokens=5)
+    assert same_as_stock(model, ids(DOC + tokens(6, seed=2)), store, **beams)[0].cached_tokens == [0, 0]
+    cache, _ = same_as_stock(model, ids(DOC + tokens(6, seed=3)), store, **beams)
+    assert cache.cached_tokens == [64, 64]
+    cache, out = same_as_stock(model, ids(DOC + tokens(6, seed=4)), store, output_hidden_states=True)
+    assert cache.cached_tokens == [0] and out.hidden_states[0][0].shape[1] == len(DOC) + 6
