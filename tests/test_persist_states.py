@@ -161,10 +161,12 @@ def test_a_snapshot_the_store_holds_is_a_duplicate_and_a_missing_one_is_filled_i
     assert (again.duplicate_snapshots, again.restored_snapshots) == (result.num_snapshots, 0)
     assert again.restored_blocks == 0
     source.check_invariants()
-    # The KV of a document whose snapshots were evicted: the file's snapshots make it usable.
+    # The KV of a document whose snapshot was evicted, in one node: the file's snapshots make it
+    # usable, each attached where its file node ends (the store's node split there).
     store = store_with(num_blocks=64, num_slots=8)
-    commit(store, DOCS[3] + [1, 2, 3, 4], positions=[8, 16, 20])
-    store.states.free(store.tree.evict_snapshots(3))
+    commit(store, DOCS[3] + [1, 2, 3, 4], positions=[20])
+    assert store.tree.num_nodes == 1
+    store.states.free(store.tree.evict_snapshots(1))
     assert served(store, DOCS[3] + [1, 2, 3, 4, 5]) == 0
     restored = store.restore(path, identity=IDENTITY)
     assert restored.duplicate_tokens == 20 and restored.restored_snapshots == result.num_snapshots
@@ -203,6 +205,20 @@ def test_a_store_without_kv_layers_saves_and_restores_its_snapshots(tmp_path):
         out = [torch.empty(s.shape) for s in SPECS]
         assert lease.num_tokens == 12 and fresh.read_state(lease, out)
         assert all(torch.equal(x, y) for x, y in zip(out, state_of(tokens)))
+    fresh.check_invariants()
+
+
+def test_a_stateful_store_whose_snapshots_were_all_evicted_saves_its_kv(tmp_path):
+    store = warm(store_with(num_slots=16), DOCS[:2])
+    store.states.free(store.tree.evict_snapshots(16))
+    path = tmp_path / "kv-only.safetensors"
+    result = store.save(path, identity=IDENTITY)
+    assert (result.num_snapshots, result.num_blocks) == (0, 10)
+    assert load_file(path)["state.0"].shape == (0, *SPECS[0].shape)
+    fresh = warm(store_with(num_slots=16), DOCS[:1])
+    restored = fresh.restore(path, identity=IDENTITY)
+    assert (restored.num_snapshots, restored.duplicate_tokens, restored.restored_blocks) == (0, 20, 5)
+    assert served_all(fresh, DOCS[:2]) == [20, 0]  # the KV is back; usable once a snapshot is
     fresh.check_invariants()
 
 

@@ -47,12 +47,14 @@ class SnapClaim:
     duplicate: int = 0  # nodes whose snapshot the store holds already
     dropped: int = 0  # snapshots of nodes not kept, or that found no slot
 
-    def release(self, locked) -> None:
-        """Give back the private slots (the file was refused, or the store flushed)."""
+    def release(self, locked, kept: tuple[set[int], set[int]] = (set(), set())) -> None:
+        """Give back the private slots but those in ``kept`` (attached to nodes now): all of
+        them when the file was refused or the store flushed. O(slots taken)."""
         for tier, slots in enumerate(self.taken):
-            if slots:
-                locked.private_snaps[tier].difference_update(slots)
-                locked.states[tier].free(slots)
+            locked.private_snaps[tier].difference_update(slots)
+            back = [s for s in slots if s not in kept[tier]]
+            if back:
+                locked.states[tier].free(back)  # in allocation order: the free list as it was
             slots.clear()
 
 
@@ -138,25 +140,23 @@ def attach_snapshots(locked, tree, claim: SnapClaim, staging, times) -> tuple[li
     """Step 3 (under the lock, after the inserts): room for the staged snapshots, then every slot
     attached or freed. Returns the snapshots attached per tier and the duplicates found now
     (a node that took a snapshot meanwhile)."""
-    live, states = locked.tree, locked.states
-    attached, duplicate = [0, 0], 0
+    live = locked.tree
+    kept: tuple[set[int], set[int]] = (set(), set())
+    duplicate = 0
     try:
         if claim.staged:
             _place_staged(locked, tree, claim, staging, times)
         for i, (tier, slot) in sorted(claim.slots.items()):
-            locked.private_snaps[tier].discard(slot)
-            claim.taken[tier].remove(slot)
             node = live.node_at(tree.paths[i], tree.namespaces[i])
             if node is not None and node.snap < 0 and node.tier == tier:
                 live.set_snapshot(node, slot)
-                attached[tier] += 1
-                continue
-            states[tier].free([slot])  # the node is gone (dropped, lost), moved, or has one now
-            if node is not None and node.snap >= 0:
+                kept[tier].add(slot)
+            elif node is not None and node.snap >= 0:
                 duplicate += 1
+            # else the node is gone (dropped, lost) or on the other tier now: the slot goes back
     finally:
-        claim.release(locked)  # slots of an interrupted attach go back
-    return attached, duplicate
+        claim.release(locked, kept)  # every slot not attached goes back, an interrupted attach's too
+    return [len(kept[0]), len(kept[1])], duplicate
 
 
 def _place_staged(locked, tree, claim: SnapClaim, staging, times) -> None:
