@@ -39,6 +39,7 @@ def saved(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # ~9 s of CPU in the new process, 6.5 of them importing hf_patch (peft, transformers)
 def test_a_new_process_restores_the_snapshots_and_reads_the_whole_document(saved):
     args = [str(x) for name in FAMILIES for x in (name, saved[name][0])]
     proc = subprocess.run(
