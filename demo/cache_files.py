@@ -204,13 +204,17 @@ class CacheFiles:
             return None
         log.info(
             "restored %d cached tokens from %s in %.2fs (%d on the host tier, %d already cached, "
-            "%d dropped for room)",
+            "%d dropped for room)%s",
             result["restored_tokens"],
             path,
             result["seconds"],
             result["host_blocks"] * self.engine.store.block_size,
             result["duplicate_tokens"],
             result["dropped_tokens"],
+            f" and {result['restored_snapshots']} recurrent-state snapshots ({result['dropped_snapshots']} "
+            "dropped)"
+            if result["num_snapshots"]
+            else "",
         )
         return result
 

@@ -1,7 +1,8 @@
 """Why a cache file of another model or store was refused, in words, and whose mistake it likely was.
 
 radixkv refuses a file whose identity (model class, config digest, weights digest) or KV layout
-(block size, per-layer heads, head sizes, dtype) differs from the store's, naming the digests.
+(block size, per-layer heads, head sizes, dtype; the recurrent-state snapshots' shapes and dtypes)
+differs from the store's, naming the digests.
 An operator needs the flag first: ``describe`` compares the file's manifest with the running
 model and store and says which flag or file differs, before any digest.
 
@@ -37,7 +38,7 @@ def describe(manifest: dict, model, store, model_flag: str) -> Mismatch:
     """Compare a refused file's ``manifest`` with ``model`` and ``store`` (served as --model
     ``model_flag``). Reads the model's weights digest (a few ms to a second for large models)."""
     have, want = manifest.get("identity") or {}, model_identity(model)
-    file_layout, layout = manifest.get("layout") or {}, layout_of(store.pool)
+    file_layout, layout = manifest.get("layout") or {}, layout_of(store.pool, store.states)
     flags, other = [], []
     if have.get("model_class") != want["model_class"]:
         flags.append(
@@ -54,8 +55,10 @@ def describe(manifest: dict, model, store, model_flag: str) -> Mismatch:
             f"--block-size: the file has blocks of {file_layout.get('block_size')} tokens, this "
             f"server {layout['block_size']}"
         )
-    file_dtypes = {layer.get("dtype") for layer in file_layout.get("layers") or [] if isinstance(layer, dict)}
-    dtypes = {layer["dtype"] for layer in layout["layers"]}
+    # KV layers and recurrent-state snapshots alike (a pure Mamba model has only the latter)
+    parts = [*(file_layout.get("layers") or []), *(file_layout.get("states") or [])]
+    file_dtypes = {part.get("dtype") for part in parts if isinstance(part, dict)}
+    dtypes = {part["dtype"] for part in [*layout["layers"], *layout.get("states", [])]}
     if not flags and file_dtypes != dtypes:
         flags.append(
             f"--dtype: the file holds {'/'.join(sorted(map(str, file_dtypes)))} KV, this server "

@@ -13,8 +13,9 @@ the cache files (``hf_patch.cache_files``) and the sidecar client (``radixkv.sid
   parameters are left out (``hf_patch.keys.adapters.base_named_parameters``): each adapter's KV
   sits under a namespace carrying its name and weights digest. Cache files store this dict as
   it is (their format depends on its three fields).
-- ``kv_layout(specs, block_size)``: block size and per-layer KV shapes and dtypes (devices left
-  out), the layout cache files check too.
+- ``kv_layout(specs, block_size, state_specs)``: block size and per-layer KV shapes and dtypes
+  (devices left out), plus the recurrent-state snapshot tensors' shapes and dtypes for a model
+  with recurrent layers: the layout cache files check too.
 - ``identity_digest(identity, layout)``: 32 bytes naming both, the root of a model's keys in a
   sidecar (two models, or one model before and after a weight change, never share a block).
 - ``current_identity(model)``: ``model_identity`` memoised per model until its weights change
@@ -33,7 +34,7 @@ import torch
 
 from hf_patch.keys.adapters import base_named_parameters
 from hf_patch.keys.weights import fingerprint
-from radixkv import LayerSpec
+from radixkv import LayerSpec, StateSpec
 
 WEIGHT_SAMPLE = 4096
 # Config fields that do not change what the model computes for a token.
@@ -90,9 +91,14 @@ def model_identity(model) -> dict[str, str]:
     }
 
 
-def kv_layout(specs: Sequence[LayerSpec], block_size: int) -> dict:
-    """Block size and per-layer KV shapes as JSON (devices left out): what a block's bytes mean."""
-    return {
+def kv_layout(specs: Sequence[LayerSpec], block_size: int, state_specs: Sequence[StateSpec] = ()) -> dict:
+    """Block size and per-layer KV shapes as JSON (devices left out): what a block's bytes mean;
+    for a model with recurrent layers also ``states``, the shape and dtype of each snapshot
+    tensor (``hf_patch.model_spec.ModelLayout.state_specs``). Equal to the layout a cache file
+    of the model's store holds (``radixkv.persist.manifest.layout_of``). A model without
+    recurrent layers gets the dict it always got (no ``states`` key): its identity digest, the
+    sidecar keys built on it and its cache files stay valid."""
+    out = {
         "block_size": block_size,
         "layers": [
             {
@@ -104,6 +110,11 @@ def kv_layout(specs: Sequence[LayerSpec], block_size: int) -> dict:
             for s in specs
         ],
     }
+    if state_specs:
+        out["states"] = [
+            {"shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")} for s in state_specs
+        ]
+    return out
 
 
 def identity_digest(identity: dict, layout: dict) -> bytes:

@@ -9,6 +9,12 @@ The identity is ``hf_patch.identity.model_identity`` (model class, config hash, 
 weights hash; the same one the sidecar client keys by), and ``hf_patch.cache_files`` does the
 work on a given store; this module picks the store (the model's default one unless given).
 
+Models with recurrent layers (Mamba, linear attention, conv; hf_patch.model_spec): their store's
+file carries every node's recurrent-state snapshot beside its KV (format 3, docs/cache-files.md),
+and its layout names the snapshot tensors' shapes and dtypes (``hf_patch.identity.kv_layout``), so
+a restore brings back prefixes a stateful match can serve, and a file of another layout is
+refused. A plain model's identity and layout are what they were: its files stay valid.
+
 PEFT adapters are not part of the identity: ``weights_sha256`` covers the base model's weights
 only (hf_patch.keys.adapters.base_named_parameters: adapter parameters left out, wrapped layers under
 their plain names), so a model with adapters loaded and the same model without them share cache

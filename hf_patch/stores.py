@@ -236,7 +236,7 @@ def sidecar_namer(model, pool: BlockPool):
     """
     ref = weakref.ref(model)
     scope = model_scope(model)
-    layout = kv_layout(pool.layers, pool.block_size)
+    layout = kv_layout(pool.layers, pool.block_size, model_layout(model).state_specs)
     memo: dict = {}
 
     def namer(namespace: Hashable) -> tuple[bytes, bytes] | None:

@@ -271,3 +271,70 @@ def test_a_bad_tenant_secret_file_stops_the_server_with_a_message_not_a_tracebac
         demo_main.main(["--model", "builtin-tiny", "--api-keys", "k", "--tenant-secret-file", str(bad)])
     err = capsys.readouterr().err
     assert f"tenant secret file {bad} does not hold a hex secret" in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def hybrid_checkpoint(tmp_path_factory) -> str:
+    """A tiny Qwen3.5 (Gated DeltaNet + attention layers) saved as a checkpoint with a tokenizer
+    (word i <-> id i): the demo serves it as any local --model directory."""
+    from tests.hf_models import tokenizer
+    from tests.hybrid_models import build_hybrid
+
+    path = str(tmp_path_factory.mktemp("qwen3_5_text"))
+    build_hybrid("qwen3_5_text").save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    return path
+
+
+def test_a_hybrid_model_restarts_on_its_cache_file_with_its_snapshots(tmp_path, hybrid_checkpoint):
+    """The demo's restart path for a model with recurrent layers: the shutdown save writes the
+    snapshots, the next server's start-up restore brings them back (a new model object from the
+    same checkpoint, a new store), and the third question reads the whole document (the junction
+    snapshot the second one took), answering as a cold server does. tests/test_demo_restart.py
+    does this with real processes for the built-in model; here the two servers share a process,
+    as each start would cost ~10 s of imports and model load."""
+    from tests.hybrid_restart import DOC, QUESTIONS
+
+    def words(ids: list[int]) -> str:
+        return " ".join(f"w{i}" for i in ids)
+
+    def ask(client, question: list[int]) -> dict:
+        body = {"prompt": words(DOC + question), "max_tokens": 6, "temperature": 0}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.get_json()
+        return r.get_json()
+
+    conf = {"model": hybrid_checkpoint, "block_size": 4, "cache_tokens": 4096}
+    path = str(tmp_path / "kv.safetensors")
+    first = create_app(Config(**conf, cache_file=path), build_engine(Config(**conf))).test_client()
+    assert [cached(ask(first, q)) for q in QUESTIONS[:2]] == [0, 0]  # the default interval: 256
+    first.application.extensions["radixkv"]["cache_files"].save_at_exit()
+    from radixkv.persist.cache_file import read_manifest
+
+    manifest = read_manifest(path)
+    assert manifest["version"] == 3 and manifest["counts"]["snapshots"] > 0 and manifest["layout"]["states"]
+    restarted = create_app(Config(**conf, cache_file=path), build_engine(Config(**conf))).test_client()
+    warm = ask(restarted, QUESTIONS[2])
+    assert cached(warm) == len(DOC) // 4 * 4
+    cold = ask(create_app(Config(**conf), build_engine(Config(**conf))).test_client(), QUESTIONS[2])
+    assert cached(cold) == 0 and warm["choices"][0]["text"] == cold["choices"][0]["text"]
+
+
+def test_a_hybrid_models_file_and_a_plain_ones_are_refused_by_each_other_naming_the_model(
+    tmp_path, hybrid_checkpoint
+):
+    conf = {"model": hybrid_checkpoint, "block_size": BLOCK, "cache_tokens": 4096}
+    hybrid = create_app(
+        Config(**conf, cache_dir=str(tmp_path), admin_token="adm"), build_engine(Config(**conf))
+    ).test_client()
+    plain = app(engine(), cache_dir=str(tmp_path))
+    r = hybrid.post("/v1/completions", json={"prompt": " ".join(["w5"] * 40), "max_tokens": 2})
+    assert r.status_code == 200
+    chat(plain, doc())
+    for client, name in ((hybrid, "hybrid"), (plain, "plain")):
+        assert client.post("/v1/cache/save", json={"name": name}, headers=ADMIN).status_code == 200
+    for client, other in ((hybrid, "plain"), (plain, "hybrid")):
+        r = client.post("/v1/cache/restore", json={"name": other}, headers=ADMIN)
+        body = r.get_json()["error"]
+        assert r.status_code == 409 and body["code"] == "cache_file_mismatch", body
+        assert "--model" in body["message"] and "recurrent-state snapshots" in body["message"], body

@@ -345,14 +345,35 @@ def test_a_file_for_another_model_or_layout_is_refused(saved, case):
 
 
 def test_another_format_version_is_refused(full_store, tmp_path, monkeypatch):
-    path = tmp_path / "v3.safetensors"
-    monkeypatch.setattr(persist, "FORMAT_VERSION", 3)
+    path = tmp_path / "v4.safetensors"
+    monkeypatch.setattr(persist, "FORMAT_VERSION", 4)
     full_store.save(path, identity=IDENTITY)
     monkeypatch.undo()
     store = make_store()
-    with pytest.raises(CacheFileMismatch, match="format version 3; this radixkv reads versions 1, 2"):
+    with pytest.raises(CacheFileMismatch, match="format version 4; this radixkv reads versions 1, 2, 3"):
         store.restore(path, identity=IDENTITY)
     assert store.stats()["cached_blocks"] == 0
+    store.check_invariants()
+
+
+def test_a_format_2_file_still_restores(full_store, tmp_path, monkeypatch):
+    """A store without states writes what format 2 wrote, but for the version number: a file
+    written before format 3 (snapshots) restores into a plain store as it did."""
+    path = tmp_path / "v2.safetensors"
+    full_store.save(path, identity=IDENTITY)
+    monkeypatch.setattr(persist, "FORMAT_VERSION", 2)
+    old = tmp_path / "old.safetensors"
+    full_store.save(old, identity=IDENTITY)
+    monkeypatch.undo()
+    new_manifest, old_manifest = cache_file.read_manifest(path), cache_file.read_manifest(old)
+    assert (new_manifest.pop("version"), old_manifest.pop("version")) == (3, 2)
+    assert new_manifest == old_manifest  # same layout, counts and checksums: the same tensors
+    store = make_store()
+    result = store.restore(old, identity=IDENTITY)
+    assert result.restored_blocks == full_store.stats()["cached_blocks"] and result.num_snapshots == 0
+    for ns, seqs in SEQS.items():
+        for seq in seqs:
+            assert cached_prefix(store, seq + [1], ns) == len(seq) // BS * BS
     store.check_invariants()
 
 

@@ -74,7 +74,7 @@ def test_the_manifest_names_the_checksum_and_another_one_is_refused(tmp_path):
     path = str(tmp_path / "kv.safetensors")
     store.save(path, identity=IDENTITY)
     manifest = read_manifest(path)
-    assert (manifest["version"], manifest["checksum"]) == (2, "blake3")
+    assert (manifest["version"], manifest["checksum"]) == (3, "blake3")
     with safe_open(path, "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     for algorithm, error, message in (

@@ -2,11 +2,12 @@
 
 The file is a plain safetensors file (radixkv.persist lists its tensors, radixkv.persist.manifest its
 manifest; radixkv.persist.cache_write writes it). ``open_cache_file`` reads the header and the
-manifest, checks them against the store (format version, identity, layout, every tensor's
-dtype, shape and place), reads the small tree tensors (node table, token ids), checks their
-checksums and the tree's structure, and returns a ``CacheFileHead``. The KV, nearly all of the
-file, is read and checked by radixkv.persist.cache_read straight into the blocks a restore chose
-for it; nothing reaches a store's tree before every byte has passed.
+manifest, checks them against the store (format version, identity, layout with its state
+specs, every tensor's dtype, shape and place), reads the small tree tensors (node table, token
+ids, snapshot rows), checks their checksums and the tree's structure, and returns a
+``CacheFileHead``. The KV and the snapshots, nearly all of the file, are read and checked by
+radixkv.persist.cache_read straight into the blocks and state slots a restore chose for them;
+nothing reaches a store's tree before every byte has passed.
 
 Reads go into private memory (no memory map): the bytes checked are the bytes used, even if
 someone rewrites the file in place meanwhile (a mapped file cut short under a reader would
@@ -41,10 +42,11 @@ _MAX_HEADER = 100 << 20  # safetensors' own limit
 
 
 @dataclasses.dataclass(frozen=True)
-class KvTensor:
-    """Where one KV tensor ``[blocks, bs, H, D]`` lies in the file, and its checksum."""
+class FileTensor:
+    """Where one KV tensor ``[blocks, bs, H, D]`` or state tensor ``[snapshots, *spec.shape]``
+    lies in the file, and its checksum."""
 
-    name: str  # kv.{layer}.k / kv.{layer}.v
+    name: str  # kv.{layer}.k / kv.{layer}.v / state.{j}
     offset: int  # of its first byte in the file
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -66,8 +68,10 @@ class CacheFileHead:
     namespaces: list[Hashable]
     nodes: list[list[int]]  # rows of tree.nodes: (parent, namespace, blocks, recency)
     tokens: bytes  # tree.tokens, packed like the tree's edges
-    kv: list[KvTensor]  # in file order
+    kv: list[FileTensor]  # in file order
     times: IoTimes  # filled on by the KV read and the restore
+    snaps: list[int] | None = None  # per node: its snapshot's row in state.{j}, or -1 (None: no states)
+    states: list[FileTensor] = dataclasses.field(default_factory=list)  # state.{j}, by j
 
     def close(self) -> None:
         self.file.close()
@@ -92,48 +96,53 @@ def read_manifest(path: str | os.PathLike) -> dict:
         ) from None
 
 
-def open_cache_file(path: str | os.PathLike, pool, identity: object = None) -> CacheFileHead:
-    """Check ``path``'s header, manifest and tree against ``pool``'s layout and ``identity``.
+def open_cache_file(path: str | os.PathLike, pool, identity: object = None, states=None) -> CacheFileHead:
+    """Check ``path``'s header, manifest and tree against ``pool``'s layout (and the StatePool
+    ``states``' specs: None for a store without recurrent state) and ``identity``.
 
-    Reads the header and the tree tensors (a few bytes per block), not the KV. Raises
-    CorruptCacheFile (empty, truncated, altered, not a cache file), CacheFileMismatch (another
-    format version, identity, layout or an unknown checksum), FileNotFoundError.
+    Reads the header and the tree tensors (a few bytes per block), not the KV nor the
+    snapshots. Raises CorruptCacheFile (empty, truncated, altered, not a cache file),
+    CacheFileMismatch (another format version, identity, layout, states or an unknown
+    checksum), FileNotFoundError.
     """
     path = os.fspath(path)
     f = open(path, "rb", buffering=0)  # unbuffered: readinto() lands in our buffers; the head owns it
     try:
-        return _open(f, path, pool, identity)
+        return _open(f, path, pool, identity, states)
     except BaseException:
         f.close()
         raise
 
 
-def _open(f, path: str, pool, identity: object) -> CacheFileHead:
+def _open(f, path: str, pool, identity: object, states) -> CacheFileHead:
     times, started = IoTimes(), time.perf_counter()
     size = os.fstat(f.fileno()).st_size
     if size == 0:
         raise CorruptCacheFile(f"cache file {path} is empty")
     header = _read_header(f, size, path)
     manifest = from_metadata(header.pop("__metadata__", None))
-    check_compatible(manifest, pool, identity)
+    check_compatible(manifest, pool, identity, states)
     algorithm = algorithm_of(manifest)
     counts = manifest.get("counts")
     n, nb = count_field(counts, "nodes"), count_field(counts, "blocks")
     if count_field(counts, "tokens") != nb * pool.block_size:
         raise CorruptCacheFile("cache file manifest: counts.tokens is not blocks * block_size")
-    expected = expected_tensors(manifest["layout"], {"nodes": n, "blocks": nb})
+    ns = count_field(counts, "snapshots") if states is not None else 0
+    expected = expected_tensors(manifest["layout"], {"nodes": n, "blocks": nb, "snapshots": ns})
     if set(header) != set(expected):
         raise CorruptCacheFile(f"cache file holds tensors {sorted(header)}, expected {sorted(expected)}")
     checksums = manifest.get("checksums")
     if not isinstance(checksums, dict):
         raise CorruptCacheFile("cache file manifest has no checksums")
     data_start = f.tell()
-    tree, kv = {}, []
+    tree, kv, state = {}, [], []
     for name, (shape, dtype_name) in expected.items():
         dtype = getattr(torch, dtype_name)
         begin = _checked_entry(name, header[name], shape, dtype_name, dtype) + data_start
-        if name.startswith("kv."):
-            kv.append(KvTensor(name, begin, shape, dtype, checksums.get(name)))
+        if name.startswith(("kv.", "state.")):
+            (kv if name.startswith("kv.") else state).append(
+                FileTensor(name, begin, shape, dtype, checksums.get(name))
+            )
             continue
         t = torch.empty(shape, dtype=dtype)
         f.seek(begin)
@@ -150,6 +159,10 @@ def _open(f, path: str, pool, identity: object) -> CacheFileHead:
     namespaces = decode_namespaces(manifest.get("namespaces"))
     nodes = tree["tree.nodes"].tolist()
     _check_structure(nodes, len(namespaces), nb)
+    snaps = None
+    if states is not None:
+        snaps = tree["tree.snaps"].tolist()
+        _check_snapshot_rows(snaps, ns)
     times.read += time.perf_counter() - started
     return CacheFileHead(
         f,
@@ -161,6 +174,8 @@ def _open(f, path: str, pool, identity: object) -> CacheFileHead:
         tree["tree.tokens"].numpy().tobytes(),
         sorted(kv, key=lambda t: t.offset),
         times,
+        snaps,
+        sorted(state, key=lambda t: int(t.name.split(".")[1])),
     )
 
 
@@ -231,3 +246,13 @@ def _check_structure(nodes: list[list[int]], num_namespaces: int, num_blocks: in
         total += blocks
     if total != num_blocks:
         raise CorruptCacheFile(f"cache file nodes hold {total} blocks, the manifest says {num_blocks}")
+
+
+def _check_snapshot_rows(snaps: list[int], num_snapshots: int) -> None:
+    """Raise CorruptCacheFile unless every snapshot row is some node's, once, in node order."""
+    rows = [r for r in snaps if r != -1]
+    if rows != list(range(num_snapshots)):
+        raise CorruptCacheFile(
+            f"cache file tree.snaps: the nodes' snapshot rows are not 0..{num_snapshots - 1} in node "
+            "order, each once (-1: none)"
+        )

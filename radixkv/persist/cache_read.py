@@ -1,4 +1,5 @@
-"""Reading a cache file's KV straight into the blocks a restore chose, checking every byte.
+"""Reading a cache file's KV (and snapshots) straight into the blocks (state slots) a restore
+chose, checking every byte.
 
 A restore decides first where each block of the file goes (radixkv.persist.restore: free blocks of
 the device or host pool, held privately; a staging buffer for blocks that need room made
@@ -9,6 +10,8 @@ blocks for a GPU pool pass through a small bounce buffer; blocks going nowhere t
 scratch buffer. Every byte, kept or not, goes through its tensor's checksum, and ``read_kv``
 raises CorruptCacheFile unless all of them match. The blocks it writes hold no cached data
 until then (the tree does not reference them): a refused file changes nothing a store holds.
+``read_states`` does the same for the ``state.{j}`` tensors, a snapshot a row, into state
+pool slots the restore holds privately (``read_rows`` is the loop both use).
 """
 
 from __future__ import annotations
@@ -16,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from radixkv.persist.cache_file import CacheFileHead
+from radixkv.persist.cache_file import CacheFileHead, FileTensor
 from radixkv.persist.checksum import new_hasher
 from radixkv.persist.file_io import read_overlapped
 from radixkv.persist.manifest import CorruptCacheFile
@@ -121,41 +124,70 @@ def read_kv(head: CacheFileHead, runs: Sequence[Run], dests: Sequence) -> None:
     cover the file's blocks in order. Raises CorruptCacheFile when a checksum differs or the
     file ends early (the blocks written so far hold garbage: the caller frees them).
     """
-    in_place = [d is not None and _in_place(d.k[0]) for d in dests]
-    windows: dict[int, list[_Window]] = {}  # by blocks per window
+
+    def into(index: int, dest: int) -> torch.Tensor:
+        _, layer, kind = head.kv[index].name.split(".")
+        return getattr(dests[dest], kind)[int(layer)]
+
+    in_place = [d is not None and bool(d.k) and _in_place(d.k[0]) for d in dests]
+    read_rows(head, head.kv, runs, into, in_place)
+
+
+def read_states(head: CacheFileHead, runs: Sequence[Run], dests: Sequence) -> None:
+    """Read every ``state.{j}`` tensor of ``head``'s file into ``dests`` along ``runs`` and check it.
+
+    ``dests[d]``: per state spec j a ``[slots, *spec.shape]`` tensor (a StatePool's ``tensors``,
+    or staging tensors), on any device (None where no run goes); ``runs`` cover the file's
+    snapshot rows in order. Raises as ``read_kv`` (the slots written so far hold garbage)."""
+    in_place = [d is not None and _in_place(d[0]) for d in dests]
+    read_rows(head, head.states, runs, lambda j, dest: dests[dest][j], in_place)
+
+
+def read_rows(
+    head: CacheFileHead,
+    tensors: Sequence[FileTensor],
+    runs: Sequence[Run],
+    into: Callable[[int, int], torch.Tensor],
+    in_place: Sequence[bool],
+) -> None:
+    """Read ``tensors`` (all with the same number of rows, in file order) along ``runs`` and
+    check each one's checksum: row r goes to row ``start`` of ``into(tensor index, dest)``,
+    read straight into it where ``in_place[dest]`` (CPU memory) and the run is long, else
+    through a buffer and an indexed copy; rows going nowhere are only hashed."""
+    windows: dict[int, list[_Window]] = {}  # by rows per window
     pieces: list[tuple[int, int, memoryview | None]] = []
-    plans: list[tuple[int, int, str, int, _Window]] = []  # tensor index, layer, k/v, block bytes, window
+    plans: list[tuple[int, _Window]] = []  # tensor index, window
     largest = CHUNK
-    for index, t in enumerate(head.kv):
-        _, layer, kind = t.name.split(".")
-        block_bytes = math.prod(t.shape[1:]) * torch.empty((), dtype=t.dtype).element_size()
-        largest = max(largest, block_bytes)
-        cap = max(1, CHUNK // block_bytes)
+    for index, t in enumerate(tensors):
+        row_bytes = math.prod(t.shape[1:]) * torch.empty((), dtype=t.dtype).element_size()
+        largest = max(largest, row_bytes)
+        cap = max(1, CHUNK // row_bytes)
         if cap not in windows:
             windows[cap] = _windows(runs, cap, in_place)
         for w in windows[cap]:
             view = None
             if w.in_place is not None:
-                into = getattr(dests[w.in_place.dest], kind)[int(layer)]
-                into = into[w.in_place.start : w.in_place.start + w.count]
-                view = memoryview(into.view(-1).view(torch.uint8).numpy()).cast("B")
-            pieces.append((t.offset + w.row * block_bytes, w.count * block_bytes, view))
-            plans.append((index, int(layer), kind, block_bytes, w))
-    hashers = [new_hasher(head.algorithm) for _ in head.kv]
+                dest = into(index, w.in_place.dest)[w.in_place.start : w.in_place.start + w.count]
+                view = memoryview(dest.view(-1).view(torch.uint8).numpy()).cast("B")
+            pieces.append((t.offset + w.row * row_bytes, w.count * row_bytes, view))
+            plans.append((index, w))
+    hashers = [new_hasher(head.algorithm) for _ in tensors]
     times = head.times
 
     def consume(i: int, data: memoryview, buffer: torch.Tensor | None) -> None:
-        index, layer, kind, block_bytes, w = plans[i]
+        index, w = plans[i]
         started = time.perf_counter()
         hashers[index].update(data)
         hashed = time.perf_counter()
         times.hash += hashed - started
         if w.copies:  # the checked bytes go on from the buffer (a fragmented pool, a GPU pool)
-            into0 = getattr(dests[w.copies[0][0]], kind)[layer]
-            staged = buffer[: len(data)].view(into0.dtype).view(w.count, *into0.shape[1:])
+            first = into(index, w.copies[0][0])
+            staged = buffer[: len(data)].view(first.dtype).view(w.count, *first.shape[1:])
             for dest, rows, blocks in w.copies:
-                into = getattr(dests[dest], kind)[layer]
-                into.index_copy_(0, blocks.to(into.device), staged.index_select(0, rows).to(into.device))
+                target = into(index, dest)
+                target.index_copy_(
+                    0, blocks.to(target.device), staged.index_select(0, rows).to(target.device)
+                )
             times.copy += time.perf_counter() - hashed
 
     try:
@@ -164,7 +196,7 @@ def read_kv(head: CacheFileHead, runs: Sequence[Run], dests: Sequence) -> None:
         raise CorruptCacheFile(
             f"cache file {head.path} ended inside a tensor (truncated while read?)"
         ) from None
-    for t, hasher in zip(head.kv, hashers):
+    for t, hasher in zip(tensors, hashers):
         if hasher.hexdigest() != t.checksum:
             raise CorruptCacheFile(
                 f"cache file tensor {t.name} does not match its checksum (the file was altered)"

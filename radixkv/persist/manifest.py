@@ -6,14 +6,21 @@ hash, so a flipped bit in a namespace or a count is caught, not silently obeyed)
 manifest holds:
 
 - ``format`` / ``version``: ``FORMAT`` and a version in ``READABLE_VERSIONS``; anything else
-  is refused. Version 2 (this radixkv writes it) adds ``checksum``, the algorithm of the
-  tensors' checksums (radixkv.persist.checksum: "blake3"); version 1 files used sha256 and still restore.
+  is refused. Version 2 added ``checksum``, the algorithm of the tensors' checksums
+  (radixkv.persist.checksum: "blake3"; version 1 files used sha256 and still restore). Version 3
+  (this radixkv writes it) adds recurrent-state snapshots (``layout.states``, below); a file
+  without them is a version 2 file in all but the number, so versions 1 and 2 still restore
+  into stores without states.
 - ``identity``: an opaque JSON object from the caller (hf_patch puts the model class, a
   config hash and a weights fingerprint there); a restore requires it to be equal.
 - ``layout``: block size and every layer's KV heads, head dims and dtype (not the device:
-  a file saved on one GPU restores on another, or on the CPU).
+  a file saved on one GPU restores on another, or on the CPU); for a store with a state pool
+  (``KVStore(states=)``) also ``states``: every ``StateSpec``'s shape and dtype, in order. A
+  file with states restores only into a store with the same states, one without only into a
+  store without (``check_compatible`` says which side has none).
 - ``namespaces``: the namespaces of the saved nodes, JSON-encoded by ``encode_namespace``.
-- ``counts``: nodes, blocks, tokens; ``checksums``: the hex digest of every tensor's bytes.
+- ``counts``: nodes, blocks, tokens (and snapshots, with states); ``checksums``: the hex digest
+  of every tensor's bytes.
 
 Namespaces are limited to None, str, bytes, int, tuples of these and KeyedNamespace: each has one JSON
 spelling, so a namespace restores equal (and hashing equal) to the one saved.
@@ -30,8 +37,9 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 
 FORMAT = "radixkv-cache"
-FORMAT_VERSION = 2  # written; version 1 (sha256 checksums) is still read
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # written; versions 1 (sha256 checksums) and 2 (no snapshots) are still read
+READABLE_VERSIONS = (1, 2, 3)
+STATES_SINCE = 3  # the first version whose layout may hold ``states``
 MANIFEST_KEY = "radixkv.manifest"
 MANIFEST_HASH_KEY = "radixkv.manifest_sha256"
 
@@ -114,9 +122,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def layout_of(pool) -> dict:
-    """The pool's block size and per-layer KV shapes, as JSON (devices left out)."""
-    return {
+def layout_of(pool, states=None) -> dict:
+    """The pool's block size and per-layer KV shapes, as JSON (devices left out); with a
+    StatePool ``states``, also its snapshots' tensors (``states``: shape and dtype of each
+    StateSpec, in order). Without one the dict is exactly what format 2 wrote (and what a
+    sidecar's pool geometry parses), so plain stores' files and keys are unchanged."""
+    out = {
         "block_size": pool.block_size,
         "layers": [
             {
@@ -128,6 +139,9 @@ def layout_of(pool) -> dict:
             for s in pool.layers
         ],
     }
+    if states is not None:
+        out["states"] = [{"shape": list(s.shape), "dtype": dtype_name(s.dtype)} for s in states.specs]
+    return out
 
 
 def canonical(obj: object) -> object:
@@ -157,17 +171,40 @@ def _differences(what: str, have: object, want: object) -> list[str]:
     return []
 
 
-def check_compatible(manifest: Mapping, pool, identity: object) -> None:
-    """Raise CacheFileMismatch naming every difference of format, identity or layout."""
+def check_compatible(manifest: Mapping, pool, identity: object, states=None) -> None:
+    """Raise CacheFileMismatch naming every difference of format, identity or layout.
+
+    ``states``: the store's StatePool (None: a store without recurrent state). A file with
+    snapshots is refused by a store without a state pool and vice versa, saying so first."""
     if manifest.get("format") != FORMAT:
         raise CorruptCacheFile(f"not a radixkv cache file (format {manifest.get('format')!r})")
-    if manifest.get("version") not in READABLE_VERSIONS:
+    version = manifest.get("version")
+    if version not in READABLE_VERSIONS:
         raise CacheFileMismatch(
-            f"cache file format version {manifest.get('version')!r}; this radixkv reads versions "
+            f"cache file format version {version!r}; this radixkv reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
-    problems = _differences("identity", manifest.get("identity"), canonical(identity))
-    problems += _differences("layout", manifest.get("layout"), layout_of(pool))
+    layout = manifest.get("layout")
+    has_states = isinstance(layout, Mapping) and "states" in layout
+    if has_states and version < STATES_SINCE:
+        raise CorruptCacheFile(f"cache file of format version {version} with recurrent-state snapshots")
+    problems = []
+    if has_states and states is None:
+        problems.append(
+            "the file holds recurrent-state snapshots (a model with recurrent layers) and this store "
+            "has no state pool (KVStore(states=))"
+        )
+    elif states is not None and not has_states:
+        problems.append(
+            "the file holds no recurrent-state snapshots (saved by a store without a state pool) and "
+            "this store's model has recurrent layers: its KV alone can serve nothing"
+        )
+    problems += _differences("identity", manifest.get("identity"), canonical(identity))
+    have, want = layout, layout_of(pool, states)
+    if has_states != (states is not None):  # said above: compare the rest
+        want.pop("states", None)
+        have = {k: v for k, v in layout.items() if k != "states"} if has_states else layout
+    problems += _differences("layout", have, want)
     if problems:
         raise CacheFileMismatch("cache file was saved for another model or store: " + "; ".join(problems))
 
@@ -196,12 +233,17 @@ def from_metadata(metadata: Mapping[str, str] | None) -> dict:
 
 
 def expected_tensors(layout: Mapping, counts: Mapping) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, dtype name) of every tensor a file with this layout and these counts holds."""
+    """name -> (shape, dtype name) of every tensor a file with this layout and these counts holds
+    (a layout with ``states`` and ``counts["snapshots"]``: ``tree.snaps`` and ``state.{j}`` too)."""
     bs, nb = layout["block_size"], counts["blocks"]
     out = {"tree.nodes": ((counts["nodes"], 4), "int64"), "tree.tokens": ((nb * bs,), "int64")}
+    if "states" in layout:
+        out["tree.snaps"] = ((counts["nodes"],), "int64")
     for i, layer in enumerate(layout["layers"]):
         out[f"kv.{i}.k"] = ((nb, bs, layer["num_kv_heads"], layer["k_head_dim"]), layer["dtype"])
         out[f"kv.{i}.v"] = ((nb, bs, layer["num_kv_heads"], layer["v_head_dim"]), layer["dtype"])
+    for j, spec in enumerate(layout.get("states", ())):
+        out[f"state.{j}"] = ((counts["snapshots"], *spec["shape"]), spec["dtype"])
     return out
 
 

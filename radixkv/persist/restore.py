@@ -17,6 +17,11 @@ Three steps (``restore_store``):
 
 The store serves requests meanwhile; what changed in it during step 2 is checked in step 3
 (a prefix gone: the node is dropped; cached meanwhile by a request: a duplicate).
+
+A store with recurrent state (``states=``) gets the file's snapshots alongside, in each step
+(radixkv.persist.restore_states): slots of the state pool of each node's tier taken in step 1,
+the ``state.{j}`` bytes read into them and checked in step 2, attached to their nodes in step 3
+after the inserts. A snapshot that finds no slot is dropped, its node's KV kept.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from radixkv.persist.cache_file import CacheFileHead, open_cache_file
 from radixkv.persist.cache_read import read_kv, runs_of
 from radixkv.persist.manifest import CacheFileError
 from radixkv.persist.restore_plan import Placement, place
+from radixkv.persist.restore_states import attach_snapshots, claim_snapshots, read_snapshots
 from radixkv.persist.save import Rename, RestoreResult
 from radixkv.tree import RadixTree, TierOrderError
 from radixkv.tree.node import DEVICE, HOST, TOKEN_BYTES, PackedTokens
@@ -53,6 +59,7 @@ class _FileTree:
     paths: list[PackedTokens]
     first: list[int]  # the node's first block in its path
     start: list[int]  # the node's first block in the file
+    snaps: list[int] | None  # per node: its snapshot's row in the file, or -1 (None: no states)
 
     @classmethod
     def of(cls, head: CacheFileHead, rename: Rename | None, block_size: int) -> _FileTree:
@@ -70,7 +77,7 @@ class _FileTree:
             first.append(len(paths[-1]) // width - blocks)
             start.append(at)
             at += blocks
-        return cls(head.nodes, [mapped[row[1]] for row in head.nodes], paths, first, start)
+        return cls(head.nodes, [mapped[row[1]] for row in head.nodes], paths, first, start, head.snaps)
 
     def new_rows(self, i: int, plan: Placement) -> range:
         """File blocks of node i that the store does not hold."""
@@ -87,6 +94,7 @@ class _Claim:
     ids: dict[int, list[int]]  # node -> its new blocks' ids in its tier's pool
     staged: list[int]  # nodes read into the staging buffer (most recent first)
     taken: tuple[list[int], list[int]] = dataclasses.field(default_factory=lambda: ([], []))  # ids per tier
+    held: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # per node: restore_plan's held
 
     def release(self, locked) -> None:
         """Give back the private blocks and the pins (the file was refused or the store flushed)."""
@@ -110,35 +118,58 @@ def restore_store(
 ) -> RestoreResult:
     """Merge the prefixes saved in ``path`` into ``store``; see ``KVStore.restore``."""
     started = time.perf_counter()
-    with open_cache_file(path, store.pool, identity) as head:
+    snaps = snap_staging = None  # the snapshots' claim and staging buffer (a store with states=)
+
+    def release(locked) -> None:
+        claim.release(locked)
+        if snaps is not None:
+            snaps.release(locked)
+
+    with open_cache_file(path, store.pool, identity, store.states) as head:
         tree = _FileTree.of(head, rename, store.block_size)
         skip = None if namespaces is None else [not namespaces(ns) for ns in tree.namespaces]
         with store._exclusive() as locked:
             _check_epoch(store, epoch, path)
             claim = _claim(locked, tree, evict, skip)
+            if tree.snaps is not None:
+                try:
+                    snaps = claim_snapshots(locked, tree, claim.plan, claim.held, evict)
+                except BaseException:
+                    claim.release(locked)
+                    raise
         try:
             staging = _read(head, tree, claim, locked.pools)
+            if snaps is not None:
+                snap_staging = read_snapshots(head, tree, snaps, locked.states)
         except BaseException:
             with store._exclusive() as again:
-                claim.release(again)
+                release(again)
             raise
     with store._exclusive() as locked:
         try:
             _check_epoch(store, epoch, path)
         except RuntimeError:
-            claim.release(locked)
+            release(locked)
             raise
-        before = (locked.counters.evicted_blocks, locked.counters.demoted_blocks)
+        c = locked.counters
+        before = (c.evicted_blocks, c.demoted_blocks, c.evicted_snapshots)
         for where, ids in enumerate(claim.taken):
             locked.private[where].difference_update(ids)
+        attached, duplicate_snaps = [0, 0], 0
         try:
             restored, dropped, lost = _finish(locked, tree, claim, staging, head.times)
+            if snaps is not None:  # after the inserts' touches: the snapshots' LRU order is the file's
+                attached, duplicate_snaps = attach_snapshots(locked, tree, snaps, snap_staging, head.times)
+                duplicate_snaps += snaps.duplicate
         finally:
+            if snaps is not None:
+                snaps.release(locked)  # nothing left after a whole attach
             for node in claim.pins:
                 locked.unpin(claim.tree, node)
-        evicted = locked.counters.evicted_blocks - before[0]
-        demoted = locked.counters.demoted_blocks - before[1]
+        evicted, demoted = c.evicted_blocks - before[0], c.demoted_blocks - before[1]
+        evicted_snaps = c.evicted_snapshots - before[2]
     bs = store.block_size
+    num_snaps = 0 if tree.snaps is None else sum(row >= 0 for row in tree.snaps)
     total = sum(row[2] for row in tree.rows)
     dropped += claim.plan.dropped_blocks + lost
     head.times.total = time.perf_counter() - started
@@ -154,6 +185,12 @@ def restore_store(
         demoted_blocks=demoted,
         seconds=head.times.total,
         times=head.times,
+        num_snapshots=num_snaps,
+        restored_snapshots=sum(attached),
+        host_snapshots=attached[HOST],
+        duplicate_snapshots=duplicate_snaps,
+        dropped_snapshots=num_snaps - sum(attached) - duplicate_snaps,
+        evicted_snapshots=evicted_snaps,
     )
     # Dropped blocks of nodes the filter refused were left out on purpose: room was not the reason.
     left_out = 0 if skip is None else sum(row[2] for row, s in zip(tree.rows, skip) if s)
@@ -166,6 +203,15 @@ def restore_store(
         )
     if left_out:
         logger.info("restore from %s: left out %d blocks of namespaces not asked for", path, left_out)
+    if result.dropped_snapshots:
+        logger.info(
+            "restore from %s: %d of %d state snapshots not restored (their nodes dropped or left out, "
+            "or no free state slot%s)",
+            path,
+            result.dropped_snapshots,
+            num_snaps,
+            "" if evict else "; evict=True would make room",
+        )
     return result
 
 
@@ -193,6 +239,7 @@ def _claim(locked, tree: _FileTree, evict: bool, skip: list[bool] | None = None)
                 live.pin(node)
                 claim.pins.append(node)
             held.append((tokens // bs, tier))
+        claim.held = held
         host = len(pools) > 1
         free = [pools[DEVICE].num_free, pools[HOST].num_free if host else 0]
         room = list(free)

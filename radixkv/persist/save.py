@@ -7,6 +7,10 @@ File layout (one safetensors file; manifest in its header metadata, see radixkv.
 - ``tree.tokens`` int64 ``[blocks * block_size]``: the nodes' edges, concatenated in row order.
 - ``kv.{l}.k`` / ``kv.{l}.v``: ``[blocks, block_size, kv_heads, head_dim]`` in the layer's
   dtype: the K/V of those blocks, same order.
+- A store with recurrent state (``KVStore(states=)``, format 3) adds ``tree.snaps`` int64
+  ``[N]``: per node the row of its snapshot (the states after its last token), or -1; and
+  ``state.{j}`` ``[snapshots, *spec.shape]`` per ``StateSpec`` j in its dtype: the snapshots,
+  in row order (the nodes' order).
 
 One file rather than a manifest beside a data file: one ``os.replace`` publishes both
 atomically, and the manifest can be read without the data
@@ -16,8 +20,9 @@ Saving snapshots the tree and pins its leaves under the store's lock (no copy: r
 wait microseconds), then, outside it, streams the pinned blocks through the checksum into a
 temporary file (radixkv.persist.cache_write), fsyncs, renames and fsyncs the directory (a crash, a
 full disk or a deadline leaves the previous file as it was), and unpins. ``max_bytes`` keeps
-the most recently used prefixes that fit. While a save runs, commits that need the pinned
-blocks' room cache less (they degrade, as always).
+the most recently used prefixes that fit, a node's snapshot counted with its blocks. While a
+save runs, commits that need the pinned blocks' room cache less (they degrade, as always);
+the pinned nodes' snapshots are neither evicted nor moved meanwhile.
 
 Restoring (radixkv.persist.restore) checks the header, manifest and tree first, reads the KV
 straight into free blocks it holds privately and checks every byte, and only then inserts
@@ -30,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import numbers
 import os
 import threading
@@ -56,12 +62,15 @@ class SaveResult:
     num_blocks: int
     num_tokens: int
     kv_bytes: int  # K and V bytes of the saved blocks
-    file_bytes: int  # the file's size: kv_bytes plus token ids, node table and header
+    file_bytes: int  # the file's size: kv_bytes, state_bytes, token ids, node table and header
     skipped_nodes: int = 0  # cached but left out by ``max_bytes`` (the least recently used)
     skipped_blocks: int = 0
     skipped_tokens: int = 0
     seconds: float = 0.0  # the whole save, snapshot to directory fsync
     times: IoTimes = dataclasses.field(default_factory=IoTimes)  # where the time went
+    num_snapshots: int = 0  # recurrent-state snapshots written (a store with states=)
+    state_bytes: int = 0  # their bytes
+    skipped_snapshots: int = 0  # held by the skipped nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +89,16 @@ class RestoreResult:
     demoted_blocks: int = 0  # store blocks moved to the host tier to make room (evict=True)
     seconds: float = 0.0  # read, check, place and copy
     times: IoTimes = dataclasses.field(default_factory=IoTimes)
+    # Recurrent-state snapshots (a store with states=): every snapshot of the file is in
+    # exactly one of restored / duplicate / dropped.
+    num_snapshots: int = 0  # in the file
+    restored_snapshots: int = 0  # attached to their nodes
+    host_snapshots: int = 0  # of restored_snapshots, those in the host tier's state pool
+    duplicate_snapshots: int = 0  # the store held a snapshot at that node already (kept)
+    # no slot in the state pool of the node's tier (the node's KV kept), or the node itself
+    # dropped or left out by ``namespaces``
+    dropped_snapshots: int = 0
+    evicted_snapshots: int = 0  # store snapshots dropped to make room (evict=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +111,10 @@ class Locked:
     unpin: Callable[[RadixTree, object], None]  # of a node pinned earlier (a flushed tree's too)
     make_room: Callable[[int, int], None]  # (tier, blocks): evict / demote least recently used
     private: tuple[set[int], set[int]]  # per tier: blocks taken from the pool, in no tree yet
+    # A store with states=: the StatePools by tier (device, host or None); () without
+    states: tuple = ()
+    private_snaps: tuple[set[int], set[int]] = (set(), set())  # per tier: slots taken, in no node yet
+    evict_snapshots: Callable[[int, int], None] | None = None  # (tier, n): drop LRU unpinned snapshots
 
 
 # -- save -----------------------------------------------------------------------------------
@@ -126,8 +149,8 @@ def save_store(
 
     ``identity``: JSON-able; a restore must present an equal one. ``rename``: maps a store
     namespace to the one written (hf_patch drops its per-process model scope). ``max_bytes``:
-    at most this many KV bytes, the most recently used prefixes first (a prefix always with
-    the path above it). ``deadline`` (``time.monotonic()``) / ``cancel``: stop writing once
+    at most this many KV and snapshot bytes, the most recently used prefixes first (a prefix
+    always with the path above it, a node with its snapshot). ``deadline`` (``time.monotonic()``) / ``cancel``: stop writing once
     passed / set, raising radixkv.SaveAborted, the previous file intact. ``max_rate``: at most
     this many KV bytes per second (a save in the background of requests).
 
@@ -153,32 +176,36 @@ def save_store(
     keep = _namespace_filter(namespaces)
     path = os.fspath(path)
     with store._exclusive() as locked:
-        tree, pool = locked.tree, locked.pools[DEVICE]
+        tree, pool, states = locked.tree, locked.pools[DEVICE], locked.states
         if epoch is not None and epoch != store.epoch:
             raise RuntimeError(
                 f"save to {path}: the store was flushed (weights changed?) after the identity was "
                 "computed; nothing was written"
             )
-        max_blocks = None if max_bytes is None else max_bytes // (pool.block_size * pool.bytes_per_token)
-        snap = _snapshot(tree, keep, rename, max_blocks)
+        costs = (pool.block_size * pool.bytes_per_token, states[DEVICE].slot_bytes if states else 0)
+        snap = _snapshot(tree, keep, rename, max_bytes, costs)
         for leaf in snap.leaves:  # the saved blocks can be neither evicted nor reused until written
-            tree.pin(leaf)
+            tree.pin(leaf)  # nor their snapshots: a pinned node's snapshot is neither evicted nor moved
     try:
         nodes = torch.tensor(snap.rows, dtype=torch.int64).reshape(len(snap.rows), 4)
         tensors: dict[str, torch.Tensor | Gathered] = {"tree.nodes": nodes, "tree.tokens": snap.tokens}
-        per_block = min(s.bytes_per_token for s in pool.layers) * pool.block_size // 2  # K or V of a layer
-        pieces = pieces_of(snap.ids, snap.tiers, max(1, MIN_RUN_BYTES // max(1, per_block)))
-        for i in range(len(pool.layers)):
-            tensors[f"kv.{i}.k"] = Gathered([p.k[i] for p in locked.pools], pieces, len(snap.ids))
-            tensors[f"kv.{i}.v"] = Gathered([p.v[i] for p in locked.pools], pieces, len(snap.ids))
+        if states:
+            tensors["tree.snaps"] = torch.tensor(snap.snaps, dtype=torch.int64)
+        tensors.update(_gathered("kv", [(p.k, p.v) for p in locked.pools], snap.ids, snap.tiers))
+        if states:
+            pools = [(p.tensors,) for p in states if p is not None]  # a host pool only after the device's
+            tensors.update(_gathered("state", pools, snap.slots, snap.slot_tiers))
         num_blocks = len(snap.ids)
+        counts = {"nodes": len(snap.rows), "blocks": num_blocks, "tokens": num_blocks * pool.block_size}
+        if states:
+            counts["snapshots"] = len(snap.slots)
         manifest = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
             "identity": identity,
-            "layout": layout_of(pool),
+            "layout": layout_of(pool, states[DEVICE] if states else None),
             "namespaces": snap.namespaces,
-            "counts": {"nodes": len(snap.rows), "blocks": num_blocks, "tokens": num_blocks * pool.block_size},
+            "counts": counts,
             # "checksum", "checksums": filled in by the writer as it streams each tensor
         }
         times = atomic_save(tensors, manifest, path, deadline=deadline, cancel=cancel, max_rate=max_rate)
@@ -199,16 +226,39 @@ def save_store(
         snap.skipped_blocks * bs,
         time.perf_counter() - started,
         times,
+        num_snapshots=len(snap.slots),
+        state_bytes=sum(nbytes(t) for name, t in tensors.items() if name.startswith("state.")),
+        skipped_snapshots=snap.skipped_snapshots,
     )
     logger.info(
-        "saved %d tokens (%d nodes) to %s in %.2fs%s",
+        "saved %d tokens (%d nodes%s) to %s in %.2fs%s",
         result.num_tokens,
         result.num_nodes,
+        f", {result.num_snapshots} state snapshots" if states else "",
         path,
         result.seconds,
-        f", skipped {result.skipped_tokens} less recently used tokens" if result.skipped_blocks else "",
+        f", skipped {result.skipped_tokens} less recently used tokens" if result.skipped_nodes else "",
     )
     return result
+
+
+def _gathered(prefix: str, pools, ids: list[int], tiers: list[int]) -> dict[str, Gathered]:
+    """The file tensors ``{prefix}.{...}`` of rows ``ids`` (of tiers ``tiers``) of per-tier pools.
+
+    ``pools[tier]``: a tuple of tensor lists, one per kind (KV: ``(k, v)``, named
+    ``kv.{l}.k`` / ``kv.{l}.v``; states: ``(tensors,)``, named ``state.{j}``), each tensor
+    ``[rows, ...]``. Consecutive rows of one tier go in runs of at least ~``MIN_RUN_BYTES``."""
+    first = pools[DEVICE]
+    if not first[0]:  # no tensors (a model without attention KV): nothing to gather
+        return {}
+    per_row = min(math.prod(t.shape[1:]) * t.element_size() for kind in first for t in kind)
+    pieces = pieces_of(ids, tiers, max(1, MIN_RUN_BYTES // max(1, per_row)))
+    out = {}
+    for i in range(len(first[0])):
+        for kind in range(len(first)):
+            name = f"kv.{i}.{'kv'[kind]}" if prefix == "kv" else f"{prefix}.{i}"
+            out[name] = Gathered([p[kind][i] for p in pools], pieces, len(ids))
+    return out
 
 
 @dataclasses.dataclass
@@ -221,10 +271,15 @@ class _Snapshot:
     leaves: list  # nodes to pin: that pins every saved node
     skipped_nodes: int
     skipped_blocks: int
+    snaps: list[int]  # per row: its snapshot's row in state.{j}, or -1 (a stateful tree)
+    slots: list[int]  # the snapshots' state pool slots, in row order
+    slot_tiers: list[int]  # each snapshot's tier
+    skipped_snapshots: int
 
 
-def _snapshot(tree, keep, rename, max_blocks: int | None) -> _Snapshot:
-    """The nodes of the kept namespaces (the most recent ``max_blocks`` worth). Under the lock."""
+def _snapshot(tree, keep, rename, max_bytes: int | None, costs: tuple[int, int]) -> _Snapshot:
+    """The nodes of the kept namespaces (the most recent ``max_bytes`` worth; ``costs``: bytes of
+    a block, of a snapshot). Under the lock."""
     candidates: list[tuple[object, int]] = []  # (node, parent's index or -1), parents first
     index: dict[int, int] = {}  # id(node) -> candidate index
     for node in tree.iter_nodes():
@@ -239,7 +294,7 @@ def _snapshot(tree, keep, rename, max_blocks: int | None) -> _Snapshot:
             continue  # under a namespace left out
         index[id(node)] = len(candidates)
         candidates.append((node, up))
-    chosen = _most_recent(candidates, max_blocks)
+    chosen = _most_recent(candidates, max_bytes, costs)
     rows: list[tuple[int, int, int, int]] = []
     row_of: dict[int, int] = {}  # candidate index -> row
     ns_index: dict[str, int] = {}  # encoded namespace (its JSON text) -> position in ns_list
@@ -247,6 +302,9 @@ def _snapshot(tree, keep, rename, max_blocks: int | None) -> _Snapshot:
     data: list[bytes] = []
     ids: list[int] = []
     tiers: list[int] = []
+    snaps: list[int] = []
+    slots: list[int] = []
+    slot_tiers: list[int] = []
     has_child: set[int] = set()
     for c, (node, up) in enumerate(candidates):
         if c not in chosen:
@@ -267,28 +325,50 @@ def _snapshot(tree, keep, rename, max_blocks: int | None) -> _Snapshot:
         data.append(node.data)
         ids.extend(node.block_ids)
         tiers.extend([node.tier] * len(node.block_ids))
+        snaps.append(len(slots) if node.snap >= 0 else -1)
+        if node.snap >= 0:
+            slots.append(node.snap)
+            slot_tiers.append(node.tier)
     leaves = [candidates[c][0] for c in row_of if c not in has_child]  # pinning them pins the rest
     tokens = (
         torch.frombuffer(bytearray(b"".join(data)), dtype=torch.int64)
         if data
         else torch.zeros(0, dtype=torch.int64)
     )
-    skipped = sum(len(node.block_ids) for c, (node, _) in enumerate(candidates) if c not in chosen)
-    return _Snapshot(rows, ns_list, tokens, ids, tiers, leaves, len(candidates) - len(chosen), skipped)
+    left = [node for c, (node, _) in enumerate(candidates) if c not in chosen]
+    return _Snapshot(
+        rows,
+        ns_list,
+        tokens,
+        ids,
+        tiers,
+        leaves,
+        len(left),
+        sum(len(node.block_ids) for node in left),
+        snaps,
+        slots,
+        slot_tiers,
+        sum(node.snap >= 0 for node in left),
+    )
 
 
-def _most_recent(candidates: list[tuple[object, int]], max_blocks: int | None) -> set[int]:
-    """Indices of the most recently used candidates whose blocks fit ``max_blocks`` (all when
-    None), each with its parent. A parent is never less recent than its child, and at equal
-    recency comes first (a lower index): it is always considered before it."""
-    if max_blocks is None:
+def _most_recent(
+    candidates: list[tuple[object, int]], max_bytes: int | None, costs: tuple[int, int]
+) -> set[int]:
+    """Indices of the most recently used candidates whose bytes fit ``max_bytes`` (all when
+    None), each with its parent; a node costs its blocks (``costs[0]`` bytes each) and its
+    snapshot if it has one (``costs[1]``). A parent is never less recent than its child, and
+    at equal recency comes first (a lower index): it is always considered before it."""
+    if max_bytes is None:
         return set(range(len(candidates)))
+    per_block, per_snap = costs
     order = sorted(range(len(candidates)), key=lambda c: (-candidates[c][0].last_access, c))
     chosen: set[int] = set()
     used = 0
     for c in order:
         node, up = candidates[c]
-        if (up == -1 or up in chosen) and used + len(node.block_ids) <= max_blocks:
+        cost = len(node.block_ids) * per_block + (per_snap if node.snap >= 0 else 0)
+        if (up == -1 or up in chosen) and used + cost <= max_bytes:
             chosen.add(c)
-            used += len(node.block_ids)
+            used += cost
     return chosen

@@ -607,8 +607,9 @@ class KVStore:
         RuntimeError, writing nothing, when the store was flushed after ``epoch`` (``self.epoch``
         read before ``identity`` was computed).
 
-        ``max_bytes``: write at most this many KV bytes, the most recently used prefixes first
-        (``SaveResult.skipped_*`` counts the rest). ``deadline`` (a ``time.monotonic()`` value)
+        ``max_bytes``: write at most this many KV (and snapshot) bytes, the most recently used
+        prefixes first (``SaveResult.skipped_*`` counts the rest). A store with ``states``
+        writes every saved node's snapshot with it (format 3: docs/cache-files.md). ``deadline`` (a ``time.monotonic()`` value)
         and ``cancel`` (an Event) stop the save between chunks: ``radixkv.SaveAborted``, the
         previous file unchanged, no temporary file left. ``max_rate``: at most this many KV
         bytes per second (a save in the background of requests).
@@ -652,6 +653,11 @@ class KVStore:
         counted as dropped.
         ``epoch``: ``self.epoch`` read when ``identity`` was computed; if the store was flushed
         since (weights changed), raises RuntimeError, changing nothing.
+        A store with ``states`` takes only files with snapshots of the same state specs (and a
+        store without, only files without: ``CacheFileMismatch`` otherwise). Each snapshot goes
+        into the state pool of its node's tier, a free slot (``evict``: or one of the store's
+        least recently used unpinned snapshots'); one that finds none is dropped, its node's KV
+        kept (``RestoreResult.*_snapshots``).
         """
         return persist.restore_store(
             self, path, identity=identity, rename=rename, epoch=epoch, evict=evict, namespaces=namespaces
@@ -663,8 +669,17 @@ class KVStore:
         with self._lock:
             pools = tuple(tier.pool for tier in self.tiers)
             private = (self._private, self._private_host)
+            states = () if self.states is None else (self.states, self.host_states)
             yield persist.Locked(
-                self.tree, pools, self.counters, self._unpin_locked, self._make_room_locked, private
+                self.tree,
+                pools,
+                self.counters,
+                self._unpin_locked,
+                self._make_room_locked,
+                private,
+                states,
+                self._private_snaps,
+                self._evict_snapshots_locked,
             )
 
     # -- maintenance ----------------------------------------------------------------------

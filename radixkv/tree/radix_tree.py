@@ -159,6 +159,10 @@ class RadixTree:
         """Host-resident snapshots held by nodes. O(1)."""
         return self._num_snaps[HOST]
 
+    def num_evictable_snapshots(self, tier: int = DEVICE) -> int:
+        """Snapshots of ``tier`` that ``evict_snapshots`` could drop now (their nodes unpinned). O(1)."""
+        return len(self._snap_lru[tier])
+
     @property
     def num_nodes(self) -> int:
         """Non-root nodes in the tree. O(1)."""
