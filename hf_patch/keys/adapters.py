@@ -26,21 +26,39 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import sys
 import threading
 import weakref
 
 import torch
 
-try:  # peft is optional: without it no model has tuner layers
-    from peft.tuners.tuners_utils import BaseTunerLayer
-except ImportError:  # pragma: no cover - exercised only where peft is absent
-    BaseTunerLayer = None
-try:  # modules_to_save / trainable tokens: per-adapter copies beside the tuner layers
-    from peft.utils.other import AuxiliaryTrainingWrapper
-except ImportError:  # pragma: no cover - peft absent, or older than these wrappers
-    AuxiliaryTrainingWrapper = None
-
 BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
+
+
+@functools.cache
+def _peft_types() -> tuple[type | None, type | None]:
+    """(BaseTunerLayer, AuxiliaryTrainingWrapper) of peft, imported once, the first time a model is
+    asked about while peft is loaded. Before that no module can be one of them (a tuner layer is
+    made by peft), so hf_patch does not import peft (6 s of a subprocess's start here)."""
+    try:  # peft is optional: without it no model has tuner layers
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover - exercised only where peft is absent
+        BaseTunerLayer = None
+    try:  # modules_to_save / trainable tokens: per-adapter copies beside the tuner layers
+        from peft.utils.other import AuxiliaryTrainingWrapper
+    except ImportError:  # pragma: no cover - peft absent, or older than these wrappers
+        AuxiliaryTrainingWrapper = None
+    return BaseTunerLayer, AuxiliaryTrainingWrapper
+
+
+def _tuner_type():
+    return _peft_types()[0] if "peft" in sys.modules else None
+
+
+def _wrapper_type():
+    return _peft_types()[1] if "peft" in sys.modules else None
+
+
 _PLAIN = (int, float, str, bool, type(None))
 # id(tensor) -> (weakref to it, (version, data_ptr), digest). Not a WeakKeyDictionary: tensors
 # compare elementwise, so a dictionary keyed by them cannot resolve a hash collision.
@@ -50,35 +68,36 @@ _lock = threading.Lock()
 
 def tuner_layers(model) -> list[tuple[str, torch.nn.Module]]:
     """``(qualified name, layer)`` of every PEFT tuner layer in ``model``, in module order."""
-    if BaseTunerLayer is None:
+    tuner = _tuner_type()
+    if tuner is None:
         return []
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, tuner)]
 
 
 def _base_part(layer: torch.nn.Module) -> str:
     """The attribute under which a wrapping layer keeps the model's own module."""
     return (
         "original_module"
-        if AuxiliaryTrainingWrapper and isinstance(layer, AuxiliaryTrainingWrapper)
+        if (wrapper := _wrapper_type()) is not None and isinstance(layer, wrapper)
         else "base_layer"
     )
 
 
 def is_tuner_layer(module: torch.nn.Module) -> bool:
-    return BaseTunerLayer is not None and isinstance(module, BaseTunerLayer)
+    tuner = _tuner_type()
+    return tuner is not None and isinstance(module, tuner)
 
 
 def is_adapter_holder(module: torch.nn.Module) -> bool:
     """A tuner layer or one of PEFT's auxiliary wrappers (``modules_to_save`` copies, trainable
     tokens): a module holding adapter weights beside the model's own module."""
-    return is_tuner_layer(module) or (
-        AuxiliaryTrainingWrapper is not None and isinstance(module, AuxiliaryTrainingWrapper)
-    )
+    wrapper = _wrapper_type()
+    return is_tuner_layer(module) or (wrapper is not None and isinstance(module, wrapper))
 
 
 def adapter_holders(model) -> list[tuple[str, torch.nn.Module]]:
     """Every adapter holder (``is_adapter_holder``) in ``model``, in module order."""
-    if BaseTunerLayer is None:
+    if _tuner_type() is None:
         return []
     return [(name, m) for name, m in model.named_modules() if is_adapter_holder(m)]
 
