@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -83,6 +84,102 @@ def sidecar_stats(path) -> dict:
         sock.connect(str(path))
         send(sock, {"op": "stats"})
         return recv(sock, FrameBuffer())[0]["stats"]
+
+
+class Wire:
+    """A raw client of a sidecar, for what no ``SidecarTier`` sends: any bytes (``send_raw``),
+    requests as dicts (``call``), and the KV round trip of a correct client (``kv_round_trip``)."""
+
+    def __init__(self, path, timeout: float = 30) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(timeout)
+        self.sock.connect(str(path))
+        from radixkv.sidecar.protocol import FrameBuffer
+
+        self.buffer = FrameBuffer()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    @staticmethod
+    def frame(head: bytes, body: bytes = b"") -> bytes:
+        """One frame of any header bytes (JSON or not) and body."""
+        from radixkv.sidecar.protocol import HEADER
+
+        return HEADER.pack(len(head), len(body)) + head + body
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def reply(self) -> tuple[dict, list[int]]:
+        """The next reply and the fds it carried; ConnectionError when the sidecar hung up."""
+        from radixkv.sidecar.protocol import recv
+
+        header, _, fds = recv(self.sock, self.buffer, with_fds=True)
+        return header, fds
+
+    def call(self, header: dict, body: bytes = b"") -> dict:
+        from radixkv.sidecar.protocol import encode
+
+        self.send_raw(encode(header, body))
+        reply, fds = self.reply()
+        for fd in fds:
+            os.close(fd)
+        return reply
+
+    def hung_up(self) -> bool:
+        """Whether the sidecar closed this connection (reads what is left until EOF or timeout)."""
+        try:
+            while data := self.sock.recv(1 << 16):
+                del data
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            pass
+        return True
+
+
+# The smallest layout a sidecar pool takes: 2 tokens x (64 + 64) float32 = 1 KiB a block
+WIRE_LAYOUT = {
+    "block_size": 2,
+    "layers": [{"num_kv_heads": 1, "k_head_dim": 64, "v_head_dim": 64, "dtype": "float32"}],
+}
+WIRE_KEY = {"ident": "ab" * 32, "ns": "null"}
+
+
+def kv_round_trip(path, seed: int) -> None:
+    """A correct client's write, then another connection's read of it: the bytes read back from
+    shared memory are the bytes written (what a hostile client beside them must not change)."""
+    import mmap
+    import random
+
+    from radixkv.sidecar.layout import KVLayout, PoolGeometry
+    from radixkv.sidecar.protocol import encode
+
+    rng = random.Random(seed)
+    tokens = [rng.randrange(1 << 62) for _ in range(8)]  # 4 whole blocks, a key of this seed alone
+    body = struct.pack(f"<{len(tokens)}q", *tokens)
+    writer, reader = Wire(path), Wire(path)
+    try:
+        writer.send_raw(encode({"op": "hello", "layout": WIRE_LAYOUT}))
+        hello, (fd,) = writer.reply()
+        geometry = PoolGeometry(KVLayout.from_json(WIRE_LAYOUT), hello["num_blocks"])
+        with mmap.mmap(fd, hello["pool_bytes"]) as buf:
+            os.close(fd)
+            txn = writer.call({"op": "alloc", **WIRE_KEY}, body)
+            assert "error" not in txn and txn["start"] == 0 and len(txn["slots"]) == 4, txn
+            payloads = [rng.randbytes(geometry.layout.block_bytes) for _ in txn["slots"]]
+            for slot, payload in zip(txn["slots"], payloads):
+                geometry.write_block(buf, slot, payload)
+            assert writer.call({"op": "commit", "txn": txn["txn"]}) == {"inserted": 8}
+            assert "error" not in reader.call({"op": "hello", "layout": WIRE_LAYOUT})
+            hit = reader.call({"op": "match", **WIRE_KEY, "have": 0}, body)
+            assert hit["num_tokens"] == 8 and len(hit["slots"]) == 4, hit
+            assert [geometry.read_block(buf, s) for s in hit["slots"]] == payloads
+            reader.send_raw(encode({"op": "release", "lease": hit["lease"]}))
+    finally:
+        writer.close()
+        reader.close()
 
 
 def after_copy(monkeypatch, then, once: bool = False) -> None:

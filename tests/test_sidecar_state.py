@@ -101,10 +101,18 @@ def test_a_pool_full_of_pinned_blocks_caches_what_fits():
     "bad, words",
     [
         ({"block_size": 3, "layers": SMALL["layers"]}, "power of two"),
-        (layout(dtype="int8"), "dtype must be one of"),
-        (layout(heads=0), "num_kv_heads must be a positive int"),
-        ({"block_size": 2, "layers": []}, "1..1024 layers"),
-        ("nope", "must be an object"),
+        (layout(dtype="int8"), r"layout.layers\[0\].dtype: invalid enum value 'int8' \(dtypes: bfloat16, "),
+        (layout(heads=0), r"layout.layers\[0\].num_kv_heads: expected `int` >= 1"),
+        (layout(heads=True), r"layout.layers\[0\].num_kv_heads: expected `int`, got `bool`"),
+        (layout(dim=2.0), r"layout.layers\[0\].k_head_dim: expected `int`, got `float`"),
+        ({"block_size": 1e400, "layers": SMALL["layers"]}, "layout.block_size: expected `int`, got `float`"),
+        ({"block_size": 2, "layers": []}, "layout.layers: expected `array` of length >= 1"),
+        (
+            {"block_size": 2, "layers": SMALL["layers"] * 1025},
+            "layout.layers: expected `array` of length <= 1024",
+        ),
+        ({**SMALL, "extra": 1}, "layout: object contains unknown field `extra`"),
+        ("nope", "layout: expected `object`, got `str`"),
     ],
 )
 def test_bad_layouts_are_refused_by_name(bad, words):

@@ -20,29 +20,13 @@ import socket
 import stat
 import threading
 
+from radixkv.sidecar import messages as m
 from radixkv.sidecar.protocol import FrameBuffer, ProtocolError, encode, send
 from radixkv.sidecar.state import Sidecar
 
 logger = logging.getLogger(__name__)
 
 SEND_TIMEOUT_S = 5.0  # a client that does not read its replies for this long is dropped
-
-
-def _namespace(header: dict) -> tuple[bytes, bytes]:
-    ident, ns = header.get("ident"), header.get("ns")
-    if not isinstance(ident, str) or not isinstance(ns, str):
-        raise ValueError("ident and ns must be strings")
-    try:
-        digest = bytes.fromhex(ident)
-    except ValueError:
-        raise ValueError("ident must be hex") from None
-    return digest, ns.encode()
-
-
-def _tokens(body: bytes) -> bytes:
-    if len(body) % 8:
-        raise ValueError(f"token body of {len(body)} bytes is not packed int64")
-    return body
 
 
 class Server:
@@ -147,48 +131,60 @@ class Server:
             if not isinstance(e, ConnectionError):
                 logger.info("client %d dropped: %s", cid, e)
             self._drop(cid, sel)
+        except Exception:  # a bug on one client's request: that client goes, the others are served
+            logger.exception("client %d dropped: its request raised", cid)
+            self._drop(cid, sel)
 
     def _handle(self, cid: int, conn: socket.socket, header: dict, body: bytes) -> None:
-        op, state = header.get("op"), self.state
-        fds = None
         try:
-            with state.lock:
-                if op == "hello":
-                    pool = state.hello(cid, header.get("layout"))
-                    reply = {"num_blocks": pool.num_blocks, "pool_bytes": pool.geometry.total_bytes}
-                    fds = [pool.fd]
-                elif op == "match":
-                    claim = header.get("claim", 0.0)
-                    if type(claim) not in (int, float) or not 0 <= claim <= 3600:
-                        raise ValueError(f"claim must be seconds in [0, 3600], got {claim!r}")
-                    reply = state.match(
-                        cid, _namespace(header), _tokens(body), header.get("have", 0), float(claim)
-                    )
-                elif op == "release":
-                    state.release(cid, int(header.get("lease", 0)))
-                    return
-                elif op == "alloc":
-                    reply = state.alloc(cid, _namespace(header), _tokens(body))
-                elif op == "commit":
-                    reply = {"inserted": state.commit(cid, int(header.get("txn", 0)))}
-                elif op == "abort":
-                    state.abort(cid, int(header.get("txn", 0)))
-                    return
-                elif op == "stats":
-                    reply = {"stats": state.stats()}
-                else:
-                    raise ValueError(
-                        f"unknown op {op!r}; ops: hello, match, release, alloc, commit, abort, stats"
-                    )
-        except (ValueError, TypeError) as e:
-            if op in ("release", "abort"):
+            request = m.parse_request(header, body)
+        except m.BadRequest as e:
+            if not e.replies:
+                logger.info("client %d: %s", cid, e)
+                return
+            conn.sendall(encode({"error": str(e)}))
+            return
+        op, fds = request.op_name, None
+        try:
+            with self.state.lock:
+                reply = self._run(cid, request, body)
+        except (ValueError, TypeError) as e:  # refused by the state (no hello yet, no such txn, ...)
+            if not request.REPLIES:
                 logger.info("client %d: %s refused: %s", cid, op, e)
                 return
             reply = {"error": f"{op}: {e}"}
+        if reply is None:
+            return
+        if isinstance(request, m.Hello) and "error" not in reply:
+            fds = [reply.pop("fd")]
         if fds:
             send(conn, reply, fds=fds)
         else:
             conn.sendall(encode(reply))
+
+    def _run(self, cid: int, request: m.Request, body: bytes) -> dict | None:
+        """Do one request (under the state's lock; ``body``: its tokens, for the ops that take
+        them); its reply, None for ops that get none."""
+        state = self.state
+        match request:
+            case m.Hello(layout=layout):
+                pool = state.hello(cid, layout)
+                return {"num_blocks": pool.num_blocks, "pool_bytes": pool.geometry.total_bytes, "fd": pool.fd}
+            case m.Match():
+                return state.match(cid, request.namespace, body, request.have, request.claim)
+            case m.Release(lease=lease):
+                state.release(cid, lease)
+            case m.Alloc():
+                return state.alloc(cid, request.namespace, body)
+            case m.Commit(txn=txn):
+                return {"inserted": state.commit(cid, txn)}
+            case m.Abort(txn=txn):
+                state.abort(cid, txn)
+            case m.Stats():
+                return {"stats": state.stats()}
+            case _:
+                raise AssertionError(f"no handler for {request!r}")  # a request type added without one
+        return None
 
 
 def install_signal_handlers(server: Server) -> None:

@@ -1,0 +1,137 @@
+"""Hostile input against a real sidecar process: frames no client library sends. A frame that
+breaks the format drops its client; a request with a bad field gets an error reply (or, for the
+ops that get no reply, nothing); the sidecar serves on, and a correct client beside gets the KV
+it wrote. (The random version: tests/test_sidecar_fuzz.py.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from radixkv.sidecar.protocol import encode
+from radixkv.sidecar.server import Server
+from radixkv.sidecar.state import Sidecar
+from tests.sidecar_process import WIRE_KEY, WIRE_LAYOUT, Wire, kv_round_trip, start_sidecar
+
+
+@pytest.fixture
+def sidecar(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sc") / "s.sock"  # short: AF_UNIX paths are limited to 107 bytes
+    proc = start_sidecar(path)
+    yield path, proc
+    proc.kill()
+    proc.wait()
+
+
+def log_of(proc) -> str:
+    proc.terminate()
+    return proc.communicate(timeout=30)[0]
+
+
+def test_a_header_nesting_100000_deep_drops_its_client_and_the_others_are_served(sidecar):
+    path, proc = sidecar
+    beside = Wire(path)
+    assert "error" not in beside.call({"op": "hello", "layout": WIRE_LAYOUT})
+    for head in (
+        b'{"op":"stats","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b"[" * 100_000,  # not even closed
+        b'{"op":"stats","x":"'
+        + b"[" * 1000
+        + b'",'
+        + b'"y":'
+        + b"{" * 1000,  # brackets in a string, then not
+    ):
+        hostile = Wire(path)
+        hostile.send_raw(Wire.frame(head))
+        assert hostile.hung_up()
+        hostile.close()
+    assert proc.poll() is None
+    assert beside.call({"op": "stats"})["stats"]["clients"] == 1  # its connection is untouched
+    kv_round_trip(path, seed=1)
+    # Brackets inside strings are not nesting: a header deep only in its strings is parsed (and
+    # refused for its unknown field by an error reply), its client kept.
+    assert "unknown field `x`" in beside.call({"op": "stats", "x": "[" * 100_000})["error"]
+    assert beside.call({"op": "stats"})["stats"]["clients"] == 1
+    assert "nests deeper than 16 levels" in log_of(proc)
+
+
+# (raw header, what the reply's error names; None: an op that gets no reply)
+NUMBERS = [
+    (b'{"op":"release","lease":1e400}', None),
+    (b'{"op":"release","lease":-1e400}', None),
+    (b'{"op":"release","lease":' + b"9" * 5000 + b"}", None),  # int() of >4,300 digits raises
+    (b'{"op":"abort","txn":NaN}', None),
+    (b'{"op":"commit","txn":Infinity}', "commit: txn: expected `int`, got `float`"),
+    (b'{"op":"commit","txn":-1}', "commit: txn: expected `int` >= 0"),
+    (b'{"op":"commit","txn":9223372036854775808}', "commit: txn: expected `int` <= 9223372036854775807"),
+    (b'{"op":"commit","txn":true}', "commit: txn: expected `int`, got `bool`"),
+    (b'{"op":"commit","txn":"1"}', "commit: txn: expected `int`, got `str`"),
+    (b'{"op":"commit"}', "commit: object missing required field `txn`"),
+    (b'{"op":"commit","txn":1,"tnx":2}', "commit: object contains unknown field `tnx`"),
+    (b'{"op":"match","ident":"ab","ns":"x","have":1e400}', "match: have: expected `int`, got `float`"),
+    (b'{"op":"match","ident":"ab","ns":"x","claim":-Infinity}', "match: claim: expected `float` >= 0.0"),
+    (b'{"op":"match","ident":"ab","ns":"x","claim":NaN}', "match: claim: expected `float`"),
+    (b'{"op":"match","ident":"ab","ns":["x"]}', "match: ns: expected `str`, got `array`"),
+    (b'{"op":"match","ident":"abc","ns":"x"}', "match: ident must be 1..64 bytes as hex"),
+    (b'{"op":"match","ident":"ab","ns":"\\ud800"}', "match: ns must be valid UTF-8"),
+    (b'{"op":"hello","layout":{"block_size":1e400,"layers":[]}}', "hello: layout.block_size: expected `int`"),
+    (b'{"op":1e400}', "unknown op inf"),
+    (b'{"op":null}', "unknown op None"),
+]
+
+
+def test_numbers_out_of_range_and_bad_fields_get_an_error_reply_and_change_nothing(sidecar):
+    path, proc = sidecar
+    client = Wire(path)
+    assert "error" not in client.call({"op": "hello", "layout": WIRE_LAYOUT})
+    before = client.call({"op": "stats"})["stats"]
+    for head, error in NUMBERS:
+        client.send_raw(Wire.frame(head))
+        if error is not None:
+            reply, _ = client.reply()
+            assert error in reply.get("error", ""), (head[:80], reply)
+    # The ops that get no reply sent none (the next reply is this stats'), and nothing changed.
+    after = client.call({"op": "stats"})["stats"]
+    assert after == before and proc.poll() is None
+    # A body where none belongs, and a token body that is not int64, are refused by name.
+    assert "takes no body" in client.call({"op": "stats"}, b"12345678")["error"]
+    assert "not packed int64" in client.call({"op": "alloc", **WIRE_KEY}, b"1234")["error"]
+    kv_round_trip(path, seed=2)
+    assert proc.poll() is None
+
+
+def test_an_exception_in_one_request_drops_that_client_and_the_loop_serves_on(tmp_path, monkeypatch):
+    """No exception from one client's request ends the serving loop (a bug in a handler: here
+    ``stats`` raising): that client is dropped and logged, the others are served."""
+    state = Sidecar(1 << 20)
+    server = Server(state, str(tmp_path / "s.sock"))
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        for _ in range(500):  # until it listens
+            try:
+                beside = Wire(server.path)
+                break
+            except OSError:
+                threading.Event().wait(0.01)
+        assert "error" not in beside.call({"op": "hello", "layout": WIRE_LAYOUT})
+        stats = state.stats
+        calls = []
+
+        def broken():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("a bug")
+            return stats()
+
+        monkeypatch.setattr(state, "stats", broken)
+        victim = Wire(server.path)
+        victim.send_raw(encode({"op": "stats"}))
+        assert victim.hung_up()
+        assert thread.is_alive()
+        assert beside.call({"op": "stats"})["stats"]["clients"] == 1
+        kv_round_trip(server.path, seed=3)
+    finally:
+        server.stop()
+        thread.join(10)
