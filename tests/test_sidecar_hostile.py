@@ -24,6 +24,11 @@ def sidecar(tmp_path_factory):
     proc.wait()
 
 
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def log_of(proc) -> str:
     proc.terminate()
     return proc.communicate(timeout=30)[0]
@@ -135,3 +140,31 @@ def test_an_exception_in_one_request_drops_that_client_and_the_loop_serves_on(tm
     finally:
         server.stop()
         thread.join(10)
+
+
+def test_a_hello_costs_no_memory_per_block_and_absurd_layouts_are_refused(tmp_path_factory):
+    """A pool's free list is a counter plus the ids freed again, not a list of every block: a
+    hello of 1 KiB blocks to a 1 GiB sidecar (a million blocks) used to grow its RSS by ~40 MiB
+    (a Python list of every id), 4-byte blocks to 64 MiB by 642 MiB; now neither costs memory
+    per block, and blocks that small are refused."""
+    path = tmp_path_factory.mktemp("sc") / "s.sock"
+    proc = start_sidecar(path, "1G")
+    try:
+        client = Wire(path)
+        assert client.call({"op": "stats"})["stats"]["pools"] == 0
+        before = rss_bytes(proc.pid)
+        hello = client.call({"op": "hello", "layout": WIRE_LAYOUT})
+        assert hello["num_blocks"] == 1 << 20
+        grown = rss_bytes(proc.pid) - before
+        assert grown < 4 << 20, f"RSS grew by {grown / 2**20:.1f} MiB at a hello"
+        four_bytes = {"block_size": 1, "layers": [{**WIRE_LAYOUT["layers"][0], "k_head_dim": 1, "v_head_dim": 1,
+                                                   "dtype": "float16"}]}  # fmt: skip
+        refused = client.call({"op": "hello", "layout": four_bytes})
+        assert "hello: layout: a block takes 4 bytes" in refused["error"], refused
+        assert "at least 1024 bytes" in refused["error"]
+        assert client.call({"op": "stats"})["stats"]["pools"] == 1
+        kv_round_trip(path, seed=4)
+        assert rss_bytes(proc.pid) - before < 8 << 20
+    finally:
+        proc.kill()
+        proc.wait()

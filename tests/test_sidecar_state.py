@@ -20,16 +20,17 @@ from radixkv.sidecar.layout import KVLayout, PoolGeometry
 from radixkv.sidecar.metrics import prometheus_text, serve_metrics
 from radixkv.sidecar.protocol import HEADER, FrameBuffer, ProtocolError, encode, recv, send
 from radixkv.sidecar.server import Server
-from radixkv.sidecar.state import Sidecar
+from radixkv.sidecar.state import MAX_POOLS, FreeBlocks, Sidecar
 from radixkv.tree import pack_tokens
 
 
-def layout(heads=1, dim=2, dtype="float32", bs=2, layers=1) -> dict:
+def layout(heads=1, dim=64, dtype="float32", bs=2, layers=1) -> dict:
     one = {"num_kv_heads": heads, "k_head_dim": dim, "v_head_dim": dim, "dtype": dtype}
     return {"block_size": bs, "layers": [one] * layers}
 
 
-SMALL = layout()  # 2 tokens x 1 head x (2 + 2) x 4 bytes = 32 bytes a block
+SMALL = layout()  # 2 tokens x 1 head x (64 + 64) x 4 bytes = 1 KiB a block, the smallest taken
+B = 1024
 NS = (b"\x01" * 32, b"null")
 
 
@@ -43,7 +44,7 @@ def write(state: Sidecar, cid: int, ids: bytes, ns=NS) -> int:
 
 
 def test_blocks_are_visible_after_commit_only_and_freed_with_their_client():
-    state = Sidecar(32 * 8)
+    state = Sidecar(B * 8)
     state.add_client(1)
     state.add_client(2)
     state.hello(1, SMALL)
@@ -72,8 +73,8 @@ def test_blocks_are_visible_after_commit_only_and_freed_with_their_client():
 
 
 def test_two_layouts_share_one_budget_and_evict_each_other():
-    big = layout(dim=4)  # 2 x (4 + 4) x 4 = 64 bytes a block
-    state = Sidecar(32 * 4)  # four small blocks, or two big ones
+    big = layout(dim=128)  # 2 x (128 + 128) x 4 = 2 KiB a block
+    state = Sidecar(B * 4)  # four small blocks, or two big ones
     state.add_client(1)
     state.add_client(2)
     state.hello(1, SMALL)
@@ -81,12 +82,12 @@ def test_two_layouts_share_one_budget_and_evict_each_other():
     assert len(state.pools) == 2
     assert write(state, 1, toks(1, 2, 3, 4, 5, 6, 7, 8)) == 8  # 4 small blocks: the whole budget
     assert write(state, 2, toks(1, 2, 3, 4)) == 4  # 2 big blocks: the small ones make room
-    assert state.stats()["used_bytes"] <= 32 * 4 and state.counters.evicted_blocks == 4
+    assert state.stats()["used_bytes"] <= B * 4 and state.counters.evicted_blocks == 4
     state.check_invariants()
 
 
 def test_a_pool_full_of_pinned_blocks_caches_what_fits():
-    state = Sidecar(32 * 3)
+    state = Sidecar(B * 3)
     for c in (1, 2):
         state.add_client(c)
         state.hello(c, SMALL)
@@ -104,7 +105,7 @@ def test_a_pool_full_of_pinned_blocks_caches_what_fits():
         (layout(dtype="int8"), r"layout.layers\[0\].dtype: invalid enum value 'int8' \(dtypes: bfloat16, "),
         (layout(heads=0), r"layout.layers\[0\].num_kv_heads: expected `int` >= 1"),
         (layout(heads=True), r"layout.layers\[0\].num_kv_heads: expected `int`, got `bool`"),
-        (layout(dim=2.0), r"layout.layers\[0\].k_head_dim: expected `int`, got `float`"),
+        (layout(dim=64.0), r"layout.layers\[0\].k_head_dim: expected `int`, got `float`"),
         ({"block_size": 1e400, "layers": SMALL["layers"]}, "layout.block_size: expected `int`, got `float`"),
         ({"block_size": 2, "layers": []}, "layout.layers: expected `array` of length >= 1"),
         (
@@ -113,6 +114,13 @@ def test_a_pool_full_of_pinned_blocks_caches_what_fits():
         ),
         ({**SMALL, "extra": 1}, "layout: object contains unknown field `extra`"),
         ("nope", "layout: expected `object`, got `str`"),
+        # 4-byte blocks (one token of one head of dim 1 in float16): 16.7 M blocks in 64 MiB
+        (layout(dim=1, dtype="float16", bs=1), r"a block takes 4 bytes \(1 tokens of 4 bytes of K and V\)"),
+        # 1 KiB blocks of 256 tokens: 8 bytes of key a token for 4 bytes of KV
+        (
+            layout(dim=1, dtype="float16", bs=256),
+            "256 tokens of 4 bytes .* at least 1024 bytes and 128 bytes a token",
+        ),
     ],
 )
 def test_bad_layouts_are_refused_by_name(bad, words):
@@ -120,6 +128,31 @@ def test_bad_layouts_are_refused_by_name(bad, words):
     state.add_client(1)
     with pytest.raises(ValueError, match=words):
         state.hello(1, bad)
+
+
+def test_free_blocks_cost_memory_for_used_blocks_only_and_hand_out_ascending_runs():
+    free = FreeBlocks(1 << 31)  # 2 TiB of 1 KiB blocks: nothing stored for them
+    assert len(free) == 1 << 31 and free.freed.itemsize * len(free.freed) == 0
+    assert free.take(4) == [0, 1, 2, 3] and free.take(2) == [4, 5]
+    free.put([1, 3, 2])
+    assert len(free) == (1 << 31) - 3
+    assert free.take(5) == [2, 3, 1, 6, 7]  # the last freed first, then fresh ids in order
+    assert free.take(0) == [] and len(free.freed) == 0
+    small = FreeBlocks(3)
+    assert small.take(5) == [0, 1, 2] and small.take(1) == [] and list(small) == []
+    small.put([2, 0])
+    assert sorted(small) == [0, 2]
+
+
+def test_the_number_of_pools_is_bounded_and_a_known_layout_is_always_served():
+    state = Sidecar(1 << 30)
+    state.add_client(1)
+    for i in range(MAX_POOLS):
+        state.hello(1, layout(bs=2 << (i % 10), heads=1 + i // 10))
+    with pytest.raises(ValueError, match=f"pools of {MAX_POOLS} KV layouts already"):
+        state.hello(1, layout(heads=99))
+    assert len(state.pools) == MAX_POOLS and state.hello(1, layout()).layout.block_size == 2
+    state.check_invariants()
 
 
 def test_bad_requests_are_refused_and_change_nothing():
@@ -142,7 +175,7 @@ def test_bad_requests_are_refused_and_change_nothing():
 def test_geometry_payload_round_trip():
     geometry = PoolGeometry(KVLayout.from_json(layout(layers=3)), 5)
     buf = bytearray(geometry.total_bytes)
-    payload = bytes(range(geometry.layout.block_bytes))
+    payload = bytes(i % 251 for i in range(geometry.layout.block_bytes))
     geometry.write_block(buf, 3, payload)
     assert geometry.read_block(buf, 3) == payload and geometry.read_block(buf, 2) == bytes(len(payload))
     with pytest.raises(ValueError, match="payload of 3 bytes"):
@@ -196,7 +229,7 @@ def test_server_socket_mode_hostile_clients_and_the_stats_command(tmp_path, caps
         assert "hex" in recv(client, buffer)[0]["error"]
         send(client, {"op": "hello", "layout": SMALL})
         reply, _, fds = recv(client, buffer, with_fds=True)
-        assert len(fds) == 1 and reply["num_blocks"] == (1 << 16) // 32
+        assert len(fds) == 1 and reply["num_blocks"] == (1 << 16) // B
         os.close(fds[0])
         send(client, {"op": "stats"})
         assert recv(client, buffer)[0]["stats"]["clients"] == 1  # the garbage client is gone
@@ -252,24 +285,24 @@ class FakeL2:
 
 def test_l2_fills_a_miss_in_memory_and_stops_at_the_first_refused_block():
     l2 = FakeL2()
-    a = Sidecar(32 * 8, l2=l2, l2_writer=l2.put_many)  # committed blocks go straight to the L2
+    a = Sidecar(B * 8, l2=l2, l2_writer=l2.put_many)  # committed blocks go straight to the L2
     a.add_client(1)
     a.hello(1, SMALL)
     doc = toks(1, 2, 3, 4, 5, 6, 7, 8)  # four blocks
     txn = a.alloc(1, NS, doc)
     pool = next(iter(a.pools.values()))
-    pool.geometry.write_block(pool.buf, txn["slots"][0], b"\x07" * 32)
+    pool.geometry.write_block(pool.buf, txn["slots"][0], b"\x07" * B)
     a.commit(1, txn["txn"])
     assert len(l2.values) == 4
-    b = Sidecar(32 * 8, l2=l2)  # a second sidecar (another machine) on the same L2
+    b = Sidecar(B * 8, l2=l2)  # a second sidecar (another machine) on the same L2
     b.add_client(1)
     b.hello(1, SMALL)
     hit = b.match(1, NS, doc, 0)
     assert hit["num_tokens"] == 8 and b.counters.l2_hit_tokens == 8
     pool = next(iter(b.pools.values()))
-    assert pool.geometry.read_block(pool.buf, hit["slots"][0]) == b"\x07" * 32  # the bytes came along
+    assert pool.geometry.read_block(pool.buf, hit["slots"][0]) == b"\x07" * B  # the bytes came along
     # Another identity finds nothing; a refused third block stops the fill after two blocks.
-    c = Sidecar(32 * 8, l2=l2)
+    c = Sidecar(B * 8, l2=l2)
     c.add_client(1)
     c.hello(1, SMALL)
     assert c.match(1, (b"\x09" * 32, b"null"), doc, 0)["num_tokens"] == 0
@@ -281,7 +314,7 @@ def test_l2_fills_a_miss_in_memory_and_stops_at_the_first_refused_block():
 
 
 def test_a_prefix_in_flight_is_claimed_waited_for_and_released():
-    state = Sidecar(32 * 16)
+    state = Sidecar(B * 16)
     for c in (1, 2, 3):
         state.add_client(c)
         state.hello(c, SMALL)
@@ -335,7 +368,7 @@ def test_no_cycle_of_clients_waiting_for_each_other_and_marks_expire(monkeypatch
     wait, or WAIT_MARK_S after its last poll (a waiter that gave up)."""
     from radixkv.sidecar import claims
 
-    state = Sidecar(32 * 64)
+    state = Sidecar(B * 64)
     for c in (1, 2, 3):
         state.add_client(c)
         state.hello(c, SMALL)

@@ -20,6 +20,12 @@ from radixkv.sidecar.messages import layout_from
 
 PAGE = 4096
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+# The smallest blocks a sidecar pool takes. Per cached block the sidecar keeps its id in the
+# tree (~40 bytes; ~0.5 KiB when a node holds one block alone) and per token an 8-byte key: a
+# layout below these would spend more on bookkeeping than on KV (4-byte blocks: 16.7 M blocks in
+# 64 MiB). Real models' blocks are far above both (a 0.5 B model: ~12 KiB a token).
+MIN_BLOCK_BYTES = 1024
+MIN_TOKEN_BYTES = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +38,21 @@ class KVLayout:
     @classmethod
     def from_json(cls, obj: object) -> KVLayout:
         """Parse a client's layout (``hf_patch.identity.kv_layout``'s dict, or the schema's
-        ``messages.Layout``); ValueError naming the first bad field."""
+        ``messages.Layout``); ValueError naming the first bad field, or why its sizes are refused
+        (``MIN_BLOCK_BYTES``, ``MIN_TOKEN_BYTES``)."""
         parsed = layout_from(obj)
         bs = parsed.block_size
         if bs & (bs - 1):
             raise ValueError(f"layout.block_size must be a power of two, got {bs}")
         layout = cls(bs, tuple((x.num_kv_heads, x.k_head_dim, x.v_head_dim, x.dtype) for x in parsed.layers))
+        per_token = layout.block_bytes // bs
+        if layout.block_bytes < MIN_BLOCK_BYTES or per_token < MIN_TOKEN_BYTES:
+            raise ValueError(
+                f"layout: a block takes {layout.block_bytes} bytes ({bs} tokens of {per_token} bytes of K "
+                f"and V); the sidecar takes blocks of at least {MIN_BLOCK_BYTES} bytes and "
+                f"{MIN_TOKEN_BYTES} bytes a token (below that its bookkeeping outweighs the KV): "
+                "raise the block size, or keep this model's cache in its own process"
+            )
         return layout
 
     def to_json(self) -> dict:

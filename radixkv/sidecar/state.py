@@ -24,6 +24,7 @@ loop thread, or under ``Sidecar.lock`` (the metrics thread reads ``stats``).
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import itertools
 import logging
@@ -38,6 +39,8 @@ from radixkv.tree import RadixTree
 from radixkv.tree.node import Node, PackedTokens
 
 logger = logging.getLogger(__name__)
+
+MAX_POOLS = 64  # KV layouts at once (each a memory file and its tree); pools are never dropped
 
 
 @dataclasses.dataclass
@@ -57,6 +60,40 @@ class Counters:
     waits: int = 0  # matches told to wait for another client's prefix in flight
 
 
+class FreeBlocks:
+    """The free block ids of one pool, in memory that grows with the blocks used, never with the
+    pool's size: ids never handed out are a counter (``fresh``, ascending runs for the copy
+    kernels), ids freed again a stack of int64 (8 bytes each). A pool of 2**31 blocks costs
+    nothing until its blocks are used (the free list used to be a Python list of every id:
+    ~40 bytes a block, at hello)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.fresh = 0  # ids >= fresh were never handed out
+        self.freed = array.array("q")  # a stack: the last freed is taken first
+
+    def __len__(self) -> int:
+        return self.num_blocks - self.fresh + len(self.freed)
+
+    def __iter__(self):
+        yield from self.freed
+        yield from range(self.fresh, self.num_blocks)
+
+    def take(self, n: int) -> list[int]:
+        """``n`` ids (at most ``len(self)``): the freed ones last freed first, then fresh ones."""
+        reused = min(n, len(self.freed))
+        ids = self.freed[len(self.freed) - reused :].tolist()
+        ids.reverse()
+        del self.freed[len(self.freed) - reused :]
+        fresh = min(n - reused, self.num_blocks - self.fresh)
+        ids += range(self.fresh, self.fresh + fresh)
+        self.fresh += fresh
+        return ids
+
+    def put(self, ids) -> None:
+        self.freed.extend(ids)
+
+
 class SharedPool:
     """One KV layout's blocks in one memory file, and the tree over them."""
 
@@ -68,20 +105,17 @@ class SharedPool:
         os.ftruncate(self.fd, self.geometry.total_bytes)
         self.buf = mmap.mmap(self.fd, self.geometry.total_bytes)
         self.tree = RadixTree(layout.block_size, check_block_ids=False)
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: ascending runs out
+        self.free = FreeBlocks(num_blocks)
 
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self.free)
 
     def allocate(self, n: int) -> list[int]:
-        ids = self.free[len(self.free) - n :]
-        ids.reverse()
-        del self.free[len(self.free) - n :]
-        return ids
+        return self.free.take(n)
 
     def release(self, ids) -> None:
-        self.free.extend(ids)
+        self.free.put(ids)
 
 
 @dataclasses.dataclass
@@ -129,10 +163,16 @@ class Sidecar:
         self.counters.clients_total += 1
 
     def hello(self, cid: int, layout_json: object) -> SharedPool:
-        """Bind client ``cid`` to the pool of its layout (made on first use); ValueError if bad."""
+        """Bind client ``cid`` to the pool of its layout (made on first use, at most
+        ``MAX_POOLS``); ValueError if the layout is bad or refused."""
         layout = KVLayout.from_json(layout_json)
         pool = self.pools.get(layout.key)
         if pool is None:
+            if len(self.pools) >= MAX_POOLS:
+                raise ValueError(
+                    f"the sidecar holds pools of {MAX_POOLS} KV layouts already (one per model "
+                    "architecture and block size): run another sidecar for more"
+                )
             num_blocks = self.budget_bytes // layout.block_bytes
             if num_blocks == 0:
                 raise ValueError(
@@ -372,6 +412,6 @@ class Sidecar:
             owned += [
                 i for c in self.clients.values() for t in c.txns.values() if t.pool is pool for i in t.slots
             ]
-            every = owned + pool.free
+            every = owned + list(pool.free)
             if sorted(every) != list(range(pool.num_blocks)):
                 raise AssertionError("a sidecar block is lost or owned twice")
