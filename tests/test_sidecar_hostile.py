@@ -5,20 +5,28 @@ it wrote. (The random version: tests/test_sidecar_fuzz.py.)"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import stat
+import subprocess
+import sys
 import threading
 
 import pytest
 
 from radixkv.sidecar.protocol import encode
-from radixkv.sidecar.server import Server
+from radixkv.sidecar.server import ServeError, Server
 from radixkv.sidecar.state import Sidecar
-from tests.sidecar_process import WIRE_KEY, WIRE_LAYOUT, Wire, kv_round_trip, start_sidecar
+from tests.sidecar_process import ROOT, WIRE_KEY, WIRE_LAYOUT, Wire, kv_round_trip, start_sidecar
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def sidecar(tmp_path_factory):
+    """One sidecar for the tests that hurt it (each checks that it still serves, and a correct
+    client's KV); its log is read as it goes (``log_so_far``)."""
     path = tmp_path_factory.mktemp("sc") / "s.sock"  # short: AF_UNIX paths are limited to 107 bytes
     proc = start_sidecar(path)
+    os.set_blocking(proc.stdout.fileno(), False)
     yield path, proc
     proc.kill()
     proc.wait()
@@ -29,9 +37,13 @@ def rss_bytes(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def log_of(proc) -> str:
-    proc.terminate()
-    return proc.communicate(timeout=30)[0]
+def log_so_far(proc) -> str:
+    """What the sidecar logged until now (its stdout, read without waiting)."""
+    chunks = []
+    with contextlib.suppress(BlockingIOError):
+        while data := os.read(proc.stdout.fileno(), 1 << 16):
+            chunks.append(data)
+    return b"".join(chunks).decode(errors="replace")
 
 
 def test_a_header_nesting_100000_deep_drops_its_client_and_the_others_are_served(sidecar):
@@ -52,13 +64,14 @@ def test_a_header_nesting_100000_deep_drops_its_client_and_the_others_are_served
         assert hostile.hung_up()
         hostile.close()
     assert proc.poll() is None
-    assert beside.call({"op": "stats"})["stats"]["clients"] == 1  # its connection is untouched
+    assert "stats" in beside.call({"op": "stats"})  # its connection is untouched
+    assert log_so_far(proc).count("nests deeper than 16 levels") == 3
     kv_round_trip(path, seed=1)
     # Brackets inside strings are not nesting: a header deep only in its strings is parsed (and
     # refused for its unknown field by an error reply), its client kept.
     assert "unknown field `x`" in beside.call({"op": "stats", "x": "[" * 100_000})["error"]
-    assert beside.call({"op": "stats"})["stats"]["clients"] == 1
-    assert "nests deeper than 16 levels" in log_of(proc)
+    assert "stats" in beside.call({"op": "stats"})
+    beside.close()
 
 
 # (raw header, what the reply's error names; None: an op that gets no reply)
@@ -96,14 +109,24 @@ def test_numbers_out_of_range_and_bad_fields_get_an_error_reply_and_change_nothi
         if error is not None:
             reply, _ = client.reply()
             assert error in reply.get("error", ""), (head[:80], reply)
-    # The ops that get no reply sent none (the next reply is this stats'), and nothing changed.
+    # The ops that get no reply sent none (the next reply is this stats'), and nothing changed
+    # (but the count of clients: other tests' connections may close meanwhile).
     after = client.call({"op": "stats"})["stats"]
-    assert after == before and proc.poll() is None
+    assert {k: v for k, v in after.items() if k != "clients"} == {
+        k: v for k, v in before.items() if k != "clients"
+    }
+    assert proc.poll() is None
+    log = log_so_far(proc)
+    assert (
+        "release: lease: expected `int`, got `float`" in log
+        and "abort: txn: expected `int`, got `float`" in log
+    )
     # A body where none belongs, and a token body that is not int64, are refused by name.
     assert "takes no body" in client.call({"op": "stats"}, b"12345678")["error"]
     assert "not packed int64" in client.call({"op": "alloc", **WIRE_KEY}, b"1234")["error"]
     kv_round_trip(path, seed=2)
     assert proc.poll() is None
+    client.close()
 
 
 def test_an_exception_in_one_request_drops_that_client_and_the_loop_serves_on(tmp_path, monkeypatch):
@@ -168,3 +191,46 @@ def test_a_hello_costs_no_memory_per_block_and_absurd_layouts_are_refused(tmp_pa
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_second_sidecar_or_a_socket_path_taken_is_refused_in_one_line(sidecar, tmp_path):
+    """What stops a sidecar from serving is one line on stderr naming the path and what to do,
+    exit status 1, never a traceback; and it leaves the path alone."""
+    path, proc = sidecar
+    regular = tmp_path / "regular"
+    regular.write_text("not a socket")
+    attempts = {
+        "second": (path, "a sidecar is already serving"),
+        "file": (regular, "is not a socket (a file): remove it"),
+    }
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "radixkv.sidecar", "--socket", str(p), "--host-bytes", "1M"],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for name, (p, _) in attempts.items()
+    }
+    for name, run in runs.items():
+        out, err = run.communicate(timeout=120)
+        where, words = attempts[name]
+        lines = err.strip().splitlines()
+        assert run.returncode == 1 and out == "" and len(lines) == 1, (name, run.returncode, err)
+        assert str(where) in lines[0] and words in lines[0] and "--socket" in lines[0], (name, lines)
+    assert regular.read_text() == "not a socket" and stat.S_ISSOCK(os.lstat(path).st_mode)
+    assert proc.poll() is None
+    kv_round_trip(path, seed=5)
+    # The other refusals (in-process: the same ServeError the command prints in one line)
+    with pytest.raises(
+        ServeError, match=r"cannot create .*/missing/s.sock.lock \(No such file or directory\)"
+    ):
+        Server(Sidecar(1 << 20), str(tmp_path / "missing" / "s.sock")).listen()
+    with pytest.raises(ServeError, match=r"is not a socket \(a directory\)"):
+        Server(Sidecar(1 << 20), str(tmp_path)).listen()
+    long = tmp_path / ("x" * 120)
+    with pytest.raises(ServeError, match="cannot create the socket .* path too long"):
+        Server(Sidecar(1 << 20), str(long)).listen()

@@ -19,7 +19,7 @@ from radixkv.sidecar.__main__ import stats_main
 from radixkv.sidecar.layout import KVLayout, PoolGeometry
 from radixkv.sidecar.metrics import prometheus_text, serve_metrics
 from radixkv.sidecar.protocol import HEADER, FrameBuffer, ProtocolError, encode, recv, send
-from radixkv.sidecar.server import Server
+from radixkv.sidecar.server import ServeError, Server
 from radixkv.sidecar.state import MAX_POOLS, FreeBlocks, Sidecar
 from radixkv.tree import pack_tokens
 
@@ -213,7 +213,7 @@ def test_server_socket_mode_hostile_clients_and_the_stats_command(tmp_path, caps
             threading.Event().wait(0.01)
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         with pytest.raises(RuntimeError, match="already serving"):
-            Server(Sidecar(1 << 16), path)._listen()
+            Server(Sidecar(1 << 16), path).listen()
         assert stat.S_ISSOCK(os.lstat(path).st_mode)  # the refused second sidecar left it alone
         garbage = socket.socket(socket.AF_UNIX)
         garbage.connect(path)
@@ -348,18 +348,20 @@ def test_a_stale_socket_is_replaced_and_the_lock_goes_with_the_server(tmp_path):
     dead.bind(path)  # a sidecar that died: its file stays, nobody listens, nobody holds the lock
     dead.close()
     first = Server(Sidecar(1 << 16), path)
-    listener = first._listen()
+    first.listen()
     try:
         with socket.socket(socket.AF_UNIX) as probe:
             probe.connect(path)  # the new sidecar listens on the old path
-        with pytest.raises(RuntimeError, match="already serving"):
-            Server(Sidecar(1 << 16), path)._listen()
+        with pytest.raises(
+            ServeError, match="already serving .* stop it first, or give this one another --socket"
+        ):
+            Server(Sidecar(1 << 16), path).listen()
     finally:
-        listener.close()
-        os.close(first._lock_fd)  # as serve() does when it ends
+        first.close()  # as serve() does when it ends
+    assert not os.path.exists(path)
     second = Server(Sidecar(1 << 16), path)
-    second._listen().close()  # the lock was free again
-    os.close(second._lock_fd)
+    second.listen()  # the lock was free again
+    second.close()
 
 
 def test_no_cycle_of_clients_waiting_for_each_other_and_marks_expire(monkeypatch):

@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 SEND_TIMEOUT_S = 5.0  # a client that does not read its replies for this long is dropped
 
 
+class ServeError(RuntimeError):
+    """Why the sidecar cannot serve on its path (taken by another sidecar or by a file, or not
+    creatable), in one line naming the path and what to do."""
+
+
 class Server:
     """Serves ``state`` on ``path`` until ``stop()`` (from another thread or a signal)."""
 
@@ -39,35 +44,74 @@ class Server:
         self._stop = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()
         self._conns: dict[int, tuple[socket.socket, FrameBuffer]] = {}
+        self._listener: socket.socket | None = None
 
-    def _listen(self) -> socket.socket:
+    def listen(self) -> socket.socket:
+        """Take the path and listen on it (``serve`` does, if not done yet); ``ServeError`` with
+        one line for the user when the path is taken or cannot be made."""
         # One sidecar per path, decided by a lock held for the server's life (released by the
         # kernel when the process dies), not by probing the socket: between another sidecar's
         # bind() and listen() a probe is refused, and the path of a live sidecar was unlinked.
-        self._lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.mode)
+        path, lock = self.path, self.path + ".lock"
+        try:
+            self._lock_fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.mode)
+        except OSError as e:
+            raise ServeError(
+                f"cannot create {lock} ({e.strerror or e}): give the sidecar a --socket in a directory "
+                "that exists and that this user may write"
+            ) from None
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise RuntimeError(
-                f"a sidecar is already serving {self.path} (it holds {self.path}.lock)"
+            raise ServeError(
+                f"a sidecar is already serving {path} (it holds {lock}): stop it first, or give this one "
+                "another --socket"
             ) from None
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                os.unlink(self.path)  # a stale socket of a sidecar that died: we hold the lock
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and not stat.S_ISSOCK(mode):
+            os.close(self._lock_fd)
+            kind = (
+                "a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode) else "a file"
+            )
+            raise ServeError(
+                f"{path} is not a socket ({kind}): remove it, or give the sidecar another --socket"
+            )
+        if mode is not None:
+            os.unlink(path)  # a stale socket of a sidecar that died: we hold the lock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o777 & ~self.mode)  # the file is born with the mode: no window of 0755
         try:
-            sock.bind(self.path)
-            os.chmod(self.path, self.mode)
+            sock.bind(path)
+            os.chmod(path, self.mode)
             sock.listen(128)
+        except OSError as e:
+            sock.close()
+            os.close(self._lock_fd)
+            raise ServeError(
+                f"cannot create the socket {path} ({e.strerror or e}): give the sidecar another --socket"
+            ) from None
         except BaseException:
             sock.close()
             os.close(self._lock_fd)
             raise
         finally:
             os.umask(old)
+        self._listener = sock
         return sock
+
+    def close(self) -> None:
+        """Give the path up (``serve`` does when it ends): the socket file goes, the lock with it."""
+        if self._listener is None:
+            return
+        self._listener.close()
+        self._listener = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self._lock_fd)  # the lock goes with it; the .lock file stays (harmless)
 
     def stop(self) -> None:
         self._stop.set()
@@ -75,7 +119,7 @@ class Server:
             self._wake_w.send(b"x")
 
     def serve(self) -> None:
-        listener = self._listen()
+        listener = self._listener or self.listen()
         sel = selectors.DefaultSelector()
         sel.register(listener, selectors.EVENT_READ, None)
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -93,10 +137,7 @@ class Server:
             for cid in list(self._conns):
                 self._drop(cid, sel)
             sel.close()
-            listener.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
-            os.close(self._lock_fd)  # the lock goes with it; the .lock file stays (harmless)
+            self.close()
 
     def _accept(self, listener: socket.socket, sel) -> None:
         try:
