@@ -234,3 +234,35 @@ def test_a_second_sidecar_or_a_socket_path_taken_is_refused_in_one_line(sidecar,
     long = tmp_path / ("x" * 120)
     with pytest.raises(ServeError, match="cannot create the socket .* path too long"):
         Server(Sidecar(1 << 20), str(long)).listen()
+
+
+def test_a_client_that_sends_and_never_reads_stalls_nobody_and_gets_every_reply_later(sidecar):
+    """A flood of requests from a client that does not read: the sidecar used to block in
+    sendall() on it for up to 5 s (SEND_TIMEOUT_S), every other client waiting, then drop it.
+    Now its replies wait in its queue (its requests too, past 1 MiB of replies), the others are
+    served meanwhile, and it gets every reply, in order, once it reads."""
+    path, proc = sidecar
+    beside, flooder = Wire(path), Wire(path)
+    assert "stats" in flooder.call({"op": "stats"})  # both connected
+    clients = beside.call({"op": "stats"})["stats"]["clients"]
+    frame = encode({"op": "stats"})
+    flood = frame * 20_000  # 440 KB of requests, ~14 MB of replies: far more than sockets buffer
+    flooder.sock.setblocking(False)
+    sent = 0
+    with contextlib.suppress(BlockingIOError):
+        while sent < len(flood):
+            sent += flooder.sock.send(flood[sent : sent + (1 << 16)])
+    flooder.sock.setblocking(True)
+    flooder.sock.settimeout(30)
+    # Served while the flooder's replies wait unread (it is still connected: the clients are the same).
+    assert beside.call({"op": "stats"})["stats"]["clients"] == clients
+    kv_round_trip(path, seed=6)
+    for _ in range(sent // len(frame)):
+        assert "stats" in flooder.reply()[0]
+    if sent % len(frame):  # the frame its last send cut: sent whole now, answered too
+        flooder.send_raw(flood[sent : -(-sent // len(frame)) * len(frame)])
+        assert "stats" in flooder.reply()[0]
+    assert "stats" in flooder.call({"op": "stats"})
+    assert proc.poll() is None
+    beside.close()
+    flooder.close()
