@@ -313,6 +313,44 @@ def test_l2_fills_a_miss_in_memory_and_stops_at_the_first_refused_block():
         s.check_invariants()
 
 
+class CountingL2(FakeL2):
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[int] = []
+
+    def get_many(self, keys):
+        self.asked.append(len(keys))
+        return super().get_many(keys)
+
+
+def test_a_long_prompt_reads_the_l2_in_doubling_runs_up_to_its_first_miss():
+    """Only the leading hits of an L2 read are used: a 20,000-block prompt whose first 40 blocks
+    the L2 holds asks for 16 + 32 keys (not 20,000, each hashed over the whole prompt first),
+    and a prompt longer than the pool asks for no more blocks than the pool has."""
+    l2 = CountingL2()
+    writer = Sidecar(B * 64, l2=l2, l2_writer=l2.put_many)
+    writer.add_client(1)
+    writer.hello(1, SMALL)
+    prompt = list(range(100, 100 + 40_000))  # 20,000 blocks of 2
+    assert write(writer, 1, toks(*prompt[:80])) == 80 and len(l2.values) == 40
+    reader = Sidecar(B * 64, l2=l2)
+    reader.add_client(1)
+    reader.hello(1, SMALL)
+    hit = reader.match(1, NS, toks(*prompt), 0)
+    assert hit["num_tokens"] == 80 and l2.asked == [16, 32]
+    assert reader.match(1, NS, toks(*prompt), 80)["lease"] == 0  # from 40 blocks on: one run, a miss
+    assert l2.asked == [16, 32, 16]
+    everything = CountingL2()
+    everything.get_many = lambda keys: everything.asked.append(len(keys)) or [b"\x07" * B] * len(keys)
+    full = Sidecar(B * 64, l2=everything)
+    full.add_client(1)
+    full.hello(1, SMALL)
+    assert full.match(1, NS, toks(*prompt), 0)["num_tokens"] == 64 * 2  # the whole pool
+    assert sum(everything.asked) == 64 and everything.asked == [16, 32, 16]
+    for s in (writer, reader, full):
+        s.check_invariants()
+
+
 def test_a_prefix_in_flight_is_claimed_waited_for_and_released():
     state = Sidecar(B * 16)
     for c in (1, 2, 3):

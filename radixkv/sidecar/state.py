@@ -41,6 +41,7 @@ from radixkv.tree.node import Node, PackedTokens
 logger = logging.getLogger(__name__)
 
 MAX_POOLS = 64  # KV layouts at once (each a memory file and its tree); pools are never dropped
+L2_FIRST_RUN = 16  # blocks a match asks the L2 for first; each further run twice the last
 
 
 @dataclasses.dataclass
@@ -348,22 +349,48 @@ class Sidecar:
         ids = memoryview(tokens).cast("q").tolist()
         return block_keys(ident, ns, ids, pool.layout.block_size)
 
+    def _l2_runs(self, pool: SharedPool, namespace: tuple, tokens: PackedTokens, first: int):
+        """The L2 keys of the whole blocks of ``tokens`` from block ``first`` on, in runs of
+        ``L2_FIRST_RUN`` blocks, then twice as many each time, at most the pool's blocks in all:
+        the chain is hashed as far as each run reaches, never over a whole long prompt at once."""
+        from radixkv.l2 import block_keys  # only with --l2: the sidecar runs without that package
+
+        ident, ns = namespace
+        bs = pool.layout.block_size
+        ids = memoryview(tokens).cast("q")
+        end = min(tokens.num_tokens // bs, first + pool.num_blocks)
+        parent = block_keys(ident, ns, ids[: first * bs], bs)[-1] if first else None
+        run = L2_FIRST_RUN
+        while first < end:
+            keys = block_keys(ident, ns, ids[first * bs : min(end, first + run) * bs], bs, parent=parent)
+            yield keys
+            first, parent, run = first + len(keys), keys[-1], run * 2
+
     def _fill_from_l2(self, pool: SharedPool, namespace: tuple, tokens: PackedTokens, match) -> int:
         """Read the blocks after ``match`` from the L2 tier into free blocks and insert them;
-        returns blocks added (0 on a miss, a refusal or an L2 down: never raises for those)."""
+        returns blocks added (0 on a miss, a refusal or an L2 down: never raises for those).
+
+        Only the leading run of hits is used, so the L2 is read in runs that double
+        (``_l2_runs``) until one holds a miss: a long prompt the L2 does not hold costs one
+        read of ``L2_FIRST_RUN`` keys (an 8 M-token look-up used to hash and ask for all of its
+        blocks, holding the loop for seconds), and no read asks for more blocks than the pool has."""
         bs = pool.layout.block_size
         have = match.num_tokens // bs
-        keys = self._l2_keys(pool, namespace, tokens)[have:]
-        try:
-            payloads = self.l2.get_many(keys)
-        except Exception as e:  # the contract says it never raises; a bug there costs only speed
-            logger.warning("L2 read failed: %s", e)
-            return 0
         got = []
-        for payload in payloads:
-            if payload is None or len(payload) != pool.layout.block_bytes:
+        for keys in self._l2_runs(pool, namespace, tokens, have):
+            try:
+                payloads = self.l2.get_many(keys)
+            except Exception as e:  # the contract says it never raises; a bug there costs only speed
+                logger.warning("L2 read failed: %s", e)
                 break
-            got.append(payload)
+            hits = 0
+            for payload in payloads:
+                if payload is None or len(payload) != pool.layout.block_bytes:
+                    break
+                hits += 1
+            got += payloads[:hits]
+            if hits < len(keys):
+                break
         if not got:
             return 0
         pool.tree.pin(match.node)
