@@ -44,6 +44,7 @@ SEND_TIMEOUT_S = 5.0  # a client whose replies wait this long without a byte tak
 MAX_UNSENT_BYTES = 1 << 20  # replies waiting for one client past which its requests wait too
 FRAMES_PER_TURN = 16  # requests of one client handled before the others get their turn
 RECV_BYTES = 1 << 20
+ACCEPTS_PER_TURN = 64
 
 
 class ServeError(RuntimeError):
@@ -129,6 +130,7 @@ class Server:
             sock.bind(path)
             os.chmod(path, self.mode)
             sock.listen(128)
+            sock.setblocking(False)
         except OSError as e:
             sock.close()
             os.close(self._lock_fd)
@@ -193,16 +195,19 @@ class Server:
         return min(1.0, max(0.0, due))
 
     def _accept(self, listener: socket.socket) -> None:
-        try:
-            sock, _ = listener.accept()
-        except OSError:
-            return
-        sock.setblocking(False)
-        client = _Client(next(self._ids), sock)
-        self._clients[client.cid] = client
-        with self.state.lock:
-            self.state.add_client(client.cid)
-        self._watch(client)
+        """Take the connections waiting, up to ``ACCEPTS_PER_TURN`` (one at a time, a burst of
+        connects filled the listen backlog: connects then failed with EAGAIN)."""
+        for _ in range(ACCEPTS_PER_TURN):
+            try:
+                sock, _ = listener.accept()
+            except OSError:  # none waiting (EAGAIN), or out of descriptors: try again next turn
+                return
+            sock.setblocking(False)
+            client = _Client(next(self._ids), sock)
+            self._clients[client.cid] = client
+            with self.state.lock:
+                self.state.add_client(client.cid)
+            self._watch(client)
 
     def _drop(self, client: _Client) -> None:
         client.closed = True
