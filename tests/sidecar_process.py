@@ -19,6 +19,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,6 +43,30 @@ def start_sidecar(path: Path, host_bytes: str = "16M", *extra: str) -> subproces
             raise RuntimeError(f"sidecar did not start: {proc.stdout.read()}")
         time.sleep(0.05)
     return proc
+
+
+class SidecarLog:
+    """A sidecar's output (``start_sidecar``'s pipe), read by a thread as it comes: a sidecar that
+    logs a line per dropped client would block on a full pipe that nobody reads."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self._lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self._lines.append(line)
+
+    def text(self) -> str:
+        """What it logged so far."""
+        return "".join(self._lines)
+
+    def finished(self, proc: subprocess.Popen) -> str:
+        """All it logged, once ``proc`` ended."""
+        proc.wait(60)
+        self._thread.join(60)
+        return self.text()
 
 
 def _listening(path: Path) -> bool:
@@ -86,14 +111,29 @@ def sidecar_stats(path) -> dict:
         return recv(sock, FrameBuffer())[0]["stats"]
 
 
+def connect(path, timeout: float = 30) -> socket.socket:
+    """A socket connected to ``path``, waiting while the listen backlog is full (a connect with a
+    timeout fails at once with EAGAIN then, as after a burst of connects)."""
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock.connect(str(path))
+            return sock
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                sock.close()
+                raise
+            time.sleep(0.001)
+
+
 class Wire:
     """A raw client of a sidecar, for what no ``SidecarTier`` sends: any bytes (``send_raw``),
     requests as dicts (``call``), and the KV round trip of a correct client (``kv_round_trip``)."""
 
     def __init__(self, path, timeout: float = 30) -> None:
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.settimeout(timeout)
-        self.sock.connect(str(path))
+        self.sock = connect(path, timeout)
         from radixkv.sidecar.protocol import FrameBuffer
 
         self.buffer = FrameBuffer()

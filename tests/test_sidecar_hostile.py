@@ -17,16 +17,16 @@ import pytest
 from radixkv.sidecar.protocol import encode
 from radixkv.sidecar.server import ServeError, Server
 from radixkv.sidecar.state import Sidecar
-from tests.sidecar_process import ROOT, WIRE_KEY, WIRE_LAYOUT, Wire, kv_round_trip, start_sidecar
+from tests.sidecar_process import ROOT, WIRE_KEY, WIRE_LAYOUT, SidecarLog, Wire, kv_round_trip, start_sidecar
 
 
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory):
     """One sidecar for the tests that hurt it (each checks that it still serves, and a correct
-    client's KV); its log is read as it goes (``log_so_far``)."""
+    client's KV); its log is read as it goes (``proc.log``)."""
     path = tmp_path_factory.mktemp("sc") / "s.sock"  # short: AF_UNIX paths are limited to 107 bytes
     proc = start_sidecar(path)
-    os.set_blocking(proc.stdout.fileno(), False)
+    proc.log = SidecarLog(proc)
     yield path, proc
     proc.kill()
     proc.wait()
@@ -35,15 +35,6 @@ def sidecar(tmp_path_factory):
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
-def log_so_far(proc) -> str:
-    """What the sidecar logged until now (its stdout, read without waiting)."""
-    chunks = []
-    with contextlib.suppress(BlockingIOError):
-        while data := os.read(proc.stdout.fileno(), 1 << 16):
-            chunks.append(data)
-    return b"".join(chunks).decode(errors="replace")
 
 
 def test_a_header_nesting_100000_deep_drops_its_client_and_the_others_are_served(sidecar):
@@ -65,7 +56,7 @@ def test_a_header_nesting_100000_deep_drops_its_client_and_the_others_are_served
         hostile.close()
     assert proc.poll() is None
     assert "stats" in beside.call({"op": "stats"})  # its connection is untouched
-    assert log_so_far(proc).count("nests deeper than 16 levels") == 3
+    assert proc.log.text().count("nests deeper than 16 levels") == 3
     kv_round_trip(path, seed=1)
     # Brackets inside strings are not nesting: a header deep only in its strings is parsed (and
     # refused for its unknown field by an error reply), its client kept.
@@ -116,7 +107,7 @@ def test_numbers_out_of_range_and_bad_fields_get_an_error_reply_and_change_nothi
         k: v for k, v in before.items() if k != "clients"
     }
     assert proc.poll() is None
-    log = log_so_far(proc)
+    log = proc.log.text()
     assert (
         "release: lease: expected `int`, got `float`" in log
         and "abort: txn: expected `int`, got `float`" in log
