@@ -256,10 +256,13 @@ def truncations(path: str, frames: list[bytes]) -> int:
 def valid_frames(rng: random.Random) -> list[bytes]:
     tokens = struct.pack("<8q", *(rng.randrange(1 << 62) for _ in range(8)))
     return [
+        encode({"op": "hello", "layout": WIRE_LAYOUT}),
         encode({"op": "match", **WIRE_KEY, "have": 0, "claim": 0.5}, tokens),
         encode({"op": "alloc", **WIRE_KEY}, tokens),
         encode({"op": "commit", "txn": 1}),
         encode({"op": "release", "lease": 3}),
+        encode({"op": "abort", "txn": 2}),
+        encode({"op": "stats"}),
     ]
 
 
