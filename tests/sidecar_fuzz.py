@@ -303,6 +303,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--host-bytes", default="256M")
+    parser.add_argument("--log", default=None, help="write the sidecar's log here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "s.sock"
@@ -316,6 +317,8 @@ def main() -> None:
         finally:
             proc.terminate()
             log = log.finished(proc)
+    if args.log:
+        Path(args.log).write_text(log)
     raised = log.count("its request raised")
     print(json.dumps({**counts, "seconds": round(time.monotonic() - start, 1), "alive": alive,
                       "tracebacks": log.count("Traceback"), "requests_raised": raised,

@@ -62,6 +62,14 @@ class SidecarLog:
         """What it logged so far."""
         return "".join(self._lines)
 
+    def wait_for(self, *words: str, timeout: float = 30) -> str:
+        """What it logged, once every one of ``words`` is in it (the reader thread may lag the
+        sidecar a little), or when ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while not all(w in (text := self.text()) for w in words) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return text
+
     def finished(self, proc: subprocess.Popen) -> str:
         """All it logged, once ``proc`` ended."""
         proc.wait(60)

@@ -44,6 +44,7 @@ Namespace = Annotated[str, Meta(max_length=MAX_NAMESPACE)]
 
 
 _HEX = re.compile("[0-9a-fA-F]*")
+SURROGATE = "a string holds a lone surrogate (a \\ud800-\\udfff escape alone): not UTF-8"
 
 
 class BadRequest(ValueError):
@@ -96,7 +97,7 @@ class Keyed(Request):
         try:
             self.ns.encode()
         except UnicodeEncodeError:
-            raise ValueError("ns must be valid UTF-8 (it holds a lone surrogate)") from None
+            raise ValueError(f"ns: {SURROGATE}") from None
 
     @property
     def namespace(self) -> tuple[bytes, bytes]:
@@ -174,6 +175,8 @@ def parse_request(header: dict, body: bytes) -> Request:
         request = msgspec.convert(header, _ANY)
     except msgspec.ValidationError as e:
         raise BadRequest(f"{op}: {explain(e, '')}", op, replies) from None
+    except UnicodeEncodeError:  # msgspec reads strings as UTF-8: "\ud800" (JSON allows it) is not
+        raise BadRequest(f"{op}: {SURROGATE}", op, replies) from None
     if kind.TOKENS and len(body) % 8:
         raise BadRequest(f"{op}: a token body of {len(body)} bytes is not packed int64", op, replies)
     if not kind.TOKENS and body:
@@ -188,6 +191,8 @@ def layout_from(obj: object) -> Layout:
         return obj
     try:
         return msgspec.convert(obj, Layout)
+    except UnicodeEncodeError:
+        raise ValueError(f"layout: {SURROGATE}") from None
     except msgspec.ValidationError as e:
         text = explain(e, "layout")
         if "enum value" in text:
