@@ -115,7 +115,7 @@ def test_a_pool_full_of_pinned_blocks_caches_what_fits():
         ({**SMALL, "extra": 1}, "layout: object contains unknown field `extra`"),
         ("nope", "layout: expected `object`, got `str`"),
         # 4-byte blocks (one token of one head of dim 1 in float16): 16.7 M blocks in 64 MiB
-        (layout(dim=1, dtype="float16", bs=1), r"a block takes 4 bytes \(1 tokens of 4 bytes of K and V\)"),
+        (layout(dim=1, dtype="float16", bs=1), r"a block takes 4 bytes \(1 token of 4 bytes of K and V\)"),
         # 1 KiB blocks of 256 tokens: 8 bytes of key a token for 4 bytes of KV
         (
             layout(dim=1, dtype="float16", bs=256),

@@ -48,8 +48,8 @@ class KVLayout:
         per_token = layout.block_bytes // bs
         if layout.block_bytes < MIN_BLOCK_BYTES or per_token < MIN_TOKEN_BYTES:
             raise ValueError(
-                f"layout: a block takes {layout.block_bytes} bytes ({bs} tokens of {per_token} bytes of K "
-                f"and V); the sidecar takes blocks of at least {MIN_BLOCK_BYTES} bytes and "
+                f"layout: a block takes {layout.block_bytes} bytes ({bs} token{'s' * (bs > 1)} of {per_token} "
+                f"bytes of K and V); the sidecar takes blocks of at least {MIN_BLOCK_BYTES} bytes and "
                 f"{MIN_TOKEN_BYTES} bytes a token (below that its bookkeeping outweighs the KV): "
                 "raise the block size, or keep this model's cache in its own process"
             )
