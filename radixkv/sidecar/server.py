@@ -37,6 +37,7 @@ import time
 from radixkv.sidecar import messages as m
 from radixkv.sidecar.protocol import FrameBuffer, ProtocolError, encode
 from radixkv.sidecar.state import Sidecar
+from radixkv.tree.node import PackedTokens
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class _Client:
 
     cid: int
     sock: socket.socket
-    frames: FrameBuffer = dataclasses.field(default_factory=FrameBuffer)
+    frames: FrameBuffer = dataclasses.field(default_factory=lambda: FrameBuffer(PackedTokens))
     out: collections.deque = dataclasses.field(default_factory=collections.deque)  # [bytes view, fds]
     unsent: int = 0  # bytes in ``out``
     since: float = 0.0  # when ``out`` last had a byte taken (or began to wait)
