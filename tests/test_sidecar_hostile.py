@@ -14,8 +14,9 @@ import threading
 
 import pytest
 
+from radixkv.sidecar.__main__ import main
 from radixkv.sidecar.protocol import encode
-from radixkv.sidecar.server import ServeError, Server
+from radixkv.sidecar.server import Server
 from radixkv.sidecar.state import Sidecar
 from tests.sidecar_process import ROOT, WIRE_KEY, WIRE_LAYOUT, SidecarLog, Wire, kv_round_trip, start_sidecar
 
@@ -190,47 +191,38 @@ def test_a_hello_costs_no_memory_per_block_and_absurd_layouts_are_refused(tmp_pa
         proc.wait()
 
 
-def test_a_second_sidecar_or_a_socket_path_taken_is_refused_in_one_line(sidecar, tmp_path):
+def test_a_second_sidecar_or_a_socket_path_taken_is_refused_in_one_line(sidecar, tmp_path, capsys):
     """What stops a sidecar from serving is one line on stderr naming the path and what to do,
-    exit status 1, never a traceback; and it leaves the path alone."""
+    exit status 1, never a traceback; and it leaves the path alone. A second sidecar process on
+    the socket; the command's main() in this process for the other paths (the same code)."""
     path, proc = sidecar
+    second = subprocess.run(
+        [sys.executable, "-m", "radixkv.sidecar", "--socket", str(path), "--host-bytes", "1M"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = second.stderr.strip().splitlines()
+    assert second.returncode == 1 and second.stdout == "" and len(lines) == 1, second.stderr
+    assert lines[0] == (
+        f"radixkv sidecar: a sidecar is already serving {path} (it holds {path}.lock): stop it first, "
+        "or give this one another --socket"
+    )
     regular = tmp_path / "regular"
     regular.write_text("not a socket")
-    attempts = {
-        "second": (path, "a sidecar is already serving"),
-        "file": (regular, "is not a socket (a file): remove it"),
+    refusals = {
+        regular: "is not a socket (a file): remove it, or give the sidecar another --socket",
+        tmp_path: "is not a socket (a directory): remove it",
+        tmp_path
+        / "missing"
+        / "s.sock": "missing/s.sock.lock (No such file or directory): give the sidecar a --socket",
+        tmp_path / ("x" * 120): "cannot create the socket",  # past AF_UNIX's 107 bytes
     }
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    runs = {
-        name: subprocess.Popen(
-            [sys.executable, "-m", "radixkv.sidecar", "--socket", str(p), "--host-bytes", "1M"],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for name, (p, _) in attempts.items()
-    }
-    for name, run in runs.items():
-        out, err = run.communicate(timeout=120)
-        where, words = attempts[name]
-        lines = err.strip().splitlines()
-        assert run.returncode == 1 and out == "" and len(lines) == 1, (name, run.returncode, err)
-        assert str(where) in lines[0] and words in lines[0] and "--socket" in lines[0], (name, lines)
+    for where, words in refusals.items():
+        assert main(["--socket", str(where), "--host-bytes", "1M"]) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and str(where) in err and words in err, err
     assert regular.read_text() == "not a socket" and stat.S_ISSOCK(os.lstat(path).st_mode)
     assert proc.poll() is None
     kv_round_trip(path, seed=5)
-    # The other refusals (in-process: the same ServeError the command prints in one line)
-    with pytest.raises(
-        ServeError, match=r"cannot create .*/missing/s.sock.lock \(No such file or directory\)"
-    ):
-        Server(Sidecar(1 << 20), str(tmp_path / "missing" / "s.sock")).listen()
-    with pytest.raises(ServeError, match=r"is not a socket \(a directory\)"):
-        Server(Sidecar(1 << 20), str(tmp_path)).listen()
-    long = tmp_path / ("x" * 120)
-    with pytest.raises(ServeError, match="cannot create the socket .* path too long"):
-        Server(Sidecar(1 << 20), str(long)).listen()
 
 
 def test_a_client_that_sends_and_never_reads_stalls_nobody_and_gets_every_reply_later(sidecar):
