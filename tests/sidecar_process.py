@@ -16,8 +16,10 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +43,38 @@ def start_sidecar(path: Path, host_bytes: str = "16M", *extra: str) -> subproces
             raise RuntimeError(f"sidecar did not start: {proc.stdout.read()}")
         time.sleep(0.05)
     return proc
+
+
+class SidecarLog:
+    """A sidecar's output (``start_sidecar``'s pipe), read by a thread as it comes: a sidecar that
+    logs a line per dropped client would block on a full pipe that nobody reads."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self._lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self._lines.append(line)
+
+    def text(self) -> str:
+        """What it logged so far."""
+        return "".join(self._lines)
+
+    def wait_for(self, *words: str, timeout: float = 30) -> str:
+        """What it logged, once every one of ``words`` is in it (the reader thread may lag the
+        sidecar a little), or when ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while not all(w in (text := self.text()) for w in words) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return text
+
+    def finished(self, proc: subprocess.Popen) -> str:
+        """All it logged, once ``proc`` ended."""
+        proc.wait(60)
+        self._thread.join(60)
+        return self.text()
 
 
 def _listening(path: Path) -> bool:
@@ -83,6 +117,117 @@ def sidecar_stats(path) -> dict:
         sock.connect(str(path))
         send(sock, {"op": "stats"})
         return recv(sock, FrameBuffer())[0]["stats"]
+
+
+def connect(path, timeout: float = 30) -> socket.socket:
+    """A socket connected to ``path``, waiting while the listen backlog is full (a connect with a
+    timeout fails at once with EAGAIN then, as after a burst of connects)."""
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock.connect(str(path))
+            return sock
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                sock.close()
+                raise
+            time.sleep(0.001)
+
+
+class Wire:
+    """A raw client of a sidecar, for what no ``SidecarTier`` sends: any bytes (``send_raw``),
+    requests as dicts (``call``), and the KV round trip of a correct client (``kv_round_trip``)."""
+
+    def __init__(self, path, timeout: float = 30) -> None:
+        self.sock = connect(path, timeout)
+        from radixkv.sidecar.protocol import FrameBuffer
+
+        self.buffer = FrameBuffer()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    @staticmethod
+    def frame(head: bytes, body: bytes = b"") -> bytes:
+        """One frame of any header bytes (JSON or not) and body."""
+        from radixkv.sidecar.protocol import HEADER
+
+        return HEADER.pack(len(head), len(body)) + head + body
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def reply(self) -> tuple[dict, list[int]]:
+        """The next reply and the fds it carried; ConnectionError when the sidecar hung up."""
+        from radixkv.sidecar.protocol import recv
+
+        header, _, fds = recv(self.sock, self.buffer, with_fds=True)
+        return header, fds
+
+    def call(self, header: dict, body: bytes = b"") -> dict:
+        from radixkv.sidecar.protocol import encode
+
+        self.send_raw(encode(header, body))
+        reply, fds = self.reply()
+        for fd in fds:
+            os.close(fd)
+        return reply
+
+    def hung_up(self) -> bool:
+        """Whether the sidecar closed this connection (reads what is left until EOF or timeout)."""
+        try:
+            while data := self.sock.recv(1 << 16):
+                del data
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            pass
+        return True
+
+
+# The smallest layout a sidecar pool takes: 2 tokens x (64 + 64) float32 = 1 KiB a block
+WIRE_LAYOUT = {
+    "block_size": 2,
+    "layers": [{"num_kv_heads": 1, "k_head_dim": 64, "v_head_dim": 64, "dtype": "float32"}],
+}
+WIRE_KEY = {"ident": "ab" * 32, "ns": "null"}
+
+
+def kv_round_trip(path, seed: int) -> None:
+    """A correct client's write, then another connection's read of it: the bytes read back from
+    shared memory are the bytes written (what a hostile client beside them must not change)."""
+    import mmap
+    import random
+
+    from radixkv.sidecar.layout import KVLayout, PoolGeometry
+    from radixkv.sidecar.protocol import encode
+
+    rng = random.Random(seed)
+    tokens = [rng.randrange(1 << 62) for _ in range(8)]  # 4 whole blocks, a key of this seed alone
+    body = struct.pack(f"<{len(tokens)}q", *tokens)
+    writer, reader = Wire(path), Wire(path)
+    try:
+        writer.send_raw(encode({"op": "hello", "layout": WIRE_LAYOUT}))
+        hello, (fd,) = writer.reply()
+        geometry = PoolGeometry(KVLayout.from_json(WIRE_LAYOUT), hello["num_blocks"])
+        with mmap.mmap(fd, hello["pool_bytes"]) as buf:
+            os.close(fd)
+            txn = writer.call({"op": "alloc", **WIRE_KEY}, body)
+            assert "error" not in txn and txn["start"] == 0 and len(txn["slots"]) == 4, txn
+            payloads = [rng.randbytes(geometry.layout.block_bytes) for _ in txn["slots"]]
+            for slot, payload in zip(txn["slots"], payloads):
+                geometry.write_block(buf, slot, payload)
+            assert writer.call({"op": "commit", "txn": txn["txn"]}) == {"inserted": 8}
+            assert "error" not in reader.call({"op": "hello", "layout": WIRE_LAYOUT})
+            hit = reader.call({"op": "match", **WIRE_KEY, "have": 0}, body)
+            assert hit["num_tokens"] == 8 and len(hit["slots"]) == 4, hit
+            assert [geometry.read_block(buf, s) for s in hit["slots"]] == payloads
+            reader.send_raw(encode({"op": "release", "lease": hit["lease"]}))
+    finally:
+        writer.close()
+        reader.close()
 
 
 def after_copy(monkeypatch, then, once: bool = False) -> None:

@@ -19,17 +19,18 @@ from radixkv.sidecar.__main__ import stats_main
 from radixkv.sidecar.layout import KVLayout, PoolGeometry
 from radixkv.sidecar.metrics import prometheus_text, serve_metrics
 from radixkv.sidecar.protocol import HEADER, FrameBuffer, ProtocolError, encode, recv, send
-from radixkv.sidecar.server import Server
-from radixkv.sidecar.state import Sidecar
+from radixkv.sidecar.server import ServeError, Server
+from radixkv.sidecar.state import MAX_POOLS, FreeBlocks, Sidecar
 from radixkv.tree import pack_tokens
 
 
-def layout(heads=1, dim=2, dtype="float32", bs=2, layers=1) -> dict:
+def layout(heads=1, dim=64, dtype="float32", bs=2, layers=1) -> dict:
     one = {"num_kv_heads": heads, "k_head_dim": dim, "v_head_dim": dim, "dtype": dtype}
     return {"block_size": bs, "layers": [one] * layers}
 
 
-SMALL = layout()  # 2 tokens x 1 head x (2 + 2) x 4 bytes = 32 bytes a block
+SMALL = layout()  # 2 tokens x 1 head x (64 + 64) x 4 bytes = 1 KiB a block, the smallest taken
+B = 1024
 NS = (b"\x01" * 32, b"null")
 
 
@@ -43,7 +44,7 @@ def write(state: Sidecar, cid: int, ids: bytes, ns=NS) -> int:
 
 
 def test_blocks_are_visible_after_commit_only_and_freed_with_their_client():
-    state = Sidecar(32 * 8)
+    state = Sidecar(B * 8)
     state.add_client(1)
     state.add_client(2)
     state.hello(1, SMALL)
@@ -72,8 +73,8 @@ def test_blocks_are_visible_after_commit_only_and_freed_with_their_client():
 
 
 def test_two_layouts_share_one_budget_and_evict_each_other():
-    big = layout(dim=4)  # 2 x (4 + 4) x 4 = 64 bytes a block
-    state = Sidecar(32 * 4)  # four small blocks, or two big ones
+    big = layout(dim=128)  # 2 x (128 + 128) x 4 = 2 KiB a block
+    state = Sidecar(B * 4)  # four small blocks, or two big ones
     state.add_client(1)
     state.add_client(2)
     state.hello(1, SMALL)
@@ -81,12 +82,12 @@ def test_two_layouts_share_one_budget_and_evict_each_other():
     assert len(state.pools) == 2
     assert write(state, 1, toks(1, 2, 3, 4, 5, 6, 7, 8)) == 8  # 4 small blocks: the whole budget
     assert write(state, 2, toks(1, 2, 3, 4)) == 4  # 2 big blocks: the small ones make room
-    assert state.stats()["used_bytes"] <= 32 * 4 and state.counters.evicted_blocks == 4
+    assert state.stats()["used_bytes"] <= B * 4 and state.counters.evicted_blocks == 4
     state.check_invariants()
 
 
 def test_a_pool_full_of_pinned_blocks_caches_what_fits():
-    state = Sidecar(32 * 3)
+    state = Sidecar(B * 3)
     for c in (1, 2):
         state.add_client(c)
         state.hello(c, SMALL)
@@ -101,10 +102,25 @@ def test_a_pool_full_of_pinned_blocks_caches_what_fits():
     "bad, words",
     [
         ({"block_size": 3, "layers": SMALL["layers"]}, "power of two"),
-        (layout(dtype="int8"), "dtype must be one of"),
-        (layout(heads=0), "num_kv_heads must be a positive int"),
-        ({"block_size": 2, "layers": []}, "1..1024 layers"),
-        ("nope", "must be an object"),
+        (layout(dtype="int8"), r"layout.layers\[0\].dtype: invalid enum value 'int8' \(dtypes: bfloat16, "),
+        (layout(heads=0), r"layout.layers\[0\].num_kv_heads: expected `int` >= 1"),
+        (layout(heads=True), r"layout.layers\[0\].num_kv_heads: expected `int`, got `bool`"),
+        (layout(dim=64.0), r"layout.layers\[0\].k_head_dim: expected `int`, got `float`"),
+        ({"block_size": 1e400, "layers": SMALL["layers"]}, "layout.block_size: expected `int`, got `float`"),
+        ({"block_size": 2, "layers": []}, "layout.layers: expected `array` of length >= 1"),
+        (
+            {"block_size": 2, "layers": SMALL["layers"] * 1025},
+            "layout.layers: expected `array` of length <= 1024",
+        ),
+        ({**SMALL, "extra": 1}, "layout: object contains unknown field `extra`"),
+        ("nope", "layout: expected `object`, got `str`"),
+        # 4-byte blocks (one token of one head of dim 1 in float16): 16.7 M blocks in 64 MiB
+        (layout(dim=1, dtype="float16", bs=1), r"a block takes 4 bytes \(1 token of 4 bytes of K and V\)"),
+        # 1 KiB blocks of 256 tokens: 8 bytes of key a token for 4 bytes of KV
+        (
+            layout(dim=1, dtype="float16", bs=256),
+            "256 tokens of 4 bytes .* at least 1024 bytes and 128 bytes a token",
+        ),
     ],
 )
 def test_bad_layouts_are_refused_by_name(bad, words):
@@ -112,6 +128,31 @@ def test_bad_layouts_are_refused_by_name(bad, words):
     state.add_client(1)
     with pytest.raises(ValueError, match=words):
         state.hello(1, bad)
+
+
+def test_free_blocks_cost_memory_for_used_blocks_only_and_hand_out_ascending_runs():
+    free = FreeBlocks(1 << 31)  # 2 TiB of 1 KiB blocks: nothing stored for them
+    assert len(free) == 1 << 31 and free.freed.itemsize * len(free.freed) == 0
+    assert free.take(4) == [0, 1, 2, 3] and free.take(2) == [4, 5]
+    free.put([1, 3, 2])
+    assert len(free) == (1 << 31) - 3
+    assert free.take(5) == [2, 3, 1, 6, 7]  # the last freed first, then fresh ids in order
+    assert free.take(0) == [] and len(free.freed) == 0
+    small = FreeBlocks(3)
+    assert small.take(5) == [0, 1, 2] and small.take(1) == [] and list(small) == []
+    small.put([2, 0])
+    assert sorted(small) == [0, 2]
+
+
+def test_the_number_of_pools_is_bounded_and_a_known_layout_is_always_served():
+    state = Sidecar(1 << 30)
+    state.add_client(1)
+    for i in range(MAX_POOLS):
+        state.hello(1, layout(bs=2 << (i % 10), heads=1 + i // 10))
+    with pytest.raises(ValueError, match=f"pools of {MAX_POOLS} KV layouts already"):
+        state.hello(1, layout(heads=99))
+    assert len(state.pools) == MAX_POOLS and state.hello(1, layout()).layout.block_size == 2
+    state.check_invariants()
 
 
 def test_bad_requests_are_refused_and_change_nothing():
@@ -134,7 +175,7 @@ def test_bad_requests_are_refused_and_change_nothing():
 def test_geometry_payload_round_trip():
     geometry = PoolGeometry(KVLayout.from_json(layout(layers=3)), 5)
     buf = bytearray(geometry.total_bytes)
-    payload = bytes(range(geometry.layout.block_bytes))
+    payload = bytes(i % 251 for i in range(geometry.layout.block_bytes))
     geometry.write_block(buf, 3, payload)
     assert geometry.read_block(buf, 3) == payload and geometry.read_block(buf, 2) == bytes(len(payload))
     with pytest.raises(ValueError, match="payload of 3 bytes"):
@@ -172,7 +213,7 @@ def test_server_socket_mode_hostile_clients_and_the_stats_command(tmp_path, caps
             threading.Event().wait(0.01)
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         with pytest.raises(RuntimeError, match="already serving"):
-            Server(Sidecar(1 << 16), path)._listen()
+            Server(Sidecar(1 << 16), path).listen()
         assert stat.S_ISSOCK(os.lstat(path).st_mode)  # the refused second sidecar left it alone
         garbage = socket.socket(socket.AF_UNIX)
         garbage.connect(path)
@@ -188,7 +229,7 @@ def test_server_socket_mode_hostile_clients_and_the_stats_command(tmp_path, caps
         assert "hex" in recv(client, buffer)[0]["error"]
         send(client, {"op": "hello", "layout": SMALL})
         reply, _, fds = recv(client, buffer, with_fds=True)
-        assert len(fds) == 1 and reply["num_blocks"] == (1 << 16) // 32
+        assert len(fds) == 1 and reply["num_blocks"] == (1 << 16) // B
         os.close(fds[0])
         send(client, {"op": "stats"})
         assert recv(client, buffer)[0]["stats"]["clients"] == 1  # the garbage client is gone
@@ -244,24 +285,24 @@ class FakeL2:
 
 def test_l2_fills_a_miss_in_memory_and_stops_at_the_first_refused_block():
     l2 = FakeL2()
-    a = Sidecar(32 * 8, l2=l2, l2_writer=l2.put_many)  # committed blocks go straight to the L2
+    a = Sidecar(B * 8, l2=l2, l2_writer=l2.put_many)  # committed blocks go straight to the L2
     a.add_client(1)
     a.hello(1, SMALL)
     doc = toks(1, 2, 3, 4, 5, 6, 7, 8)  # four blocks
     txn = a.alloc(1, NS, doc)
     pool = next(iter(a.pools.values()))
-    pool.geometry.write_block(pool.buf, txn["slots"][0], b"\x07" * 32)
+    pool.geometry.write_block(pool.buf, txn["slots"][0], b"\x07" * B)
     a.commit(1, txn["txn"])
     assert len(l2.values) == 4
-    b = Sidecar(32 * 8, l2=l2)  # a second sidecar (another machine) on the same L2
+    b = Sidecar(B * 8, l2=l2)  # a second sidecar (another machine) on the same L2
     b.add_client(1)
     b.hello(1, SMALL)
     hit = b.match(1, NS, doc, 0)
     assert hit["num_tokens"] == 8 and b.counters.l2_hit_tokens == 8
     pool = next(iter(b.pools.values()))
-    assert pool.geometry.read_block(pool.buf, hit["slots"][0]) == b"\x07" * 32  # the bytes came along
+    assert pool.geometry.read_block(pool.buf, hit["slots"][0]) == b"\x07" * B  # the bytes came along
     # Another identity finds nothing; a refused third block stops the fill after two blocks.
-    c = Sidecar(32 * 8, l2=l2)
+    c = Sidecar(B * 8, l2=l2)
     c.add_client(1)
     c.hello(1, SMALL)
     assert c.match(1, (b"\x09" * 32, b"null"), doc, 0)["num_tokens"] == 0
@@ -272,8 +313,46 @@ def test_l2_fills_a_miss_in_memory_and_stops_at_the_first_refused_block():
         s.check_invariants()
 
 
+class CountingL2(FakeL2):
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[int] = []
+
+    def get_many(self, keys):
+        self.asked.append(len(keys))
+        return super().get_many(keys)
+
+
+def test_a_long_prompt_reads_the_l2_in_doubling_runs_up_to_its_first_miss():
+    """Only the leading hits of an L2 read are used: a 20,000-block prompt whose first 40 blocks
+    the L2 holds asks for 16 + 32 keys (not 20,000, each hashed over the whole prompt first),
+    and a prompt longer than the pool asks for no more blocks than the pool has."""
+    l2 = CountingL2()
+    writer = Sidecar(B * 64, l2=l2, l2_writer=l2.put_many)
+    writer.add_client(1)
+    writer.hello(1, SMALL)
+    prompt = list(range(100, 100 + 40_000))  # 20,000 blocks of 2
+    assert write(writer, 1, toks(*prompt[:80])) == 80 and len(l2.values) == 40
+    reader = Sidecar(B * 64, l2=l2)
+    reader.add_client(1)
+    reader.hello(1, SMALL)
+    hit = reader.match(1, NS, toks(*prompt), 0)
+    assert hit["num_tokens"] == 80 and l2.asked == [16, 32]
+    assert reader.match(1, NS, toks(*prompt), 80)["lease"] == 0  # from 40 blocks on: one run, a miss
+    assert l2.asked == [16, 32, 16]
+    everything = CountingL2()
+    everything.get_many = lambda keys: everything.asked.append(len(keys)) or [b"\x07" * B] * len(keys)
+    full = Sidecar(B * 64, l2=everything)
+    full.add_client(1)
+    full.hello(1, SMALL)
+    assert full.match(1, NS, toks(*prompt), 0)["num_tokens"] == 64 * 2  # the whole pool
+    assert sum(everything.asked) == 64 and everything.asked == [16, 32, 16]
+    for s in (writer, reader, full):
+        s.check_invariants()
+
+
 def test_a_prefix_in_flight_is_claimed_waited_for_and_released():
-    state = Sidecar(32 * 16)
+    state = Sidecar(B * 16)
     for c in (1, 2, 3):
         state.add_client(c)
         state.hello(c, SMALL)
@@ -307,18 +386,20 @@ def test_a_stale_socket_is_replaced_and_the_lock_goes_with_the_server(tmp_path):
     dead.bind(path)  # a sidecar that died: its file stays, nobody listens, nobody holds the lock
     dead.close()
     first = Server(Sidecar(1 << 16), path)
-    listener = first._listen()
+    first.listen()
     try:
         with socket.socket(socket.AF_UNIX) as probe:
             probe.connect(path)  # the new sidecar listens on the old path
-        with pytest.raises(RuntimeError, match="already serving"):
-            Server(Sidecar(1 << 16), path)._listen()
+        with pytest.raises(
+            ServeError, match="already serving .* stop it first, or give this one another --socket"
+        ):
+            Server(Sidecar(1 << 16), path).listen()
     finally:
-        listener.close()
-        os.close(first._lock_fd)  # as serve() does when it ends
+        first.close()  # as serve() does when it ends
+    assert not os.path.exists(path)
     second = Server(Sidecar(1 << 16), path)
-    second._listen().close()  # the lock was free again
-    os.close(second._lock_fd)
+    second.listen()  # the lock was free again
+    second.close()
 
 
 def test_no_cycle_of_clients_waiting_for_each_other_and_marks_expire(monkeypatch):
@@ -327,7 +408,7 @@ def test_no_cycle_of_clients_waiting_for_each_other_and_marks_expire(monkeypatch
     wait, or WAIT_MARK_S after its last poll (a waiter that gave up)."""
     from radixkv.sidecar import claims
 
-    state = Sidecar(32 * 64)
+    state = Sidecar(B * 64)
     for c in (1, 2, 3):
         state.add_client(c)
         state.hello(c, SMALL)

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s radixkv-sidecar %(message)s")
 
-    from radixkv.sidecar.server import Server, install_signal_handlers
+    from radixkv.sidecar.server import ServeError, Server, install_signal_handlers
     from radixkv.sidecar.state import Sidecar
 
     l2 = writer = None
@@ -94,12 +94,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     server = Server(state, args.socket, mode=args.mode)
-    install_signal_handlers(server)
-    if args.metrics_port is not None:
-        from radixkv.sidecar.metrics import serve_metrics
-
-        serve_metrics(state, args.metrics_port, args.metrics_host, extra=writer.stats if writer else None)
     try:
+        try:
+            server.listen()
+        except ServeError as e:
+            return _refuse(str(e))
+        install_signal_handlers(server)
+        if args.metrics_port is not None:
+            from radixkv.sidecar.metrics import serve_metrics
+
+            try:
+                serve_metrics(
+                    state, args.metrics_port, args.metrics_host, extra=writer.stats if writer else None
+                )
+            except OSError as e:
+                server.close()
+                where = f"{args.metrics_host}:{args.metrics_port}"
+                return _refuse(
+                    f"cannot serve metrics on {where} ({e.strerror or e}): give another --metrics-port"
+                )
         server.serve()
     finally:
         if writer is not None:
@@ -107,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         if l2 is not None:
             l2.close()
     return 0
+
+
+def _refuse(why: str) -> int:
+    print(f"radixkv sidecar: {why}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

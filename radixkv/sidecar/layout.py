@@ -16,15 +16,16 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from radixkv.sidecar.messages import layout_from
+
 PAGE = 4096
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-MAX_LAYERS = 1024
-
-
-def _positive(value: object, what: str) -> int:
-    if type(value) is not int or value <= 0:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
-    return value
+# The smallest blocks a sidecar pool takes. Per cached block the sidecar keeps its id in the
+# tree (~40 bytes; ~0.5 KiB when a node holds one block alone) and per token an 8-byte key: a
+# layout below these would spend more on bookkeeping than on KV (4-byte blocks: 16.7 M blocks in
+# 64 MiB). Real models' blocks are far above both (a 0.5 B model: ~12 KiB a token).
+MIN_BLOCK_BYTES = 1024
+MIN_TOKEN_BYTES = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,32 +37,23 @@ class KVLayout:
 
     @classmethod
     def from_json(cls, obj: object) -> KVLayout:
-        """Parse ``hf_patch.identity.kv_layout``'s dict; ValueError naming the first bad field."""
-        if not isinstance(obj, dict) or not isinstance(obj.get("layers"), list):
-            raise ValueError("layout must be an object with block_size and a list of layers")
-        bs = _positive(obj.get("block_size"), "layout.block_size")
+        """Parse a client's layout (``hf_patch.identity.kv_layout``'s dict, or the schema's
+        ``messages.Layout``); ValueError naming the first bad field, or why its sizes are refused
+        (``MIN_BLOCK_BYTES``, ``MIN_TOKEN_BYTES``)."""
+        parsed = layout_from(obj)
+        bs = parsed.block_size
         if bs & (bs - 1):
             raise ValueError(f"layout.block_size must be a power of two, got {bs}")
-        if not 0 < len(obj["layers"]) <= MAX_LAYERS:
-            raise ValueError(f"layout needs 1..{MAX_LAYERS} layers, got {len(obj['layers'])}")
-        layers = []
-        for i, layer in enumerate(obj["layers"]):
-            if not isinstance(layer, dict):
-                raise ValueError(f"layout.layers[{i}] must be an object")
-            dtype = layer.get("dtype")
-            if dtype not in DTYPE_BYTES:
-                raise ValueError(
-                    f"layout.layers[{i}].dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}"
-                )
-            layers.append(
-                (
-                    _positive(layer.get("num_kv_heads"), f"layout.layers[{i}].num_kv_heads"),
-                    _positive(layer.get("k_head_dim"), f"layout.layers[{i}].k_head_dim"),
-                    _positive(layer.get("v_head_dim"), f"layout.layers[{i}].v_head_dim"),
-                    dtype,
-                )
+        layout = cls(bs, tuple((x.num_kv_heads, x.k_head_dim, x.v_head_dim, x.dtype) for x in parsed.layers))
+        per_token = layout.block_bytes // bs
+        if layout.block_bytes < MIN_BLOCK_BYTES or per_token < MIN_TOKEN_BYTES:
+            raise ValueError(
+                f"layout: a block takes {layout.block_bytes} bytes ({bs} token{'s' * (bs > 1)} of {per_token} "
+                f"bytes of K and V); the sidecar takes blocks of at least {MIN_BLOCK_BYTES} bytes and "
+                f"{MIN_TOKEN_BYTES} bytes a token (below that its bookkeeping outweighs the KV): "
+                "raise the block size, or keep this model's cache in its own process"
             )
-        return cls(bs, tuple(layers))
+        return layout
 
     def to_json(self) -> dict:
         return {

@@ -24,6 +24,7 @@ loop thread, or under ``Sidecar.lock`` (the metrics thread reads ``stats``).
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import itertools
 import logging
@@ -38,6 +39,9 @@ from radixkv.tree import RadixTree
 from radixkv.tree.node import Node, PackedTokens
 
 logger = logging.getLogger(__name__)
+
+MAX_POOLS = 64  # KV layouts at once (each a memory file and its tree); pools are never dropped
+L2_FIRST_RUN = 16  # blocks a match asks the L2 for first; each further run twice the last
 
 
 @dataclasses.dataclass
@@ -57,6 +61,40 @@ class Counters:
     waits: int = 0  # matches told to wait for another client's prefix in flight
 
 
+class FreeBlocks:
+    """The free block ids of one pool, in memory that grows with the blocks used, never with the
+    pool's size: ids never handed out are a counter (``fresh``, ascending runs for the copy
+    kernels), ids freed again a stack of int64 (8 bytes each). A pool of 2**31 blocks costs
+    nothing until its blocks are used (the free list used to be a Python list of every id:
+    ~40 bytes a block, at hello)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.fresh = 0  # ids >= fresh were never handed out
+        self.freed = array.array("q")  # a stack: the last freed is taken first
+
+    def __len__(self) -> int:
+        return self.num_blocks - self.fresh + len(self.freed)
+
+    def __iter__(self):
+        yield from self.freed
+        yield from range(self.fresh, self.num_blocks)
+
+    def take(self, n: int) -> list[int]:
+        """``n`` ids (at most ``len(self)``): the freed ones last freed first, then fresh ones."""
+        reused = min(n, len(self.freed))
+        ids = self.freed[len(self.freed) - reused :].tolist()
+        ids.reverse()
+        del self.freed[len(self.freed) - reused :]
+        fresh = min(n - reused, self.num_blocks - self.fresh)
+        ids += range(self.fresh, self.fresh + fresh)
+        self.fresh += fresh
+        return ids
+
+    def put(self, ids) -> None:
+        self.freed.extend(ids)
+
+
 class SharedPool:
     """One KV layout's blocks in one memory file, and the tree over them."""
 
@@ -68,20 +106,17 @@ class SharedPool:
         os.ftruncate(self.fd, self.geometry.total_bytes)
         self.buf = mmap.mmap(self.fd, self.geometry.total_bytes)
         self.tree = RadixTree(layout.block_size, check_block_ids=False)
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: ascending runs out
+        self.free = FreeBlocks(num_blocks)
 
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self.free)
 
     def allocate(self, n: int) -> list[int]:
-        ids = self.free[len(self.free) - n :]
-        ids.reverse()
-        del self.free[len(self.free) - n :]
-        return ids
+        return self.free.take(n)
 
     def release(self, ids) -> None:
-        self.free.extend(ids)
+        self.free.put(ids)
 
 
 @dataclasses.dataclass
@@ -129,10 +164,16 @@ class Sidecar:
         self.counters.clients_total += 1
 
     def hello(self, cid: int, layout_json: object) -> SharedPool:
-        """Bind client ``cid`` to the pool of its layout (made on first use); ValueError if bad."""
+        """Bind client ``cid`` to the pool of its layout (made on first use, at most
+        ``MAX_POOLS``); ValueError if the layout is bad or refused."""
         layout = KVLayout.from_json(layout_json)
         pool = self.pools.get(layout.key)
         if pool is None:
+            if len(self.pools) >= MAX_POOLS:
+                raise ValueError(
+                    f"the sidecar holds pools of {MAX_POOLS} KV layouts already (one per model "
+                    "architecture and block size): run another sidecar for more"
+                )
             num_blocks = self.budget_bytes // layout.block_bytes
             if num_blocks == 0:
                 raise ValueError(
@@ -308,22 +349,48 @@ class Sidecar:
         ids = memoryview(tokens).cast("q").tolist()
         return block_keys(ident, ns, ids, pool.layout.block_size)
 
+    def _l2_runs(self, pool: SharedPool, namespace: tuple, tokens: PackedTokens, first: int):
+        """The L2 keys of the whole blocks of ``tokens`` from block ``first`` on, in runs of
+        ``L2_FIRST_RUN`` blocks, then twice as many each time, at most the pool's blocks in all:
+        the chain is hashed as far as each run reaches, never over a whole long prompt at once."""
+        from radixkv.l2 import block_keys  # only with --l2: the sidecar runs without that package
+
+        ident, ns = namespace
+        bs = pool.layout.block_size
+        ids = memoryview(tokens).cast("q")
+        end = min(tokens.num_tokens // bs, first + pool.num_blocks)
+        parent = block_keys(ident, ns, ids[: first * bs], bs)[-1] if first else None
+        run = L2_FIRST_RUN
+        while first < end:
+            keys = block_keys(ident, ns, ids[first * bs : min(end, first + run) * bs], bs, parent=parent)
+            yield keys
+            first, parent, run = first + len(keys), keys[-1], run * 2
+
     def _fill_from_l2(self, pool: SharedPool, namespace: tuple, tokens: PackedTokens, match) -> int:
         """Read the blocks after ``match`` from the L2 tier into free blocks and insert them;
-        returns blocks added (0 on a miss, a refusal or an L2 down: never raises for those)."""
+        returns blocks added (0 on a miss, a refusal or an L2 down: never raises for those).
+
+        Only the leading run of hits is used, so the L2 is read in runs that double
+        (``_l2_runs``) until one holds a miss: a long prompt the L2 does not hold costs one
+        read of ``L2_FIRST_RUN`` keys (an 8 M-token look-up used to hash and ask for all of its
+        blocks, holding the loop for seconds), and no read asks for more blocks than the pool has."""
         bs = pool.layout.block_size
         have = match.num_tokens // bs
-        keys = self._l2_keys(pool, namespace, tokens)[have:]
-        try:
-            payloads = self.l2.get_many(keys)
-        except Exception as e:  # the contract says it never raises; a bug there costs only speed
-            logger.warning("L2 read failed: %s", e)
-            return 0
         got = []
-        for payload in payloads:
-            if payload is None or len(payload) != pool.layout.block_bytes:
+        for keys in self._l2_runs(pool, namespace, tokens, have):
+            try:
+                payloads = self.l2.get_many(keys)
+            except Exception as e:  # the contract says it never raises; a bug there costs only speed
+                logger.warning("L2 read failed: %s", e)
                 break
-            got.append(payload)
+            hits = 0
+            for payload in payloads:
+                if payload is None or len(payload) != pool.layout.block_bytes:
+                    break
+                hits += 1
+            got += payloads[:hits]
+            if hits < len(keys):
+                break
         if not got:
             return 0
         pool.tree.pin(match.node)
@@ -372,6 +439,6 @@ class Sidecar:
             owned += [
                 i for c in self.clients.values() for t in c.txns.values() if t.pool is pool for i in t.slots
             ]
-            every = owned + pool.free
+            every = owned + list(pool.free)
             if sorted(every) != list(range(pool.num_blocks)):
                 raise AssertionError("a sidecar block is lost or owned twice")
