@@ -170,9 +170,10 @@ class StateLayer(LinearAttentionLayer):
     front (``allocate``) so a snapshot read from the store lands in them and the model's own
     ``update_conv_state`` / ``update_recurrent_state`` copy into them in place."""
 
-    def allocate(self, batch: int, entries: Sequence[tuple[str, int, StateSpec]]) -> None:
+    def allocate_states(self, batch: int, entries: Sequence[tuple[str, int, StateSpec]]) -> None:
         """Zeroed states ``[batch, *spec.shape]`` for each ``(part, state index, spec)`` of this
-        layer (part ``"conv"`` or ``"recurrent"``); no previous state until ``mark_filled``."""
+        layer (part ``"conv"`` or ``"recurrent"``); no previous state until ``mark_filled``.
+        (Not ``allocate``: a StateAppendLayer's KV buffers are ``AppendLayer.allocate``'s.)"""
         for part, idx, spec in entries:
             t = torch.zeros(batch, *spec.shape, dtype=spec.dtype, device=spec.device)
             if part == "conv":

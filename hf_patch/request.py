@@ -247,7 +247,7 @@ class Request:
         for (layer_idx, part, idx), spec in zip(self.layout.state_entries, self.layout.state_specs):
             per_layer.setdefault(layer_idx, []).append((part, idx, spec))
         for layer_idx, entries in per_layer.items():
-            self.cache.layers[layer_idx].allocate(batch, entries)
+            self.cache.layers[layer_idx].allocate_states(batch, entries)
 
     def _catch_up_rows(self, input_ids: torch.Tensor, keep: list[int] | None, score: bool = False) -> None:
         """Bring every row's KV and states to its last prompt token but ``keep[i]`` (default 1),

@@ -175,3 +175,20 @@ def test_formerly_refused_configs_match_stock(name):
     input_ids, mask = left_pad([DOC + tokens(3, seed=5), tokens(20, seed=6)])
     cache, _ = same_as_stock(model, input_ids, store, attention_mask=mask)
     assert cache.cached_tokens[0] > 0
+
+
+def test_a_kv_and_state_layer_gets_kv_buffers_of_its_own():
+    """Layers whose K/V shapes differ (or off the CPU) get one buffer each from AppendLayer.allocate:
+    a StateAppendLayer (Falcon-H1, Zamba) must not take that call for its state allocation."""
+    from hf_patch.layer import StateAppendLayer, allocate_stacked
+    from radixkv import LayerSpec
+
+    layers = [StateAppendLayer(number_of_states=1) for _ in range(2)]
+    specs = [
+        LayerSpec(2, 16, 16, torch.float32, torch.device("cpu")),
+        LayerSpec(1, 8, 4, torch.float32, "cpu"),
+    ]
+    allocate_stacked(layers, 3, specs, 10)
+    assert [tuple(t.shape) for layer in layers for t in layer.buffers()] == [
+        (3, 2, 10, 16), (3, 2, 10, 16), (3, 1, 10, 8), (3, 1, 10, 4),
+    ]  # fmt: skip
