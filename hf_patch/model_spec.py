@@ -126,6 +126,30 @@ def check_supported(model) -> None:
             )
 
 
+# Per family, the modules that keep a recurrent state of their own instead of in the cache, and
+# which attributes: named by the refusal (docs/models.md#recurrentgemma says why not served).
+_STATE_ON_MODULES = {"RecurrentGemmaRecurrentBlock": "conv1d_state and rg_lru.recurrent_states"}
+
+
+def _state_outside_cache(model, layer_idx: int, cache_layer) -> UnsupportedModelError:
+    """The refusal of a model whose probe left cache layer ``layer_idx`` empty: its state lives
+    elsewhere (RecurrentGemma: on its modules), so radixkv could neither snapshot nor restore it."""
+    for name, module in model.named_modules():
+        attrs = _STATE_ON_MODULES.get(type(module).__name__)
+        if attrs is not None and f"layers.{layer_idx}." in f"{name}.":
+            return _refuse(
+                model,
+                f"layer {layer_idx} keeps its recurrent state on the model's modules ({name}: {attrs}), "
+                f"not in the cache ({type(cache_layer).__name__} stayed empty): one state per model object, "
+                "reassigned by every forward, which radixkv cannot snapshot or restore per row",
+            )
+    return _refuse(
+        model,
+        f"layer {layer_idx} keeps its recurrent state outside the cache ({type(cache_layer).__name__} "
+        "stayed empty in a probe forward)",
+    )
+
+
 def _shares_through_update(text_config) -> bool:
     """KV sharing transformers expresses as ``kv_sharing_modes`` (Gemma 3n, Gemma 4): a "store"
     layer hands the KV its cache's ``update`` returned to the "reuse" layers of its type in the
@@ -234,11 +258,7 @@ def model_layout(model) -> ModelLayout:
             if not any(e[0] == i for e in entries):
                 # The cache has a state layer here, but the forward kept its state elsewhere
                 # (RecurrentGemma: on its modules): nothing radixkv could snapshot or restore.
-                raise _refuse(
-                    model,
-                    f"layer {i} keeps its recurrent state outside the cache ({type(layer).__name__} "
-                    "stayed empty in a probe forward)",
-                )
+                raise _state_outside_cache(model, i, layer)
         kinds.append(kind)
     if not kv_layers and not state_specs:
         raise _refuse(model, "wrote no KV and no recurrent state in a probe forward")

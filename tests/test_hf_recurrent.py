@@ -147,6 +147,8 @@ def test_families_whose_state_is_not_in_the_cache_are_refused_naming_why(name):
     with pytest.raises(hf_patch.UnsupportedModelError, match="docs/models.md") as info:
         model.generate(ids(DOC[:12]), max_new_tokens=2, past_key_values=hf_patch.RadixCache())
     assert type(model).__name__ in str(info.value)
+    if name == "recurrent_gemma":  # the modules and attributes that hold it (docs/models.md#recurrentgemma)
+        assert "model.layers.0.temporal_block: conv1d_state and rg_lru.recurrent_states" in str(info.value)
 
 
 # Configs the refusal tests used to build: served now (a conv layer, KV shared between layers).
