@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
 from hf_patch.keys import SharedPrefix
-from hf_patch.layer import AppendLayer, StateAppendLayer, StateLayer
+from hf_patch.layer import AppendLayer, CompressedLayer, StateAppendLayer, StateLayer
 from radixkv import KVStore
 
 
@@ -86,13 +86,16 @@ class RadixCache(Cache):
     def start(self, layout) -> None:
         """Forget the previous call's KV and make one empty layer per model layer, of the kind
         ``layout`` (hf_patch.model_spec.ModelLayout) says the model keeps there."""
-        states = {}
-        for layer_idx, _part, idx in layout.state_entries:
+        states, windows = {}, {}
+        for (layer_idx, part, idx), spec in zip(layout.state_entries, layout.state_specs):
             states[layer_idx] = max(states.get(layer_idx, 0), idx + 1)
+            if part == "window":
+                windows[layer_idx] = spec
         make = {
             "kv": lambda i: AppendLayer(),
             "state": lambda i: StateLayer(number_of_states=states[i]),
             "kv+state": lambda i: StateAppendLayer(number_of_states=states[i]),
+            "compressed": lambda i: CompressedLayer(layout.compressors[i], layout.sliding_window, windows[i]),
             "none": lambda i: DummyLayer(),
         }
         self.layers = [make[kind](i) for i, kind in enumerate(layout.kinds)]
