@@ -274,7 +274,10 @@ class CompressedLayer(AppendLayer):
     tensors per layer, so the vector's first ``k_width`` values are this layer's K buffer
     ``[B, 1, capacity, k_width]`` and the rest its V buffer. The entries are also kept unpacked
     ``[B, count, entry_dim]`` for the model (rebuilt from the buffers after a preload). A
-    sliding-only layer has no per-token part (``width`` 0, no buffers).
+    sliding-only layer has no per-token part (``width`` 0, no buffers). A window lies within one
+    block: the store's block size is a multiple of every rate (``hf_patch.stores.build_store``).
+    Cost per forward of q tokens: stock's (a ``window + q`` concatenation; a closing window
+    concatenates the entries), plus writing the new entries into the buffers.
     """
 
     is_sliding = True

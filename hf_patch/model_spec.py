@@ -68,8 +68,8 @@ class CompressorSpec:
     buffer); ``overlap_dim`` > 0 (CSA): the last closed window's ``[rate, overlap_dim]`` kv and
     gate slices enter the next window's entry (the snapshot holds them). In the block pool,
     entry w lies in the V columns of its window's ``rate`` tokens, ``share`` =
-    ceil(entry_dim / rate) values each, from column ``offset`` of the token's V. So a block
-    holds entries of its own windows only, its store's block size is a multiple of every rate
+    ceil(entry_dim / rate) values each, from ``offset`` of the token's packed vector. So that a
+    block holds entries of its own windows only, the store's block size is a multiple of every rate
     (``hf_patch.stores.build_store``, ``check_store_fits``): a window straddling two blocks
     would put parts of an entry that depends on the later block's tokens into the earlier
     block, which another prompt sharing only that block would read.
