@@ -24,6 +24,7 @@ prefill would compute for it: real token j has position j in any left-padded row
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -127,7 +128,9 @@ def _forward_prefix(
         views = [row_view(layer, 0, 0) for layer in layers]
         start = fill_row(store, layout, views, lease, length, count=False)
         interval = 0 if not layout.continues_in_chunks else store.snapshot_interval or DEFAULT_INTERVAL
-        cuts = cut_points(start, length, interval, lease.kv_tokens, store.block_size)
+        grain = math.lcm(store.block_size, layout.snapshot_grain)
+        interval = -(-interval // grain) * grain
+        cuts = cut_points(start, length, interval, lease.kv_tokens, grain)
         ids = torch.from_numpy(np.frombuffer(prefix, dtype=np.int64).copy()).to(model.device)
         snapshots, _ = catch_up(model, layout, views, ids, start, length, cuts)
         return (*pool_tensors(views, layout), snapshots)

@@ -1,4 +1,5 @@
-"""AppendLayer: a cache layer that appends into a preallocated buffer instead of concatenating.
+"""AppendLayer: a cache layer that appends into a preallocated buffer instead of concatenating
+(and the stateful layers built on it: StateLayer, StateAppendLayer, CompressedLayer).
 
 Stock ``DynamicLayer.update`` runs ``torch.cat`` every step: an O(T) copy per token and
 layer. This layer keeps ``[B, H, capacity, D]`` buffers, writes new K/V at the end and hands
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionLayer
 
 from radixkv import StateSpec
@@ -170,9 +172,10 @@ class StateLayer(LinearAttentionLayer):
     front (``allocate``) so a snapshot read from the store lands in them and the model's own
     ``update_conv_state`` / ``update_recurrent_state`` copy into them in place."""
 
-    def allocate(self, batch: int, entries: Sequence[tuple[str, int, StateSpec]]) -> None:
+    def allocate_states(self, batch: int, entries: Sequence[tuple[str, int, StateSpec]]) -> None:
         """Zeroed states ``[batch, *spec.shape]`` for each ``(part, state index, spec)`` of this
-        layer (part ``"conv"`` or ``"recurrent"``); no previous state until ``mark_filled``."""
+        layer (part ``"conv"`` or ``"recurrent"``); no previous state until ``mark_filled``.
+        (Not ``allocate``: a StateAppendLayer's KV buffers are ``AppendLayer.allocate``'s.)"""
         for part, idx, spec in entries:
             t = torch.zeros(batch, *spec.shape, dtype=spec.dtype, device=spec.device)
             if part == "conv":
@@ -253,11 +256,250 @@ class StateAppendLayer(StateLayer, AppendLayer):
         return -1
 
 
+class CompressedLayer(AppendLayer):
+    """A DeepSeek-V4 attention layer's cache (stock: ``DeepseekV4HCACache`` / ``DeepseekV4CSACache``,
+    or ``DynamicSlidingWindowLayer`` for a sliding-only layer), laid out for the store.
+
+    Per row, as stock keeps them: the sliding window, the last ``window - 1`` K=V keys ``[B, 1,
+    window - 1, head_dim]`` (the newest last, zeros before the first), which ``update`` extends
+    with the new tokens for attention, and ``get_mask_sizes`` sized to match; per compressor
+    (``model_spec.CompressorSpec``) the open window's kv and gate projections ``[B, rate,
+    proj_dim]`` (``fill`` tokens of them) and, CSA, the overlap ``[B, rate, overlap_dim]`` kv and
+    gate. The window and the overlaps are the snapshot (``state_tensors``); at a window boundary
+    the open windows are empty.
+
+    Per token, for the block pool: the compressed entries. Entry w of a compressor lies in the
+    columns of its window's tokens ``[w * rate, (w + 1) * rate)``, ``share`` values each from
+    ``offset`` of a ``width``-wide packed vector, zeros where no entry lies; the pool keeps two
+    tensors per layer, so the vector's first ``k_width`` values are this layer's K buffer
+    ``[B, 1, capacity, k_width]`` and the rest its V buffer. The entries are also kept unpacked
+    ``[B, count, entry_dim]`` for the model (rebuilt from the buffers after a preload). A
+    sliding-only layer has no per-token part (``width`` 0, no buffers). A window lies within one
+    block: the store's block size is a multiple of every rate (``hf_patch.stores.build_store``).
+    Cost per forward of q tokens: stock's (a ``window + q`` concatenation; a closing window
+    concatenates the entries), plus writing the new entries into the buffers.
+    """
+
+    is_sliding = True
+    is_croppable = False
+    is_compileable = False
+
+    def __init__(
+        self, compressors: Sequence = (), window: int = 2, window_spec: StateSpec | None = None
+    ) -> None:
+        super().__init__()
+        self.compressors = {c.name: c for c in compressors}
+        self.sliding_window = window
+        self.window_spec = window_spec  # (1, window - 1, head_dim): one row's window
+        total = sum(c.share for c in compressors)
+        self.width = max(2, total) if total else 0
+        self.k_width = (self.width + 1) // 2
+        self.count = dict.fromkeys(self.compressors, 0)  # entries emitted, per compressor
+        self.fill = dict.fromkeys(self.compressors, 0)  # tokens of its open window
+        self.window_k: torch.Tensor | None = None
+        self.buffer_kv: dict[str, torch.Tensor] = {}
+        self.buffer_gate: dict[str, torch.Tensor] = {}
+        self.overlap_kv: dict[str, torch.Tensor] = {}
+        self.overlap_gate: dict[str, torch.Tensor] = {}
+        self._entries: dict[str, torch.Tensor] = {}
+
+    # -- allocation and per-row views ------------------------------------------------------------
+    def allocate_states(self, batch: int, entries: Sequence = ()) -> None:
+        """Zeroed per-row tensors: the window, and per compressor its open window (and overlap).
+        (``entries``, the layout's state entries of this layer, are the window and overlaps.)"""
+        spec = self.window_spec
+        self.window_k = torch.zeros(batch, *spec.shape, dtype=spec.dtype, device=spec.device)
+        for c in self.compressors.values():
+            for store in (self.buffer_kv, self.buffer_gate):
+                store[c.name] = torch.zeros(batch, c.rate, c.proj_dim, dtype=c.dtype, device=c.device)
+            if c.overlap_dim:
+                for store in (self.overlap_kv, self.overlap_gate):
+                    store[c.name] = torch.zeros(batch, c.rate, c.overlap_dim, dtype=c.dtype, device=c.device)
+        self.is_initialized = True
+
+    def state_tensors(self, part: str) -> dict[int, torch.Tensor]:
+        """``"window"``: ``{0: [B, 1, window - 1, head_dim]}``; ``"overlap"``: each CSA compressor's
+        overlap kv then gate, ``[B, rate, overlap_dim]``."""
+        if part == "window":
+            return {0: self.window_k}
+        assert part == "overlap", part
+        out = []
+        for name in self.overlap_kv:
+            out += [self.overlap_kv[name], self.overlap_gate[name]]
+        return dict(enumerate(out))
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        """Every per-row tensor but the per-token buffers (``[B, ...]``)."""
+        return [
+            self.window_k, *self.buffer_kv.values(), *self.buffer_gate.values(),
+            *self.state_tensors("overlap").values(),
+        ]  # fmt: skip
+
+    def row_view(self, row: int, first: int) -> CompressedLayer:
+        """A one-row layer over row ``row``, its per-token buffers from column ``first`` (length 0,
+        no entries): what its forwards write lands in this layer's tensors."""
+        view = CompressedLayer(tuple(self.compressors.values()), self.sliding_window, self.window_spec)
+        if self._k_buf is not None:
+            k, v = self.buffers()
+            view.adopt(k[row : row + 1, :, first:], v[row : row + 1, :, first:])
+        view.window_k = self.window_k[row : row + 1]
+        for mine, theirs in ((self.buffer_kv, view.buffer_kv), (self.buffer_gate, view.buffer_gate),
+                             (self.overlap_kv, view.overlap_kv), (self.overlap_gate, view.overlap_gate)):  # fmt: skip
+            for name, t in mine.items():
+                theirs[name] = t[row : row + 1]
+        view.is_initialized = True
+        return view
+
+    def set_length(self, length: int) -> None:
+        """The first ``length`` tokens valid: window, entries, the open windows' projections and
+        overlaps written (a row's tokens counted from its view's first column); each compressor
+        has emitted ``length // rate`` entries and holds ``length % rate`` tokens."""
+        if self._k_buf is not None:
+            super().set_length(length)
+        self.length = length
+        for c in self.compressors.values():
+            self.count[c.name], self.fill[c.name] = divmod(length, c.rate)
+        self._entries.clear()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Without a preload (a call run as with a plain cache): allocate for this batch."""
+        b, q = key_states.shape[0], key_states.shape[2]
+        if self.window_k is None:
+            self.allocate_states(b)
+        if self.width:
+            k, w = self.k_width, self.width
+            self.allocate(b, 1, k, w - k, max(q, 16), key_states.dtype, key_states.device)
+
+    # -- what the model calls ----------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Stock's: the window's keys then the new K=V keys ``[B, 1, q, head_dim]`` (``value_states``
+        is the same tensor) for attention; the window moves on by ``q``."""
+        if self.window_k is None or (self.width and self._k_buf is None):
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[2]
+        if self.width:
+            self._ensure_capacity(end)
+            for buf in (self._k_buf, self._v_buf):
+                buf[:, :, start:end].zero_()  # entries land here once their windows close
+        size = self.window_k.shape[2]
+        held = min(start, size)
+        full = torch.cat([self.window_k[:, :, size - held :], key_states], dim=2)
+        keep = min(full.shape[2], size)
+        self.window_k[:, :, size - keep :] = full[:, :, full.shape[2] - keep :]
+        self.length = end
+        if self._k_buf is not None:
+            self._refresh_views()
+        return full, full
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """DynamicSlidingWindowLayer's: the keys ``update`` hands attention."""
+        kv_offset = max(self.length - self.sliding_window + 1, 0)
+        full = self.length >= self.sliding_window
+        return (self.sliding_window - 1 if full else self.length) + query_length, kv_offset
+
+    def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
+        """Stock's: the open window's tokens then ``kv`` / ``gate`` ``[B, n, proj_dim]``; return the
+        whole windows among them and the first one's position; keep the rest as the open window."""
+        c = self.compressors[name]
+        first_window_position = self.count[name] * c.rate
+        n = self.fill[name]
+        if n:
+            kv = torch.cat([self.buffer_kv[name][:, :n], kv], dim=1)
+            gate = torch.cat([self.buffer_gate[name][:, :n], gate], dim=1)
+        usable = kv.shape[1] // c.rate * c.rate
+        rest = kv.shape[1] - usable
+        self.buffer_kv[name][:, :rest] = kv[:, usable:]
+        self.buffer_gate[name][:, :rest] = gate[:, usable:]
+        self.fill[name] = rest
+        return kv[:, :usable], gate[:, :usable], first_window_position
+
+    def update_overlap_state(
+        self, name: str, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor, head_dim: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Stock's (CSA): the previous window's overlap slices (None before a first window closed),
+        and this forward's last window's ``[B, rate, head_dim]`` kv / gate saved in their place."""
+        prior = (None, None)
+        if self.count[name]:
+            prior = (self.overlap_kv[name].clone(), self.overlap_gate[name].clone())
+        self.overlap_kv[name].copy_(chunk_kv[:, -1, :, :head_dim])
+        self.overlap_gate[name].copy_(chunk_gate[:, -1, :, :head_dim])
+        return prior
+
+    def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
+        """Append new entries ``[B, n, entry_dim]`` (packed into the buffers too); return all."""
+        c = self.compressors[name]
+        before, new = self.count[name], compressed.shape[1]
+        if new == 0:
+            return self._unpacked(c) if before else compressed
+        b = compressed.shape[0]
+        packed = F.pad(compressed, (0, c.share * c.rate - c.entry_dim)).reshape(b, new * c.rate, c.share)
+        self._write(slice(before * c.rate, (before + new) * c.rate), c.offset, packed)
+        entries = torch.cat([self._unpacked(c), compressed], dim=1) if before else compressed
+        self.count[name] = before + new
+        self._entries[name] = entries
+        return entries
+
+    def _write(self, cols: slice, lo: int, values: torch.Tensor) -> None:
+        """Packed values ``[B, n, m]`` into columns ``cols``, packed positions ``[lo, lo + m)``."""
+        k, hi = self.k_width, lo + values.shape[-1]
+        if lo < k:
+            self._k_buf[:, 0, cols, lo : min(hi, k)] = values[..., : min(hi, k) - lo]
+        if hi > k:
+            self._v_buf[:, 0, cols, max(lo, k) - k : hi - k] = values[..., max(lo, k) - lo :]
+
+    def _unpacked(self, c) -> torch.Tensor:
+        """Compressor ``c``'s ``count`` entries ``[B, count, entry_dim]`` (from the buffers once per
+        preload)."""
+        entries = self._entries.get(c.name)
+        count = self.count[c.name]
+        if entries is None or entries.shape[1] != count:
+            k, lo, hi, cols = self.k_width, c.offset, c.offset + c.share, slice(0, count * c.rate)
+            parts = []
+            if lo < k:
+                parts.append(self._k_buf[:, 0, cols, lo : min(hi, k)])
+            if hi > k:
+                parts.append(self._v_buf[:, 0, cols, max(lo, k) - k : hi - k])
+            packed = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+            b = packed.shape[0]
+            entries = packed.reshape(b, count, c.rate * c.share)[..., : c.entry_dim].contiguous()
+            self._entries[c.name] = entries
+        return entries
+
+    # -- batch bookkeeping -------------------------------------------------------------------------
+    def _map_batch(self, fn) -> None:
+        if self._k_buf is not None:
+            super()._map_batch(fn)
+        if self.window_k is not None:
+            self.window_k = fn(self.window_k)
+        for store in (self.buffer_kv, self.buffer_gate, self.overlap_kv, self.overlap_gate, self._entries):
+            for name, t in store.items():
+                store[name] = fn(t)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("a DeepSeek-V4 compressed layer cannot be cropped back to an earlier token")
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        super().reset()
+        self.window_k = None
+        for store in (self.buffer_kv, self.buffer_gate, self.overlap_kv, self.overlap_gate, self._entries):
+            store.clear()
+        self.count = dict.fromkeys(self.compressors, 0)
+        self.fill = dict.fromkeys(self.compressors, 0)
+
+
 def row_view(layer, row: int, pad: int):
     """A one-row layer over row ``row`` of a batch layer: KV views of its columns from ``pad`` on
     (length 0), state views ``[row:row+1]`` (no previous state). What a forward over that row
     alone writes lands in the batch layer's buffers (no copy afterwards). A layer that holds
     nothing (transformers' DummyLayer) is its own view."""
+    if isinstance(layer, CompressedLayer):
+        return layer.row_view(row, pad)
     if not isinstance(layer, (AppendLayer, StateLayer)):
         return layer
     if isinstance(layer, StateLayer):
@@ -384,8 +626,11 @@ def make_layers(layout) -> list:
     """One empty cache layer per model layer, of the kind ``layout`` (hf_patch.model_spec.ModelLayout)
     says the model keeps there: KV (with indexer keys where it has them), states, both, or nothing."""
     states: dict[int, int] = {}
-    for layer_idx, _part, idx in layout.state_entries:
+    windows: dict[int, StateSpec] = {}
+    for (layer_idx, part, idx), spec in zip(layout.state_entries, layout.state_specs):
         states[layer_idx] = max(states.get(layer_idx, 0), idx + 1)
+        if part == "window":
+            windows[layer_idx] = spec
     indexed = set(layout.index_layers)
     out = []
     for i, kind in enumerate(layout.kinds):
@@ -395,6 +640,8 @@ def make_layers(layout) -> list:
             out.append(StateLayer(number_of_states=states[i]))
         elif kind == "kv+state":
             out.append(StateAppendLayer(number_of_states=states[i]))
+        elif kind == "compressed":  # DeepSeek-V4
+            out.append(CompressedLayer(layout.compressors[i], layout.sliding_window, windows[i]))
         else:
             out.append(DummyLayer())
     return out
@@ -412,4 +659,4 @@ def allocate_layers(layers: Sequence, layout, batch: int, capacity: int) -> None
     for (layer_idx, part, idx), spec in zip(layout.state_entries, layout.state_specs):
         per_layer.setdefault(layer_idx, []).append((part, idx, spec))
     for layer_idx, entries in per_layer.items():
-        layers[layer_idx].allocate(batch, entries)
+        layers[layer_idx].allocate_states(batch, entries)

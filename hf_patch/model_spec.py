@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import math
+import sys
 import threading
 import weakref
 
@@ -58,11 +60,40 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class CompressorSpec:
+    """One compressor of a DeepSeek-V4 attention layer (``hf_patch.layer.CompressedLayer``).
+
+    ``name``: its key in the stock cache layer (``"compressor"``; CSA layers also ``"indexer"``).
+    Every ``rate`` tokens close a window that emits one compressed entry of ``entry_dim``; the
+    tokens of the open window wait as kv and gate projections of ``proj_dim`` each (the
+    buffer); ``overlap_dim`` > 0 (CSA): the last closed window's ``[rate, overlap_dim]`` kv and
+    gate slices enter the next window's entry (the snapshot holds them). In the block pool,
+    entry w lies in the V columns of its window's ``rate`` tokens, ``share`` =
+    ceil(entry_dim / rate) values each, from ``offset`` of the token's packed vector. So that a
+    block holds entries of its own windows only, the store's block size is a multiple of every rate
+    (``hf_patch.stores.build_store``, ``check_store_fits``): a window straddling two blocks
+    would put parts of an entry that depends on the later block's tokens into the earlier
+    block, which another prompt sharing only that block would read.
+    """
+
+    name: str
+    rate: int
+    entry_dim: int
+    proj_dim: int
+    overlap_dim: int
+    share: int
+    offset: int
+    dtype: torch.dtype  # of the projections (buffer, overlap); entries have the layer's KV dtype
+    device: torch.device
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelLayout:
     """What a model keeps between forwards, per layer, as radixkv stores it.
 
     ``kinds[i]``: ``"kv"`` (per-token K and V), ``"state"`` (recurrent / conv state of fixed
-    size), ``"kv+state"`` (both in one layer: Falcon-H1, Zamba) or ``"none"``. The block pool
+    size), ``"kv+state"`` (both in one layer: Falcon-H1, Zamba), ``"compressed"`` (DeepSeek-V4:
+    per-token sliding K and compressed entries, plus a fixed-size state) or ``"none"``. The block pool
     holds the KV layers, in model order (``kv_layers``, ``specs``); a snapshot holds every
     state tensor (``state_entries[j] = (layer, "conv" | "recurrent", state index)``, shapes
     ``state_specs[j]`` without the batch dim); then one pool layer per ``index_layers`` entry.
@@ -85,6 +116,17 @@ class ModelLayout:
     # False: a multi-token forward from a cached state is wrong (Mamba-1 mixers); only one
     # token at a time may follow a snapshot (hf_patch.recurrent.catch_up)
     continues_in_chunks: bool = True
+    # DeepSeek-V4 (every layer of kind "compressed"): per layer, its compressors (none for a
+    # sliding-only layer), and the sliding window all its layers share
+    compressors: tuple[tuple[CompressorSpec, ...], ...] = ()
+    sliding_window: int = 0
+    # Snapshots (and so reuse) only at multiples of this many tokens: where every compressor's
+    # window is closed (DeepSeek-V4: the compress rates' lcm); 1: at any block boundary
+    snapshot_grain: int = 1
+    # A left-padded row's outputs depend on its padding in stock (DeepSeek-V4: compression
+    # windows start at column 0, pads included): generate() computes such a row as stock does,
+    # from its first column, and neither reuses nor caches it (hf_patch.request)
+    padding_dependent: bool = False
 
     @property
     def stateful(self) -> bool:
@@ -125,13 +167,46 @@ def check_supported(model) -> None:
         layers = DynamicCache(config=text_config).layers
     except KeyError as e:  # a layer type DynamicCache has no class for (DeepSeek-V4's compressed caches)
         raise _refuse(model, f"uses cache layers of type {e} that DynamicCache does not build") from None
+    compressed = _compressed_classes()
     for i, layer in enumerate(layers):
-        if type(layer) not in _LAYER_KINDS:
+        if type(layer) not in _LAYER_KINDS and type(layer) not in compressed:
             raise _refuse(
                 model,
                 f"layer {i} keeps {type(layer).__name__} state, a cache layer kind radixkv has not been "
                 "checked against",
             )
+
+
+def _compressed_classes() -> tuple[type, ...]:
+    """DeepSeek-V4's compressed cache layer classes (HCA, CSA), once its modeling module is loaded
+    (it registers them with DynamicCache; a model of the family implies it); () before."""
+    module = sys.modules.get("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    names = ("DeepseekV4HCACache", "DeepseekV4CSACache")
+    return tuple(getattr(module, n) for n in names if hasattr(module, n)) if module is not None else ()
+
+
+# Per family, the modules that keep a recurrent state of their own instead of in the cache, and
+# which attributes: named by the refusal (docs/models.md#recurrentgemma says why not served).
+_STATE_ON_MODULES = {"RecurrentGemmaRecurrentBlock": "conv1d_state and rg_lru.recurrent_states"}
+
+
+def _state_outside_cache(model, layer_idx: int, cache_layer) -> UnsupportedModelError:
+    """The refusal of a model whose probe left cache layer ``layer_idx`` empty: its state lives
+    elsewhere (RecurrentGemma: on its modules), so radixkv could neither snapshot nor restore it."""
+    for name, module in model.named_modules():
+        attrs = _STATE_ON_MODULES.get(type(module).__name__)
+        if attrs is not None and f"layers.{layer_idx}." in f"{name}.":
+            return _refuse(
+                model,
+                f"layer {layer_idx} keeps its recurrent state on the model's modules ({name}: {attrs}), "
+                f"not in the cache ({type(cache_layer).__name__} stayed empty): one state per model object, "
+                "reassigned by every forward, which radixkv cannot snapshot or restore per row",
+            )
+    return _refuse(
+        model,
+        f"layer {layer_idx} keeps its recurrent state outside the cache ({type(cache_layer).__name__} "
+        "stayed empty in a probe forward)",
+    )
 
 
 def _shares_through_update(text_config) -> bool:
@@ -184,7 +259,8 @@ def _state_spec(tensor: torch.Tensor) -> StateSpec:
 
 @torch.no_grad()
 def model_layout(model) -> ModelLayout:
-    """Per-layer KV shapes and recurrent-state shapes, read off a one-token probe forward.
+    """Per-layer KV shapes and recurrent-state shapes, read off a one-token probe forward
+    (DeepSeek-V4: a longer one, ``_compressed_layout``).
 
     A probe is exact for every family (GQA, explicit head_dim, K/V dims that differ, layers
     dispatched to several devices, conv kernels and state sizes) where reading config fields
@@ -199,6 +275,18 @@ def model_layout(model) -> ModelLayout:
         return cached[1]
     check_supported(model)
     text_config = model.config.get_text_config(decoder=True)
+    compressed = _compressed_classes()
+    if compressed and any(type(layer) in compressed for layer in DynamicCache(config=text_config).layers):
+        layout = _compressed_layout(model, text_config, compressed)
+    else:
+        layout = _probed_layout(model, text_config)
+    with _lock:
+        _specs[model] = (placement, layout)
+    return layout
+
+
+def _probed_layout(model, text_config) -> ModelLayout:
+    """``model_layout`` of every family but DeepSeek-V4: one token through a probe cache."""
     probe = _ProbeCache(config=text_config)
     if all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in probe.layers):
         probe = DynamicCache()  # plain KV: full layers, as RadixCache keeps them
@@ -254,16 +342,12 @@ def model_layout(model) -> ModelLayout:
             if not any(e[0] == i for e in entries):
                 # The cache has a state layer here, but the forward kept its state elsewhere
                 # (RecurrentGemma: on its modules): nothing radixkv could snapshot or restore.
-                raise _refuse(
-                    model,
-                    f"layer {i} keeps its recurrent state outside the cache ({type(layer).__name__} "
-                    "stayed empty in a probe forward)",
-                )
+                raise _state_outside_cache(model, i, layer)
         kinds.append(kind)
     if not kv_layers and not state_specs:
         raise _refuse(model, "wrote no KV and no recurrent state in a probe forward")
     chunks = not any(type(m).__name__ in _NO_INITIAL_STATE_MIXERS for m in model.modules())
-    layout = ModelLayout(
+    return ModelLayout(
         kinds=tuple(kinds),
         specs=tuple(specs + index_specs),
         kv_layers=tuple(kv_layers),
@@ -274,9 +358,82 @@ def model_layout(model) -> ModelLayout:
         cache_arg=arg,
         continues_in_chunks=chunks,
     )
-    with _lock:
-        _specs[model] = (placement, layout)
-    return layout
+
+
+def _compressed_layout(model, text_config, classes: tuple[type, ...]) -> ModelLayout:
+    """DeepSeek-V4 (docs/models.md#deepseek-v4): every layer a sliding K=V window; CSA / HCA
+    layers add compressors, whose windows of ``compress_rate`` tokens each emit one entry.
+
+    Read off a probe of lcm(rates) + 1 tokens through stock's own cache: every compressor has
+    closed a window (entries, CSA overlap) and holds one token in its buffer, so each tensor's
+    shape and dtype is the model's own. Per token in the block pool: each compressed layer's
+    entries, spread over their windows' tokens (``hf_patch.layer.CompressedLayer``). The
+    snapshot: every layer's window of ``sliding_window - 1`` keys and each CSA compressor's
+    overlap (kv, gate). At multiples of the grain every buffer is empty, so that is all the
+    state there is; snapshots (and so reuse) are restricted to them.
+    """
+    probe = DynamicCache(config=text_config)
+    grain = math.lcm(*(layer.compress_rate for layer in probe.layers if type(layer) in classes))
+    token = torch.zeros(1, grain + 1, dtype=torch.long, device=model.device)
+    model(input_ids=token, past_key_values=probe, use_cache=True)  # no_grad: model_layout's
+    specs, kv_layers, compressors, entries, state_specs, windows = [], [], [], [], [], set()
+    for i, layer in enumerate(probe.layers):
+        if not isinstance(layer, DynamicSlidingWindowLayer) or layer.keys is None or layer.keys.shape[1] != 1:
+            raise _refuse(
+                model,
+                f"layer {i} keeps {type(layer).__name__}, where radixkv serves DeepSeek-V4 sliding-window "
+                "layers with one shared K=V head",
+            )
+        keys, window = layer.keys, layer.sliding_window
+        if window < 2:
+            raise _refuse(model, f"has a sliding window of {window}: no key is kept between forwards")
+        windows.add(window)
+        entries.append((i, "window", 0))
+        state_specs.append(StateSpec((1, window - 1, keys.shape[3]), keys.dtype, keys.device))
+        comps, offset, overlaps = [], 0, 0
+        for name in tuple(layer.compressed_kv) if type(layer) in classes else ():
+            rate, entry = layer.compress_rate, layer.compressed_kv[name]  # [1, n // rate, entry_dim]
+            buffer = layer.buffer_kv[name]  # [1, n % rate = 1, proj_dim]
+            overlap = getattr(layer, "overlap_kv", {}).get(name)  # CSA: [1, rate, overlap_dim]
+            if entry.dtype != keys.dtype:
+                raise _refuse(
+                    model,
+                    f"layer {i}'s {name} emits {entry.dtype} entries for {keys.dtype} keys; radixkv's "
+                    "block pool holds one dtype per layer",
+                )
+            share = -(-entry.shape[-1] // rate)
+            comps.append(
+                CompressorSpec(
+                    name, rate, entry.shape[-1], buffer.shape[-1], 0 if overlap is None else overlap.shape[-1],
+                    share, offset, buffer.dtype, buffer.device,
+                )
+            )  # fmt: skip
+            offset += share
+            if overlap is not None:
+                for part in (overlap, layer.overlap_gate[name]):
+                    entries.append((i, "overlap", overlaps))
+                    state_specs.append(_state_spec(part))
+                    overlaps += 1
+        compressors.append(tuple(comps))
+        if comps:  # the packed entries, split over the pool's two tensors (CompressedLayer.width)
+            width = max(2, offset)
+            kv_layers.append(i)
+            specs.append(LayerSpec(1, (width + 1) // 2, width // 2, keys.dtype, keys.device))
+    if len(windows) != 1:
+        raise _refuse(model, f"has layers of sliding windows {sorted(windows)}, where one mask serves all")
+    return ModelLayout(
+        kinds=("compressed",) * len(probe.layers),
+        specs=tuple(specs),
+        kv_layers=tuple(kv_layers),
+        state_entries=tuple(entries),
+        state_specs=tuple(state_specs),
+        cache_arg="past_key_values",
+        continues_in_chunks=True,
+        compressors=tuple(compressors),
+        sliding_window=windows.pop(),
+        snapshot_grain=grain,
+        padding_dependent=True,
+    )
 
 
 def layer_specs(model) -> tuple[LayerSpec, ...]:
@@ -288,6 +445,11 @@ def check_store_fits(store: KVStore, model) -> None:
     """Refuse, naming the difference, a store shaped for another model."""
     layout = model_layout(model)
     specs = layout.specs
+    if store.block_size % layout.snapshot_grain:
+        raise ValueError(
+            f"this KVStore's block size ({store.block_size}) is not a multiple of {layout.snapshot_grain}, "
+            f"which {type(model).__name__} needs (its compression windows must not straddle blocks)"
+        )
     states = store.states.specs if store.states is not None else ()
     if tuple(states) != layout.state_specs:
         raise ValueError(

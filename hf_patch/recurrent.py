@@ -65,15 +65,20 @@ def state_views(layers: Sequence, layout: ModelLayout, row: int | None = None) -
 
 def cut_points(start: int, stop: int, interval: int, junction: int, block_size: int) -> list[int]:
     """Snapshot positions in ``(start, stop]`` for a row caught up from ``start`` to ``stop``: the
-    multiples of ``interval``, the ``junction`` and the last block boundary.
+    multiples of ``interval``, the ``junction`` and the last block boundary. ``block_size``: the
+    store's, or a multiple of it where the model has a state only there (``snapshot_grain``:
+    DeepSeek-V4); the junction is floored to it, ``interval`` must be a multiple of it.
 
-    >>> cut_points(0, 100, 32, 40, 16)
-    [32, 40, 64, 96]
+    >>> cut_points(0, 100, 32, 48, 16)
+    [32, 48, 64, 96]
     >>> cut_points(32, 47, 32, 32, 16)
     []
-    >>> cut_points(0, 100, 0, 90, 16)  # no interval: a model that continues one token at a time
-    [90, 96]
+    >>> cut_points(0, 100, 0, 80, 16)  # no interval: a model that continues one token at a time
+    [80, 96]
+    >>> cut_points(0, 100, 32, 48, 32)  # a coarser grain: the junction is floored to it
+    [32, 64, 96]
     """
+    junction -= junction % block_size
     if not interval:  # every cut past the first is paid a token at a time: the junction only if near
         last = stop // block_size * block_size
         near = [junction] if start < junction < last and last - junction <= STEPWISE_TOKENS else []
@@ -97,6 +102,7 @@ def catch_up(
     stop: int,
     cuts: Iterable[int],
     logits: int = 0,
+    mask: torch.Tensor | None = None,
 ) -> tuple[dict[int, list[torch.Tensor]], torch.Tensor | None]:
     """Run one row's tokens ``ids[start:stop]`` (1-D, on the model's device) through ``model``
     on its row views (their KV and states those of ``ids[:start]``), in forwards that end at each
@@ -105,6 +111,8 @@ def catch_up(
     (scoring; the caller keeps every cut at or before ``stop - logits``).
 
     Positions continue from ``start``, as real token j sits at position j in any padded row.
+    ``mask``: the row's own 1-D attention mask over ``ids`` (its pads included, as stock computes
+    a padded row of a padding-dependent model): masked and positioned as generate() does.
     """
     cache = RowCache(views, start)
     keep = accepts(model, "logits_to_keep")
@@ -122,7 +130,13 @@ def catch_up(
             continue
         need = max(0, end - max(pos, stop - logits)) if logits else 0
         extra = {"logits_to_keep": need or 1} if keep else {}  # no vocab matmul for the others
-        if layout.cache_arg == "cache_params":
+        if mask is not None:
+            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate()'s position_ids
+            inputs = {
+                "attention_mask": mask[:end].unsqueeze(0),
+                "position_ids": positions[pos:end].unsqueeze(0),
+            }
+        elif layout.cache_arg == "cache_params":
             # The Mamba families multiply their hidden states by the mask as given: it must be the
             # forward's own length (a full-length one broadcasts the sequence, silently).
             inputs = {"attention_mask": torch.ones(1, end - pos, dtype=torch.long, device=device)}
@@ -215,9 +229,10 @@ def fill_row(store, layout: ModelLayout, views: list, lease, stop: int, *, count
     after a snapshot, far from it) or nothing is usable. ``count``: a prompt's hit (not an
     in-batch prefix). The views then continue from there (``mark_row_filled``)."""
     start = 0
-    if lease is not None and lease.num_tokens > 0 and stop > 0:
+    # (a snapshot past the row's stop, matched for another keep, is not the state at stop)
+    if lease is not None and 0 < lease.num_tokens <= stop:
         if layout.continues_in_chunks or stop - lease.num_tokens <= STEPWISE_TOKENS:
-            start = min(lease.num_tokens, stop)
+            start = lease.num_tokens
     if start:
         ks, vs = pool_buffers(views, layout)
         store.read([lease], start, [k[:, :, :start] for k in ks], [v[:, :, :start] for v in vs], count=count)

@@ -10,12 +10,16 @@ A model with recurrent layers (``ModelLayout.stateful``) cannot start rows at on
 row's state exists only at its own snapshot. Each row is caught up alone from its snapshot to
 its last prompt token but one (``hf_patch.recurrent``), straight into its row of the batch's
 buffers, and generate() computes the last column; the commit attaches the snapshots taken on
-the way and during the decode.
+the way and during the decode. A model whose padded rows depend on their padding in stock
+(``ModelLayout.padding_dependent``: DeepSeek-V4) has each padded row of a generate() batch
+computed as stock computes it, pads included, neither read nor committed, and generate() computes
+the last two columns (docs/models.md#deepseek-v4).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -26,7 +30,7 @@ from cuda_ext.stacking import chunks, interleave, stacked
 from hf_patch.cache import RadixCache
 from hf_patch.keys import RowKey, SharedPrefix, row_key
 from hf_patch.keys.inputs import log_once
-from hf_patch.layer import StateLayer, allocate_layers, pool_buffers, pool_tensors, row_view
+from hf_patch.layer import CompressedLayer, StateLayer, allocate_layers, pool_buffers, pool_tensors, row_view
 from hf_patch.model_spec import ModelLayout
 from hf_patch.recurrent import (
     DEFAULT_INTERVAL,
@@ -34,6 +38,7 @@ from hf_patch.recurrent import (
     catch_up,
     cut_points,
     fill_row,
+    mark_row_filled,
     state_views,
 )
 from radixkv import KVStore, Lease
@@ -129,6 +134,9 @@ class Request:
         self.snapshots: list[dict[int, list[torch.Tensor]]] = []
         self.row_logits: list[torch.Tensor | None] = []  # preload(score=True): per row [1, keep, V]
         self.decode: DecodeSnapshots | None = None
+        # Snapshots only at multiples of this (the block size, or a coarser model grain: DeepSeek-V4)
+        self.grain = math.lcm(store.block_size, layout.snapshot_grain)
+        self.stock_rows: set[int] = set()  # rows computed with their pads (_catch_up_rows as_stock)
 
     @property
     def kv_layers(self) -> list:
@@ -229,12 +237,15 @@ class Request:
         capacity = initial_capacity(length, max_length)
         allocate_layers(self.cache.layers, self.layout, batch, capacity)
         self.cache.cached_tokens = [0] * batch
+        as_stock = self._as_stock(attention_mask, batch, length, score)
+        if as_stock:
+            keep = [max(2, k) for k in keep] if keep is not None else [2] * batch
         try:
             self.match(input_ids, attention_mask, keys, reuse, share, keep)
             if self.layout.stateful and self.pads is not None and (reuse or score):
                 # (reuse=False: per-token outputs of the whole prompt are wanted, so generate()
                 # computes it in one forward, as stock; nothing is committed then)
-                self._catch_up_rows(input_ids, keep, score)
+                self._catch_up_rows(input_ids, keep, score, as_stock)
             elif self.common > 0:
                 self._copy_prefix(self.common, self.computed)
             if self.layout.index_positions is not None and self.pads is not None and self.common:
@@ -252,32 +263,62 @@ class Request:
         layer.indexer_position_ids = positions.clamp(min=0).to(device)[None].expand(3, rows, common)
 
     # -- stateful models ----------------------------------------------------------------------------
-    def _catch_up_rows(self, input_ids: torch.Tensor, keep: list[int] | None, score: bool = False) -> None:
+    def _as_stock(self, attention_mask: torch.Tensor | None, batch: int, length: int, score: bool) -> bool:
+        """Whether generate()'s padded rows are computed as stock computes them (a padding-
+        dependent model, DeepSeek-V4, in a batch with padding; not scoring, whose rows are each
+        scored alone). Then every row leaves generate() its last two columns: stock computes a
+        padded row's last prompt token in its multi-token prefill, where the HCA layers mask
+        compressed entries by position; a one-token forward shows it all of them."""
+        if not self.layout.padding_dependent or score or length < 2:
+            return False
+        pads = self.pads if self.matched else left_pads(attention_mask, batch, length)
+        return bool(pads) and any(pads)
+
+    def _catch_up_rows(
+        self, input_ids: torch.Tensor, keep: list[int] | None, score: bool = False, as_stock: bool = False
+    ) -> None:
         """Bring every row's KV and states to its last prompt token but ``keep[i]`` (default 1),
         each from its own snapshot, in its own forwards (hf_patch.recurrent); rows with the
         same key are computed once and copied. Pad columns are zeroed (they are masked, but
-        must be finite). ``score``: on to each row's end, its last ``keep[i]`` logits kept."""
+        must be finite). ``score``: on to each row's end, its last ``keep[i]`` logits kept.
+        ``as_stock`` (``_as_stock``): a padded row is computed from its first column, pads
+        included, and is neither read from the store nor committed (``stock_rows``)."""
         batch, length = input_ids.shape
         keep = [1] * batch if keep is None else keep
         layers = self.cache.layers
-        bs = self.store.block_size
-        interval = self.store.snapshot_interval or DEFAULT_INTERVAL
+        grain = self.grain
+        interval = -(-(self.store.snapshot_interval or DEFAULT_INTERVAL) // grain) * grain
         done: dict[tuple, int] = {}
         device_ids = input_ids.to(self.model.device)
         for i, pad in enumerate(self.pads):
-            stop = length - pad - keep[i]
-            lease = self.leases[i] if self.leases else None
+            stock_row = as_stock and pad > 0
+            first = 0 if stock_row else pad  # the row's columns as its forwards see them
+            stop = max(0, length - first - keep[i])
+            lease = self.leases[i] if self.leases and not stock_row else None
             key = None
             if self.keys is not None:
                 row = self.keys.row(i, self.prompt_ids[i], pad)
                 key = (row.namespace, row.tokens, pad, keep[i])
-            views = [row_view(layer, i, pad) for layer in layers]
+            views = [row_view(layer, i, first) for layer in layers]
             end = stop + keep[i] if score else stop
             if key is not None and key in done:
-                self._copy_row(done[key], i, pad, end)
+                self._copy_row(done[key], i, first, end)
                 self.snapshots.append(self.snapshots[done[key]])
                 self.row_logits.append(self.row_logits[done[key]])
                 self.cache.cached_tokens[i] = self.cache.cached_tokens[done[key]]
+                if stock_row:
+                    self.stock_rows.add(i)
+                continue
+            if stock_row:
+                self.stock_rows.add(i)
+                mark_row_filled(views, 0)
+                self.cache.cached_tokens[i] = 0
+                mask = (torch.arange(length, device=device_ids.device) >= pad).long()
+                catch_up(self.model, self.layout, views, device_ids[i], 0, stop, [], mask=mask)
+                self.snapshots.append({})
+                self.row_logits.append(None)
+                if key is not None:
+                    done[key] = i
                 continue
             junction = lease.kv_tokens if lease is not None else 0
             stepwise = not self.layout.continues_in_chunks
@@ -285,11 +326,11 @@ class Request:
             served = max(0, start - self.computed.get(i, 0))  # in-batch sharing computed the rest for it
             self.cache.cached_tokens[i] = served
             cuts = (
-                cut_points(start, max(start, stop), 0 if stepwise else interval, junction, bs)
+                cut_points(start, max(start, stop), 0 if stepwise else interval, junction, grain)
                 if self.keys is not None
                 else []
             )
-            if score and end % bs == 0 and end > 0:
+            if score and end % grain == 0 and end > 0:
                 cuts.append(end)  # the whole row's state: the next call over it reuses all of it
             snaps, logits = catch_up(
                 self.model, self.layout, views, device_ids[i, pad:], start, end, cuts, keep[i] if score else 0
@@ -300,10 +341,10 @@ class Request:
                 done[key] = i
         ks, vs = pool_buffers(layers, self.layout)
         for i, pad in enumerate(self.pads):
-            if pad:
+            if pad and i not in self.stock_rows:  # a stock row computed its pad columns, as stock does
                 for buf in (*ks, *vs):
                     buf[i, :, :pad].zero_()
-        common = length if score else length - min(keep)
+        common = length if score else max(0, length - min(keep))
         for layer in layers:
             if hasattr(layer, "set_length"):
                 layer.set_length(common)
@@ -312,13 +353,18 @@ class Request:
         self.cache.consumed = common
         self.common = common
 
-    def _copy_row(self, src: int, dst: int, pad: int, stop: int) -> None:
-        """Row ``dst`` becomes a copy of row ``src`` (same key and padding): KV and states."""
+    def _copy_row(self, src: int, dst: int, first: int, stop: int) -> None:
+        """Row ``dst`` becomes a copy of row ``src`` (same key and padding): KV and states of its
+        columns ``first`` to ``first + stop``."""
         ks, vs = pool_buffers(self.cache.layers, self.layout)
         for buf in (*ks, *vs):
-            buf[dst, :, pad : pad + stop] = buf[src, :, pad : pad + stop]
+            buf[dst, :, first : first + stop] = buf[src, :, first : first + stop]
         for t in state_views(self.cache.layers, self.layout):
             t[dst] = t[src]
+        for layer in self.cache.layers:
+            if isinstance(layer, CompressedLayer):
+                for t in layer.row_tensors():
+                    t[dst] = t[src]
 
     def start_decode_snapshots(self, eos: list[int]) -> None:
         """Take per-row snapshots at block boundaries during generate()'s decode (stateful
@@ -326,9 +372,7 @@ class Request:
         if not self.layout.stateful or self.pads is None or self.prompt_only or self.keys is None:
             return
         lengths = [self.common - pad for pad in self.pads]
-        self.decode = DecodeSnapshots(
-            self.model, self.cache, self.layout, lengths, self.store.block_size, eos
-        )
+        self.decode = DecodeSnapshots(self.model, self.cache, self.layout, lengths, self.grain, eos)
 
     def close(self) -> None:
         """Release every pin and stop the decode's snapshots (end of the call)."""
@@ -345,7 +389,7 @@ class Request:
             if pos <= end:
                 out[pos] = states
         final = kv_length - pad
-        if final <= end and final % self.store.block_size == 0 and final > 0 and not self.prompt_only:
+        if final <= end and final % self.grain == 0 and final > 0 and not self.prompt_only:
             out[final] = [t[i] for t in state_views(self.cache.layers, self.layout)]
         return out
 
@@ -429,6 +473,8 @@ class Request:
         added = 0
         ks, vs = pool_tensors(self.cache.layers, self.layout)
         for i, pad in enumerate(self.pads):
+            if i in self.stock_rows:  # computed with its pads (a padding-dependent model): not its prefix's
+                continue
             if prompt_only:
                 end = prompt_length
             else:

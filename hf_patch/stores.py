@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import weakref
@@ -116,6 +117,11 @@ def build_store(
     attention KV gives its whole budget to snapshots. ``snapshot_interval`` (else
     ``RADIXKV_SNAPSHOT_INTERVAL``, else 256): tokens between the snapshots a prefill takes.
     The host tier gets the same split.
+
+    DeepSeek-V4 (``ModelLayout.snapshot_grain``: the lcm of its compress rates, 128 for the
+    released configs): the block size must be a multiple of the grain, so that no compression
+    window straddles two blocks (a block's compressed entries are those of its own windows);
+    the default is the smallest such multiple of 16.
     """
     if budget_tokens is not None and budget_bytes is not None:
         raise ValueError("give at most one of budget_tokens= and budget_bytes=")
@@ -124,13 +130,19 @@ def build_store(
     if host_cache_tokens is None and host_cache_bytes is None:
         host_cache_tokens = _env_int("RADIXKV_HOST_CACHE_TOKENS")
         host_cache_bytes = None if host_cache_tokens else _env_int("RADIXKV_HOST_CACHE_BYTES")
-    block_size = block_size or _env_int("RADIXKV_BLOCK_SIZE") or DEFAULT_BLOCK_SIZE
+    layout = model_layout(model)
+    grain = layout.snapshot_grain
+    block_size = block_size or _env_int("RADIXKV_BLOCK_SIZE") or math.lcm(DEFAULT_BLOCK_SIZE, grain)
+    if block_size % grain:
+        raise ValueError(
+            f"{type(model).__name__} needs a block size that is a multiple of {grain} (its compression "
+            f"windows must not straddle blocks), got {block_size}; see docs/models.md"
+        )
     if budget_tokens is None and budget_bytes is None:
         budget_tokens = _env_int("RADIXKV_CACHE_TOKENS")
         budget_bytes = None if budget_tokens else (_env_int("RADIXKV_CACHE_BYTES") or DEFAULT_BUDGET_BYTES)
     if sidecar is None:
         sidecar = os.environ.get("RADIXKV_SIDECAR") or None
-    layout = model_layout(model)
     specs = layout.specs
     if state_bytes is None:
         state_bytes = _env_int("RADIXKV_STATE_BYTES")

@@ -151,6 +151,8 @@ def test_families_whose_state_is_not_in_the_cache_are_refused_naming_why(name):
     with pytest.raises(hf_patch.UnsupportedModelError, match="docs/models.md") as info:
         model.generate(ids(DOC[:12]), max_new_tokens=2, past_key_values=hf_patch.RadixCache())
     assert type(model).__name__ in str(info.value)
+    if name == "recurrent_gemma":  # the modules and attributes that hold it (docs/models.md#recurrentgemma)
+        assert "model.layers.0.temporal_block: conv1d_state and rg_lru.recurrent_states" in str(info.value)
 
 
 # Configs the refusal tests used to build: served now (a conv layer, KV shared between layers).
@@ -249,3 +251,20 @@ def test_beams_and_per_token_outputs_equal_stock(name):
     assert cache.cached_tokens == [64, 64]
     cache, out = same_as_stock(model, ids(DOC + tokens(6, seed=4)), store, output_hidden_states=True)
     assert cache.cached_tokens == [0] and out.hidden_states[0][0].shape[1] == len(DOC) + 6
+
+
+def test_a_kv_and_state_layer_gets_kv_buffers_of_its_own():
+    """Layers whose K/V shapes differ (or off the CPU) get one buffer each from AppendLayer.allocate:
+    a StateAppendLayer (Falcon-H1, Zamba) must not take that call for its state allocation."""
+    from hf_patch.layer import StateAppendLayer, allocate_stacked
+    from radixkv import LayerSpec
+
+    layers = [StateAppendLayer(number_of_states=1) for _ in range(2)]
+    specs = [
+        LayerSpec(2, 16, 16, torch.float32, torch.device("cpu")),
+        LayerSpec(1, 8, 4, torch.float32, "cpu"),
+    ]
+    allocate_stacked(layers, 3, specs, 10)
+    assert [tuple(t.shape) for layer in layers for t in layer.buffers()] == [
+        (3, 2, 10, 16), (3, 2, 10, 16), (3, 1, 10, 8), (3, 1, 10, 4),
+    ]  # fmt: skip

@@ -117,9 +117,9 @@ def test_model_converted_after_first_use_gets_a_store_of_its_new_dtype():
 
 # -- unsupported models -----------------------------------------------------------------------------
 # Each names why: a recurrent state kept outside the cache (RecurrentGemma on its modules), a
-# model's own state object (MiniMax), cache layers not yet served (DeepSeek-V4's compressed
-# caches), KV columns that are not tokens (CPM-Ant). The hybrid, recurrent and
-# shared-KV families radixkv serves are in tests/test_hf_recurrent.py.
+# model's own state object (MiniMax), KV columns that are not tokens (CPM-Ant). The hybrid,
+# recurrent, sparse-indexed and shared-KV families radixkv serves are in
+# tests/test_hf_recurrent.py, DeepSeek-V4 in tests/test_hf_deepseek_v4.py.
 UNSUPPORTED = {
     # three blocks: stock itself cannot run an all-recurrent one (no attention layer for the length)
     "recurrent_gemma": dict(num_hidden_layers=3, head_dim=16, num_key_value_heads=1),
@@ -128,7 +128,6 @@ UNSUPPORTED = {
         "num_local_experts": 2,
         "head_dim": 16,
     },
-    "deepseek_v4": {},
     "cpmant": {},
 }
 
