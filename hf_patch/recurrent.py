@@ -195,8 +195,10 @@ class DecodeSnapshots:
 
     def _before_forward(self, module, args, kwargs) -> None:
         cache = self._cache()
+        if cache is None or kwargs.get(self.layout.cache_arg) is not cache:
+            return  # another call's forward on the same model (another thread, another cache)
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if cache is None or ids is None or ids.dim() != 2 or ids.shape[0] != len(self.lengths):
+        if ids is None or ids.dim() != 2 or ids.shape[0] != len(self.lengths):
             return
         bs = self.block_size
         if self.fed:

@@ -268,3 +268,44 @@ def test_a_kv_and_state_layer_gets_kv_buffers_of_its_own():
     assert [tuple(t.shape) for layer in layers for t in layer.buffers()] == [
         (3, 2, 10, 16), (3, 2, 10, 16), (3, 1, 10, 8), (3, 1, 10, 4),
     ]  # fmt: skip
+
+
+def test_decode_snapshots_ignore_forwards_of_other_calls_on_the_same_model():
+    """Two calls on one model at once (two threads, two caches): each call's decode snapshots
+    count only its own forwards, so the next chat turn over either reply still equals stock."""
+    import threading
+
+    model = build_hybrid("qwen3_5_text")
+    store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096, snapshot_interval=INTERVAL)
+    prompts = [DOC[:30] + tokens(3, seed=80), DOC[:38] + tokens(5, seed=81)]
+    outs: dict[int, torch.Tensor] = {}
+    both_running = threading.Barrier(2)
+
+    class Sync:  # a streamer whose first put (the prompt) waits for the other call to start
+        def __init__(self):
+            self.first = True
+
+        def put(self, value):
+            if self.first:
+                self.first = False
+                both_running.wait(timeout=30)
+
+        def end(self):
+            pass
+
+    def run(i):
+        with torch.no_grad():
+            outs[i] = model.generate(
+                ids(prompts[i]), past_key_values=hf_patch.RadixCache(store=store), max_new_tokens=14,
+                streamer=Sync(), **{k: v for k, v in GEN.items() if k != "max_new_tokens"},
+            )  # fmt: skip
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for i in range(2):
+        history = outs[i][0].tolist()
+        cache, _ = same_as_stock(model, ids(history + tokens(4, seed=90 + i)), store)
+        assert cache.cached_tokens[0] > len(prompts[i]) // BS * BS  # the reply's snapshot was read
