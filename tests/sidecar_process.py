@@ -201,11 +201,16 @@ WIRE_LAYOUT = {
     "layers": [{"num_kv_heads": 1, "k_head_dim": 64, "v_head_dim": 64, "dtype": "float32"}],
 }
 WIRE_KEY = {"ident": "ab" * 32, "ns": "null"}
+# The same blocks with snapshots of 1 KiB (the smallest taken), and snapshots alone (Mamba-like)
+WIRE_STATES = [{"shape": [2, 128], "dtype": "float32"}]
+WIRE_STATE_LAYOUT = {**WIRE_LAYOUT, "states": WIRE_STATES}
+WIRE_STATE_ONLY_LAYOUT = {"block_size": 2, "layers": [], "states": WIRE_STATES}
 
 
-def kv_round_trip(path, seed: int) -> None:
+def kv_round_trip(path, seed: int, layout: dict = WIRE_LAYOUT) -> None:
     """A correct client's write, then another connection's read of it: the bytes read back from
-    shared memory are the bytes written (what a hostile client beside them must not change)."""
+    shared memory are the bytes written (what a hostile client beside them must not change).
+    A ``layout`` with states writes and reads back the snapshots after 4 and 8 tokens too."""
     import mmap
     import random
 
@@ -215,23 +220,31 @@ def kv_round_trip(path, seed: int) -> None:
     rng = random.Random(seed)
     tokens = [rng.randrange(1 << 62) for _ in range(8)]  # 4 whole blocks, a key of this seed alone
     body = struct.pack(f"<{len(tokens)}q", *tokens)
+    stateful = "states" in layout
     writer, reader = Wire(path), Wire(path)
     try:
-        writer.send_raw(encode({"op": "hello", "layout": WIRE_LAYOUT}))
+        writer.send_raw(encode({"op": "hello", "layout": layout}))
         hello, (fd,) = writer.reply()
-        geometry = PoolGeometry(KVLayout.from_json(WIRE_LAYOUT), hello["num_blocks"])
+        geometry = PoolGeometry(KVLayout.from_json(layout), hello["num_blocks"], hello.get("num_slots", 0))
         with mmap.mmap(fd, hello["pool_bytes"]) as buf:
             os.close(fd)
-            txn = writer.call({"op": "alloc", **WIRE_KEY}, body)
+            txn = writer.call({"op": "alloc", **WIRE_KEY, **({"snaps": [4, 8]} if stateful else {})}, body)
             assert "error" not in txn and txn["start"] == 0 and len(txn["slots"]) == 4, txn
             payloads = [rng.randbytes(geometry.layout.block_bytes) for _ in txn["slots"]]
             for slot, payload in zip(txn["slots"], payloads):
                 geometry.write_block(buf, slot, payload)
-            assert writer.call({"op": "commit", "txn": txn["txn"]}) == {"inserted": 8}
-            assert "error" not in reader.call({"op": "hello", "layout": WIRE_LAYOUT})
+            snaps = [rng.randbytes(geometry.layout.snapshot_bytes) for _ in txn.get("snaps", [])]
+            for slot, payload in zip(txn.get("snaps", []), snaps):
+                assert slot >= 0, txn
+                geometry.write_snapshot(buf, slot, payload)
+            done = writer.call({"op": "commit", "txn": txn["txn"]})
+            assert done == ({"inserted": 8, "snapshots": 2} if stateful else {"inserted": 8}), done
+            assert "error" not in reader.call({"op": "hello", "layout": layout})
             hit = reader.call({"op": "match", **WIRE_KEY, "have": 0}, body)
             assert hit["num_tokens"] == 8 and len(hit["slots"]) == 4, hit
             assert [geometry.read_block(buf, s) for s in hit["slots"]] == payloads
+            if stateful:
+                assert geometry.read_snapshot(buf, hit["snap"]) == snaps[1]
             reader.send_raw(encode({"op": "release", "lease": hit["lease"]}))
     finally:
         writer.close()
