@@ -219,3 +219,36 @@ def test_snapshots_go_through_the_l2_checked_as_blocks(tmp_path):
     assert d.match(2, NS, doc, 0)["num_tokens"] == 0 and d.stats()["l2_refused"] == 1 + 2
     for s in (a, b, c, d):
         s.check_invariants()
+
+
+def test_the_l2_writer_takes_a_value_over_its_bound_when_nothing_waits():
+    """A snapshot may outweigh the writer's bound (Mamba-2's default: 261 MiB, the bound 256 MiB):
+    it is written when nothing else waits, and dropped (counted) while something does."""
+    import threading
+
+    from radixkv.sidecar.l2_writer import L2Writer
+
+    gate = threading.Event()
+
+    class SlowL2:
+        def __init__(self) -> None:
+            self.got = []
+
+        def put_many(self, items):
+            gate.wait(30)
+            self.got += [k for k, _ in items]
+            return len(items)
+
+    l2 = SlowL2()
+    writer = L2Writer(l2, max_bytes=100)
+    try:
+        writer.put([(b"big", b"x" * 150)])  # nothing waits: taken
+        writer.put([(b"next", b"y" * 10)])  # 150 bytes wait (or are being written): dropped
+        assert writer.stats() == {"l2_queued_bytes": 150, "l2_dropped_blocks": 1}
+        gate.set()
+        assert writer.flush(30) and l2.got == [b"big"]
+        writer.put([(b"small", b"z" * 60), (b"more", b"z" * 60)])  # the bound again: the second dropped
+        assert writer.flush(30) and l2.got == [b"big", b"small"] and writer.stats()["l2_dropped_blocks"] == 2
+    finally:
+        gate.set()
+        writer.close()
