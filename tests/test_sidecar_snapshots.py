@@ -116,28 +116,49 @@ def test_snapshots_on_the_host_tier_are_written_through_from_there(sock):
         assert all(torch.equal(x, y) for x, y in zip(out, snaps[16]))
 
 
-def test_a_client_killed_while_writing_snapshots_leaves_nothing_held(sock):
-    res = subprocess.run(
-        [sys.executable, "-m", "tests.sidecar_process", "half-write-states", "--socket", str(sock),
-         "--doc-seed", "31", "--pin-seed", "32"],
-        env=client_env(sock), cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert res.returncode == -signal.SIGKILL, res.stdout[-2000:] + res.stderr[-2000:]
-    stats = settled(sock)
-    assert stats["open_leases"] == stats["open_txns"] == stats["pinned_blocks"] == 0, stats
-    assert stats["private_snapshots"] == stats["private_blocks"] == 0
-    assert stats["aborted_snapshots"] >= 3 and stats["aborted_blocks"] >= 6 and stats["released_pins"] >= 1
-    # What it committed stays served; what it half wrote is nowhere.
-    b = state_store(sock)
-    pinned_doc, _, _, snaps = state_entry(32, 24, (8, 16))
-    with b.acquire(pinned_doc, None) as lease:
-        out = [torch.zeros(8, 64), torch.zeros(3, 5, dtype=torch.bfloat16)]
-        assert lease.num_tokens == 16 and b.read_state(lease, out)
-        assert all(torch.equal(x, y) for x, y in zip(out, snaps[16]))
-    half_doc, _, _, _ = state_entry(31, 24, ())
-    with b.acquire(half_doc, None) as lease:
-        assert lease.num_tokens == 0 and lease.remote is None
-    check_accounting(settled(sock))
+def test_a_client_killed_while_writing_snapshots_leaves_nothing_held(tmp_path_factory):
+    """A process commits a document with snapshots, pins it, takes blocks and snapshot slots for
+    another, writes half, and is SIGKILLed: its pin, blocks and slots are freed (a sidecar of its
+    own, whose one pool's bytes in use must then be exactly those of its cached blocks and
+    snapshots: a slot or block leaked would show), what it committed stays served."""
+    from radixkv.sidecar.layout import KVLayout
+
+    path = tmp_path_factory.mktemp("sk") / "s.sock"
+    proc = start_sidecar(path, "16M")
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "tests.sidecar_process", "half-write-states", "--socket", str(path),
+             "--doc-seed", "31", "--pin-seed", "32"],
+            env=client_env(path), cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert res.returncode == -signal.SIGKILL, res.stdout[-2000:] + res.stderr[-2000:]
+        stats = settled(path)
+        assert stats["open_leases"] == stats["open_txns"] == stats["pinned_blocks"] == 0, stats
+        assert stats["private_snapshots"] == stats["private_blocks"] == 0
+        assert (
+            stats["aborted_snapshots"] == 3 and stats["aborted_blocks"] == 6 and stats["released_pins"] == 1
+        )
+        b = state_store(path)
+        layout = KVLayout.from_json(b.remote.layout)
+        assert (
+            stats["used_state_bytes"]
+            == stats["cached_snapshots"] * layout.slot_stride
+            == 2 * layout.slot_stride
+        )
+        assert stats["used_bytes"] == stats["cached_blocks"] * layout.block_bytes + stats["used_state_bytes"]
+        # What it committed stays served; what it half wrote is nowhere.
+        pinned_doc, _, _, snaps = state_entry(32, 24, (8, 16))
+        with b.acquire(pinned_doc, None) as lease:
+            out = [torch.zeros(8, 64), torch.zeros(3, 5, dtype=torch.bfloat16)]
+            assert lease.num_tokens == 16 and b.read_state(lease, out)
+            assert all(torch.equal(x, y) for x, y in zip(out, snaps[16]))
+        half_doc, _, _, _ = state_entry(31, 24, ())
+        with b.acquire(half_doc, None) as lease:
+            assert lease.num_tokens == 0 and lease.remote is None
+        check_accounting(settled(path))
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_fresh_process_reads_a_hybrid_models_document_through_the_sidecar(sock):
