@@ -106,7 +106,8 @@ def build_store(
     that is not running (yet, or any more) costs nothing but a connect attempt now and then.
     ``RADIXKV_SIDECAR_WAIT_S`` (default 0: off): a prompt prefix another process is computing
     right now is waited for, up to that many seconds, instead of computed again (batch and
-    eval ranks that meet one preamble at the same moment; docs/sidecar.md).
+    eval ranks that meet one preamble at the same moment; docs/sidecar.md). A model with
+    recurrent layers shares its snapshots through the sidecar with its blocks.
     ``RADIXKV_SIDECAR_TIMEOUT_S`` (10) bounds each call to it and
     ``RADIXKV_SIDECAR_CONNECT_TIMEOUT_S`` (5) attaching: past them a call is a miss (or a write
     not made), with a warning naming the socket and the timeout, and the connection stays.
@@ -158,17 +159,12 @@ def build_store(
         else:
             host = host_pool_for(pool, tokens=host_cache_tokens, bytes=host_cache_bytes)
     remote = None
-    if sidecar is not None and layout.stateful:
-        logger.warning(
-            "radixkv: the sidecar does not carry recurrent-state snapshots yet; %s uses its local store only",
-            type(model).__name__,
-        )
-        sidecar = None
     if sidecar is not None:
         remote = SidecarTier(
             os.fspath(sidecar),
             pool,
             sidecar_namer(model, pool),
+            states=states,
             wait_s=_env_seconds("RADIXKV_SIDECAR_WAIT_S", 0.0, 60, zero=True),
             timeout_s=_env_seconds("RADIXKV_SIDECAR_TIMEOUT_S", TIMEOUT_S, 3600),
             connect_timeout_s=_env_seconds("RADIXKV_SIDECAR_CONNECT_TIMEOUT_S", CONNECT_TIMEOUT_S, 3600),

@@ -5,8 +5,11 @@ unknown, of any JSON type, numbers past every range, ``NaN``, ``Infinity``, 5,00
 lone surrogates, nesting past the limit), random bodies, lies in the length prefix, random bytes,
 byte flips of valid frames, and every cut of valid frames (the rest never sent, or another frame
 sent after it). They read what comes back and reuse the lease and transaction ids they are given
-(commit twice, abort then commit, release another's). Meanwhile a correct client writes KV and
-reads it back on another connection (``kv_round_trip``): the bytes must be the ones written.
+(commit twice, abort then commit, release another's). Layouts with recurrent-state snapshots
+(and without KV layers) are in the mix, with random snapshot positions on allocs (``snaps``) and
+random ``states`` in layouts. Meanwhile a correct client writes KV (and snapshots, in a layout
+with states) and reads them back on another connection (``kv_round_trip``): the bytes must be
+the ones written.
 
     python -m tests.sidecar_fuzz --frames 200000 --seed 1       # by hand: counts as JSON
 
@@ -27,10 +30,23 @@ import time
 from pathlib import Path
 
 from radixkv.sidecar.protocol import HEADER, MAX_DEPTH, FrameBuffer, ProtocolError, encode
-from tests.sidecar_process import WIRE_KEY, WIRE_LAYOUT, SidecarLog, connect, kv_round_trip, start_sidecar
+from tests.sidecar_process import (
+    WIRE_KEY,
+    WIRE_LAYOUT,
+    WIRE_STATE_LAYOUT,
+    WIRE_STATE_ONLY_LAYOUT,
+    SidecarLog,
+    connect,
+    kv_round_trip,
+    start_sidecar,
+)
 
 OPS = ["hello", "match", "release", "alloc", "commit", "abort", "stats"]
-FIELDS = ["op", "layout", "ident", "ns", "have", "claim", "lease", "txn", "block_size", "layers"]
+FIELDS = ["op", "layout", "ident", "ns", "have", "claim", "lease", "txn", "block_size", "layers", "states",
+          "snaps", "shape"]  # fmt: skip
+LAYOUTS = [WIRE_LAYOUT, WIRE_STATE_LAYOUT, WIRE_STATE_ONLY_LAYOUT]
+GOOD_SNAPS = [[2], [2, 4], [4, 8], [2, 6], [6]]  # within a body of 8+ tokens of a layout with states
+BAD_SNAPS = [[], [3], [2, 2], [4, 2], [0], [-2], [2.0], [True], [1 << 63], [2] * 5000, "x", {"a": 1}]
 NUMBERS = [
     "0", "1", "-1", "2", "16", "9223372036854775807", "9223372036854775808", "-9223372036854775808",
     "1e400", "-1e400", "1E-400", "NaN", "Infinity", "-Infinity", "-0.0", "0.5", "3600", "3600.0001",
@@ -63,7 +79,7 @@ class Hostile:
         self.sock: socket.socket | None = None
         self.ids: list[int] = []
         self.counts = dict.fromkeys(
-            ("frames", "replies", "errors", "granted", "committed", "dropped", "connections"), 0
+            ("frames", "replies", "errors", "granted", "committed", "dropped", "connections", "snap_slots"), 0
         )
 
     def connect(self) -> None:
@@ -74,7 +90,7 @@ class Hostile:
         self.counts["connections"] += 1
         self.sent = 0
         if self.careful and self.rng.random() < 0.9:  # mostly with a pool: its requests reach the state
-            self._send_and_read(encode({"op": "hello", "layout": WIRE_LAYOUT}))
+            self._send_and_read(encode({"op": "hello", "layout": self.rng.choice(LAYOUTS)}))
 
     def close(self) -> None:
         if self.sock is not None:
@@ -137,6 +153,8 @@ class Hostile:
                 self.ids.append(header[key])
                 self.counts["granted"] += 1
         self.counts["committed"] += isinstance(header.get("inserted"), int) and header["inserted"] > 0
+        snaps = header.get("snaps")
+        self.counts["snap_slots"] += sum(s >= 0 for s in snaps) if isinstance(snaps, list) else 0
         return header
 
     def drain(self) -> None:
@@ -185,8 +203,15 @@ class Hostile:
         """A request, mostly well formed, with random field values (and random ids it holds)."""
         rng = self.rng
         op = rng.choice(OPS)
+        layout = rng.choice(LAYOUTS)
+        if rng.random() < 0.2:  # states of random shapes and dtypes: sizes past every bound, or not
+            shape = [rng.choice([1, 2, 64, 256, 1 << 16, 0]) for _ in range(rng.randrange(1, 10))]
+            layout = {
+                **layout,
+                "states": [{"shape": shape, "dtype": rng.choice(["float32", "bfloat16", "int8"])}],
+            }
         valid = {
-            "hello": {"op": "hello", "layout": WIRE_LAYOUT},
+            "hello": {"op": "hello", "layout": layout},
             "match": {
                 "op": "match",
                 **WIRE_KEY,
@@ -194,7 +219,11 @@ class Hostile:
                 "claim": rng.choice([0, 0.5]),
             },
             "release": {"op": "release", "lease": rng.choice(self.ids or [0])},
-            "alloc": {"op": "alloc", **WIRE_KEY},
+            "alloc": {
+                "op": "alloc",
+                **WIRE_KEY,
+                "snaps": rng.choice(GOOD_SNAPS if rng.random() < 0.6 else BAD_SNAPS),
+            },
             "commit": {"op": "commit", "txn": rng.choice(self.ids or [0])},
             "abort": {"op": "abort", "txn": rng.choice(self.ids or [0])},
             "stats": {"op": "stats"},
@@ -242,7 +271,7 @@ def truncations(path: str, frames: list[bytes]) -> int:
     """Every cut of every frame, each on a fresh connection that says hello first: the cut frame
     then the connection closed, or the cut frame then a whole stats request. Returns the cuts."""
     cuts = 0
-    hello = encode({"op": "hello", "layout": WIRE_LAYOUT})
+    hello = encode({"op": "hello", "layout": WIRE_STATE_LAYOUT})
     for frame in frames:
         for cut in range(len(frame)):
             with connect(path) as sock:
@@ -257,8 +286,10 @@ def valid_frames(rng: random.Random) -> list[bytes]:
     tokens = struct.pack("<8q", *(rng.randrange(1 << 62) for _ in range(8)))
     return [
         encode({"op": "hello", "layout": WIRE_LAYOUT}),
+        encode({"op": "hello", "layout": WIRE_STATE_ONLY_LAYOUT}),
         encode({"op": "match", **WIRE_KEY, "have": 0, "claim": 0.5}, tokens),
         encode({"op": "alloc", **WIRE_KEY}, tokens),
+        encode({"op": "alloc", **WIRE_KEY, "snaps": [2, 8]}, tokens),
         encode({"op": "commit", "txn": 1}),
         encode({"op": "release", "lease": 3}),
         encode({"op": "abort", "txn": 2}),
@@ -276,14 +307,15 @@ def fuzz(path: str, seed: int, frames: int, *, hostiles: int = 4, check_every: i
         client = rng.choice(pool)
         client.send(client.frame())
         if (i + 1) % check_every == 0:
-            kv_round_trip(path, seed=rng.randrange(1 << 30))
+            kv_round_trip(path, seed=rng.randrange(1 << 30), layout=LAYOUTS[checks % len(LAYOUTS)])
             checks += 1
     cuts = truncations(path, valid_frames(rng))
     for client in pool:
         client.close()
-    kv_round_trip(path, seed=rng.randrange(1 << 30))
+    for layout in LAYOUTS:
+        kv_round_trip(path, seed=rng.randrange(1 << 30), layout=layout)
     counts = {k: sum(c.counts[k] for c in pool) for k in pool[0].counts}
-    return {**counts, "cuts": cuts, "kv_checks": checks + 1}
+    return {**counts, "cuts": cuts, "kv_checks": checks + len(LAYOUTS)}
 
 
 def settled(path: str, attempts: int = 200) -> dict:
@@ -292,7 +324,8 @@ def settled(path: str, attempts: int = 200) -> dict:
 
     for _ in range(attempts):
         stats = sidecar_stats(path)
-        if not (stats["open_leases"] or stats["open_txns"] or stats["pinned_blocks"] or stats["claims"]):
+        held = ("open_leases", "open_txns", "pinned_blocks", "claims", "private_snapshots")
+        if not any(stats[k] for k in held):
             return stats
         time.sleep(0.05)
     return stats

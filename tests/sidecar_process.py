@@ -7,6 +7,14 @@ python -m tests.sidecar_process client --run DOC:QUESTION:NAMESPACE:MODEL_SEED .
 python -m tests.sidecar_process half-write --socket S --doc-seed 1 --pin-seed 2
     pins a committed document, takes blocks for another and writes half of them, then
     SIGKILLs itself before committing (a client killed while writing).
+python -m tests.sidecar_process half-write-states --socket S
+    the same for a store with recurrent-state snapshots (radixkv only, no model): commits a
+    document with snapshots, pins it, takes blocks and snapshot slots for another, writes half.
+python -m tests.sidecar_process hybrid --run FAMILY:QUESTION_SEED ...
+    a fresh process: per run, the tiny hybrid model of that family (tests/hybrid_models.py) asks
+    ``HYBRID_DOC`` + a question of that seed through ``build_store(model, sidecar=...)``
+    (RADIXKV_SIDECAR), checked against stock (tokens equal, logits within 1e-4); prints JSON
+    (cached tokens and remote hit tokens per run).
 """
 
 from __future__ import annotations
@@ -193,11 +201,16 @@ WIRE_LAYOUT = {
     "layers": [{"num_kv_heads": 1, "k_head_dim": 64, "v_head_dim": 64, "dtype": "float32"}],
 }
 WIRE_KEY = {"ident": "ab" * 32, "ns": "null"}
+# The same blocks with snapshots of 1 KiB (the smallest taken), and snapshots alone (Mamba-like)
+WIRE_STATES = [{"shape": [2, 128], "dtype": "float32"}]
+WIRE_STATE_LAYOUT = {**WIRE_LAYOUT, "states": WIRE_STATES}
+WIRE_STATE_ONLY_LAYOUT = {"block_size": 2, "layers": [], "states": WIRE_STATES}
 
 
-def kv_round_trip(path, seed: int) -> None:
+def kv_round_trip(path, seed: int, layout: dict = WIRE_LAYOUT) -> None:
     """A correct client's write, then another connection's read of it: the bytes read back from
-    shared memory are the bytes written (what a hostile client beside them must not change)."""
+    shared memory are the bytes written (what a hostile client beside them must not change).
+    A ``layout`` with states writes and reads back the snapshots after 4 and 8 tokens too."""
     import mmap
     import random
 
@@ -207,23 +220,31 @@ def kv_round_trip(path, seed: int) -> None:
     rng = random.Random(seed)
     tokens = [rng.randrange(1 << 62) for _ in range(8)]  # 4 whole blocks, a key of this seed alone
     body = struct.pack(f"<{len(tokens)}q", *tokens)
+    stateful = "states" in layout
     writer, reader = Wire(path), Wire(path)
     try:
-        writer.send_raw(encode({"op": "hello", "layout": WIRE_LAYOUT}))
+        writer.send_raw(encode({"op": "hello", "layout": layout}))
         hello, (fd,) = writer.reply()
-        geometry = PoolGeometry(KVLayout.from_json(WIRE_LAYOUT), hello["num_blocks"])
+        geometry = PoolGeometry(KVLayout.from_json(layout), hello["num_blocks"], hello.get("num_slots", 0))
         with mmap.mmap(fd, hello["pool_bytes"]) as buf:
             os.close(fd)
-            txn = writer.call({"op": "alloc", **WIRE_KEY}, body)
+            txn = writer.call({"op": "alloc", **WIRE_KEY, **({"snaps": [4, 8]} if stateful else {})}, body)
             assert "error" not in txn and txn["start"] == 0 and len(txn["slots"]) == 4, txn
             payloads = [rng.randbytes(geometry.layout.block_bytes) for _ in txn["slots"]]
             for slot, payload in zip(txn["slots"], payloads):
                 geometry.write_block(buf, slot, payload)
-            assert writer.call({"op": "commit", "txn": txn["txn"]}) == {"inserted": 8}
-            assert "error" not in reader.call({"op": "hello", "layout": WIRE_LAYOUT})
+            snaps = [rng.randbytes(geometry.layout.snapshot_bytes) for _ in txn.get("snaps", [])]
+            for slot, payload in zip(txn.get("snaps", []), snaps):
+                assert slot >= 0, txn
+                geometry.write_snapshot(buf, slot, payload)
+            done = writer.call({"op": "commit", "txn": txn["txn"]})
+            assert done == ({"inserted": 8, "snapshots": 2} if stateful else {"inserted": 8}), done
+            assert "error" not in reader.call({"op": "hello", "layout": layout})
             hit = reader.call({"op": "match", **WIRE_KEY, "have": 0}, body)
             assert hit["num_tokens"] == 8 and len(hit["slots"]) == 4, hit
             assert [geometry.read_block(buf, s) for s in hit["slots"]] == payloads
+            if stateful:
+                assert geometry.read_snapshot(buf, hit["snap"]) == snaps[1]
             reader.send_raw(encode({"op": "release", "lease": hit["lease"]}))
     finally:
         writer.close()
@@ -319,16 +340,137 @@ def _half_write(args) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+# A stateful store of radixkv alone: 2 KiB blocks of 4 tokens, snapshots of 2,078 bytes.
+STATE_SHAPES = ((8, 64), (3, 5))
+STATE_KEY = (b"\x05" * 32, b"null")
+
+
+def state_store(path, *, kv: bool = True, host: bool = False, namer=None):
+    """A ``KVStore(states=...)`` on the sidecar at ``path`` (``kv``: two attention layers, else
+    none, as Mamba; ``host``: with a host tier and its state pool). ``namer``: the tier's (default:
+    every namespace to ``STATE_KEY``)."""
+    import torch
+
+    from radixkv import BlockPool, KVStore, LayerSpec, StatePool, StateSpec
+    from radixkv.sidecar.client import SidecarTier
+    from radixkv.store.state_pool import host_states_for
+    from radixkv.store.tier import host_pool_for
+
+    layers = [LayerSpec(2, 16, 16, torch.float32, "cpu")] * 2 if kv else []
+    pool = BlockPool(layers, 64, BS)
+    specs = [
+        StateSpec(STATE_SHAPES[0], torch.float32, "cpu"),
+        StateSpec(STATE_SHAPES[1], torch.bfloat16, "cpu"),
+    ]
+    states = StatePool(specs, 8)
+    host_pool = host_states = None
+    if host:
+        host_pool = host_pool_for(pool, tokens=256) if kv else BlockPool([], 64, BS)
+        host_states = host_states_for(states, 8 * states.slot_bytes)
+    tier = SidecarTier(str(path), pool, namer or (lambda ns: STATE_KEY), states=states)
+    return KVStore(pool, host_pool, remote=tier, states=states, host_states=host_states)
+
+
+def state_entry(seed: int, num_tokens: int, positions, layers: int = 2):
+    """Tokens, K, V and snapshots {position: states} of one document, drawn from ``seed``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, 1 << 40, (num_tokens,), generator=g).tolist()
+    k = [torch.randn(1, 2, num_tokens, 16, generator=g) for _ in range(layers)]
+    v = [torch.randn(1, 2, num_tokens, 16, generator=g) for _ in range(layers)]
+    snaps = {
+        p: [torch.randn(*STATE_SHAPES[0], generator=g), torch.randn(*STATE_SHAPES[1], generator=g).bfloat16()]
+        for p in positions
+    }
+    return toks, k, v, snaps
+
+
+def _half_write_states(args) -> None:
+    import torch
+
+    store = state_store(args.socket)
+    tier = store.remote
+    toks, k, v, snaps = state_entry(args.pin_seed, 24, (8, 16))
+    store.commit(toks, k, v, snapshots=snaps)
+    assert tier.flush(30) and tier.counters["written_snapshots"] == 2, tier.stats()
+    key = {"ident": STATE_KEY[0].hex(), "ns": STATE_KEY[1].decode()}
+    packed = torch.tensor(toks[:16]).numpy().tobytes()
+    pinned, _, _ = tier.call({"op": "match", **key, "have": 0}, packed)
+    assert pinned["lease"] and pinned["snap"] >= 0, pinned
+    other, _, _, _ = state_entry(args.doc_seed, 24, ())
+    body = torch.tensor(other).numpy().tobytes()
+    taken, view, _ = tier.call({"op": "alloc", **key, "snaps": [8, 16, 24]}, body)
+    assert taken["start"] == 0 and len(taken["slots"]) == 6 and -1 not in taken["snaps"], taken
+    for slot in taken["slots"][:3]:
+        for t in (*view.k, *view.v):
+            t[slot].fill_(7.0)  # written, never committed
+    for t in view.states.tensors:
+        t[taken["snaps"][0]].fill_(7.0)
+    print("killing myself", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hybrid_same_as_stock(model, input_ids, store):
+    """``tests.test_hf_recurrent.same_as_stock`` for a store with a sidecar: tokens equal to
+    stock's, logits within 1e-4, and once the write-through is done (its writer pins the local
+    blocks it copies) no pin left and the store's invariants hold. Returns the cache."""
+    import torch
+
+    import hf_patch
+    from tests.hf_models import assert_outputs_equal, stock
+    from tests.test_hf_recurrent import ATOL, GEN
+
+    ref = stock(model, input_ids, **GEN)
+    cache = hf_patch.RadixCache(store=store)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids, past_key_values=cache, output_logits=True, return_dict_in_generate=True, **GEN
+        )
+    assert_outputs_equal(ref, out, atol=ATOL)
+    assert store.remote.flush(30)
+    store.check_invariants()
+    stats = store.stats()
+    assert stats["pinned_blocks"] == stats["task_pinned_blocks"], "a finished call left blocks pinned"
+    return cache
+
+
+def _hybrid(args) -> None:
+    import torch
+
+    import hf_patch
+    from tests.hybrid_models import build_hybrid, tokens
+    from tests.test_hf_recurrent import DOC, INTERVAL
+
+    torch.set_num_threads(1)
+    out = []
+    for run in args.run:  # "family:question_seed"
+        name, seed = run.split(":")
+        model = build_hybrid(name)
+        store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096, snapshot_interval=INTERVAL)
+        cache = hybrid_same_as_stock(model, torch.tensor([DOC + tokens(11, seed=int(seed))]), store)
+        stats = store.stats()
+        out.append(
+            {
+                "cached": cache.cached_tokens[0],
+                "remote_hit_tokens": stats["remote_hit_tokens"],
+                "remote_snapshots_read": stats["remote_snapshots_read"],
+            }
+        )
+    print(json.dumps(out), flush=True)  # then exit: the write-through queue is flushed at exit
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["client", "half-write"])
+    parser.add_argument("what", choices=["client", "half-write", "half-write-states", "hybrid"])
     parser.add_argument("--exit-doc", type=int, default=None)
     parser.add_argument("--socket")
     parser.add_argument("--doc-seed", type=int, default=0)
     parser.add_argument("--run", action="append", default=[])
     parser.add_argument("--pin-seed", type=int, default=0)
     args = parser.parse_args()
-    {"client": _client, "half-write": _half_write}[args.what](args)
+    what = {"client": _client, "half-write": _half_write, "half-write-states": _half_write_states}
+    {**what, "hybrid": _hybrid}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """Two sidecars on one L2 tier (a shared directory, a real redis-server on loopback): a prefix
-computed through the first is served through the second; damaged values are refused and an L2
-that is down costs speed only. Every output is checked against stock generate()."""
+computed through the first is served through the second, with its recurrent-state snapshots for
+a hybrid model; damaged values are refused and an L2 that is down costs speed only. Every output
+is checked against stock generate()."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+import torch
 
 import hf_patch
 from tests.hf_models import assert_same_as_stock, build, ids, tokens
@@ -90,3 +92,58 @@ def test_two_sidecars_on_one_l2(l2_url, tmp_path, tmp_path_factory):
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_snapshots_through_redis_a_second_sidecar_serves_them_and_refuses_a_damaged_one(tmp_path_factory):
+    """Hybrid (Qwen3.5 text) and Mamba-2 documents computed through one sidecar reach Redis with
+    their snapshots; a second sidecar with nothing in memory serves them from there. Qwen's
+    deepest snapshot on the shared path (at 64 tokens) is damaged in Redis first: refused,
+    counted, and the next one down (48) is served; every output equals stock's."""
+    need_redis()
+    from hf_patch.keys.weights import model_scope
+    from hf_patch.stores import sidecar_namer
+    from radixkv.l2 import block_keys, snapshot_key
+    from tests.hybrid_models import build_hybrid
+    from tests.hybrid_models import tokens as hybrid_tokens
+    from tests.sidecar_process import hybrid_same_as_stock
+    from tests.test_hf_recurrent import DOC, INTERVAL
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    socks = [tmp_path_factory.mktemp("sc") / "s.sock" for _ in range(2)]
+    procs = [start_sidecar(s, "16M", "--l2", server.url) for s in socks]
+    families = {"qwen3_5_text": 48, "mamba2": 64}
+    try:
+        models = {name: build_hybrid(name) for name in families}
+
+        def read_through(name, path, question_seed):
+            store = hf_patch.build_store(
+                models[name], block_size=BS, budget_tokens=4096, snapshot_interval=INTERVAL, sidecar=path
+            )
+            prompt = torch.tensor([DOC + hybrid_tokens(11, question_seed)])
+            cached = hybrid_same_as_stock(models[name], prompt, store).cached_tokens[0]
+            store.remote.close()
+            return cached
+
+        for name in families:
+            assert read_through(name, socks[0], 2) == 0
+        written = sidecar_stats(socks[0])
+        wait_written(socks[0], written["inserted_tokens"] // BS + written["inserted_snapshots"])
+        store = hf_patch.build_store(models["qwen3_5_text"], block_size=BS, budget_tokens=64)
+        ident, ns = sidecar_namer(models["qwen3_5_text"], store.pool)(
+            (model_scope(models["qwen3_5_text"]), None)
+        )
+        key = b"radixkv:" + snapshot_key(block_keys(ident, ns, DOC[:64], BS)[-1]).hex().encode()
+        client = server.client()
+        value = bytearray(client.get(key))
+        value[-1] ^= 0xFF
+        client.set(key, bytes(value))
+        for name, want in families.items():
+            assert read_through(name, socks[1], 3) == want, name
+        stats = sidecar_stats(socks[1])
+        assert stats["l2_snapshot_hits"] == 2 and stats["l2_refused"] == 1, stats
+        assert stats["l2_hit_tokens"] == sum(families.values()), stats
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        server.kill()

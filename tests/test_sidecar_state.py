@@ -107,7 +107,32 @@ def test_a_pool_full_of_pinned_blocks_caches_what_fits():
         (layout(heads=True), r"layout.layers\[0\].num_kv_heads: expected `int`, got `bool`"),
         (layout(dim=64.0), r"layout.layers\[0\].k_head_dim: expected `int`, got `float`"),
         ({"block_size": 1e400, "layers": SMALL["layers"]}, "layout.block_size: expected `int`, got `float`"),
-        ({"block_size": 2, "layers": []}, "layout.layers: expected `array` of length >= 1"),
+        ({"block_size": 2, "layers": []}, "layout: no layers and no states"),
+        (
+            {**SMALL, "states": [{"shape": [16, 0], "dtype": "float32"}]},
+            r"layout.states\[0\].shape\[1\]: expected `int` >= 1",
+        ),
+        (
+            {**SMALL, "states": [{"shape": [256], "dtype": "int8"}]},
+            r"layout.states\[0\].dtype: invalid enum value 'int8'",
+        ),
+        (
+            {**SMALL, "states": [{"shape": [1] * 9, "dtype": "float32"}]},
+            r"layout.states\[0\].shape: expected `array` of length <= 8",
+        ),
+        (
+            {**SMALL, "states": [{"shape": [16], "dtype": "float32"}]},
+            "a snapshot takes 64 bytes; .* 1024 to ",
+        ),
+        (
+            {**SMALL, "states": [{"shape": [1 << 16] * 3, "dtype": "float32"}]},
+            "a snapshot takes 1125899906842624 bytes",
+        ),
+        # a quarter of 1 MiB holds 3 snapshots of 80 KiB: fewer than the sidecar needs
+        (
+            {**SMALL, "states": [{"shape": [80, 256], "dtype": "float32"}]},
+            "hold 3 snapshot.* at least 4: raise --state-bytes",
+        ),
         (
             {"block_size": 2, "layers": SMALL["layers"] * 1025},
             "layout.layers: expected `array` of length <= 1024",

@@ -12,6 +12,11 @@ A key is ``BLAKE3(identity)[:16] || h_i`` (48 bytes): the identity digest up fro
 check a value's identity from its key alone (value_format.py), and lets an operator find or
 drop one model's blocks by prefix (docs/l2.md).
 
+A recurrent-state snapshot taken after the first ``p`` tokens (a model with recurrent layers)
+is stored under ``snapshot_key(key of block p / block_size - 1)``: the block key at its position
+plus ``SNAPSHOT_MARKER``. It depends on every token before it as the block key does, starts with
+the same identity digest, and is longer than any block key, so it never names a block value.
+
 Tokens are hashed as little-endian signed 64-bit integers, so key tokens (negative 63-bit mixes
 of an id and an extra id; docs/design.md "Vocabulary") are hashed as the tree matches them.
 Cost: one BLAKE3 call per block (~1 µs for 16 tokens) plus one ``array`` conversion of the
@@ -29,6 +34,8 @@ import blake3
 
 ID_BYTES = 16  # the identity digest that starts every key
 KEY_BYTES = ID_BYTES + 32  # identity digest + chain digest
+SNAPSHOT_MARKER = b"#snapshot/1"  # after a block key: the snapshot at that block's end
+SNAPSHOT_KEY_BYTES = KEY_BYTES + len(SNAPSHOT_MARKER)
 _DOMAIN = b"radixkv.l2.block/1"  # changes when the recipe above changes
 _ROOT = bytes(32)
 
@@ -102,6 +109,16 @@ def block_keys(
     return keys
 
 
+def snapshot_key(block_key: bytes) -> bytes:
+    """The key of the snapshot taken after the block ``block_key`` names (a ``block_keys`` key):
+    the block key plus ``SNAPSHOT_MARKER``. Raises ValueError for a key of another length."""
+    if not isinstance(block_key, bytes) or len(block_key) != KEY_BYTES:
+        raise ValueError(f"snapshot_key: a {KEY_BYTES}-byte key from block_keys is needed")
+    return block_key + SNAPSHOT_MARKER
+
+
 def key_identity(key: bytes) -> bytes | None:
-    """The identity digest a block key starts with; None for a key of another length."""
-    return key[:ID_BYTES] if len(key) == KEY_BYTES else None
+    """The identity digest a block key (or a snapshot key) starts with; None for another key."""
+    if len(key) == KEY_BYTES or (len(key) == SNAPSHOT_KEY_BYTES and key.endswith(SNAPSHOT_MARKER)):
+        return key[:ID_BYTES]
+    return None

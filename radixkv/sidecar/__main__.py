@@ -1,4 +1,4 @@
-"""``python -m radixkv.sidecar --socket PATH --host-bytes N [--l2 URL] [--metrics-port P]``
+"""``python -m radixkv.sidecar --socket PATH --host-bytes N [--state-bytes N] [--l2 URL] [--metrics-port P]``
 and ``python -m radixkv.sidecar stats --socket PATH`` (the counters as JSON)."""
 
 from __future__ import annotations
@@ -67,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m radixkv.sidecar", description=__doc__)
     parser.add_argument("--socket", required=True, help="Unix socket path clients attach to")
     parser.add_argument("--host-bytes", required=True, type=_size, help="KV memory for all models (e.g. 8G)")
+    parser.add_argument(
+        "--state-bytes",
+        type=_size,
+        default=None,
+        help="of --host-bytes, the most that recurrent-state snapshots take (default a quarter)",
+    )
     parser.add_argument("--l2", default=None, help="redis://HOST:PORT/DB, rediss://..., unix://..., file:DIR")
     parser.add_argument("--l2-timeout", type=float, default=0.5, help="seconds per L2 call (default 0.5)")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
@@ -90,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--l2: {e}")
         writer = L2Writer(l2)
     try:
-        state = Sidecar(args.host_bytes, l2=l2, l2_writer=writer.put if writer else None)
+        state = Sidecar(
+            args.host_bytes, l2=l2, l2_writer=writer.put if writer else None, state_bytes=args.state_bytes
+        )
     except ValueError as e:
         parser.error(str(e))
     server = Server(state, args.socket, mode=args.mode)

@@ -2,14 +2,20 @@
 
     tier = SidecarTier("/run/radixkv.sock", pool, namer)     # pool: the store's device pool
     store = KVStore(pool, host_pool, remote=tier)
+    # a model with recurrent layers: its snapshots travel too
+    tier = SidecarTier(path, pool, namer, states=states)
+    store = KVStore(pool, host_pool, remote=tier, states=states, host_states=host_states)
 
 - Reads: a prompt whose local match is shorter than its whole blocks asks the sidecar for the
   rest (``lookup``: one round trip); the sidecar pins what it holds until the lease is released,
   and ``KVStore.read`` copies those blocks straight from the shared-memory pool into the caller's
   buffers (one copy, as a host-tier hit). Nothing is promoted into the local pool: the commit after
-  generate() caches the whole sequence locally from the caller's buffers anyway.
+  generate() caches the whole sequence locally from the caller's buffers anyway. For a store
+  with states the sidecar's match ends at its deepest snapshot, which the lease pins too
+  (``RemoteHit.snap``; ``KVStore.read_state`` copies it from the shared slots).
 - Writes (write-through, ``write_through.WriteThrough``): every commit queues its key
-  (``push``); a background thread copies the blocks the sidecar lacks into the shared pool.
+  (``push``); a background thread copies the blocks (and snapshots) the sidecar lacks into the
+  shared pool.
 - Prefixes in flight (``wait_s`` > 0, ``RADIXKV_SIDECAR_WAIT_S``): a request's lookup claims what
   it misses; a lookup that finds another process's claim over its prefix polls for that
   process's commit instead of computing the prefix again (``lookup``).
@@ -47,9 +53,10 @@ from radixkv.persist.manifest import layout_of
 from radixkv.sidecar import forks
 from radixkv.sidecar.connection import Connection, OnLate, SidecarDown, SidecarTimeout
 from radixkv.sidecar.protocol import ProtocolError
-from radixkv.sidecar.shared_view import shared_pool_view
+from radixkv.sidecar.shared_view import SharedBlockPool, shared_pool_view
 from radixkv.sidecar.write_through import WriteThrough
 from radixkv.store.pool import BlockPool
+from radixkv.store.state_pool import StatePool
 from radixkv.tree.node import PackedTokens
 
 logger = logging.getLogger(__name__)
@@ -58,8 +65,8 @@ TIMEOUT_S = 10.0  # per call (RADIXKV_SIDECAR_TIMEOUT_S)
 CONNECT_TIMEOUT_S = 5.0  # connect + hello (RADIXKV_SIDECAR_CONNECT_TIMEOUT_S)
 # store.stats() carries each as sidecar_<name> (docs/sidecar.md), 0 until counted
 COUNTERS = ("connects", "disconnects", "timeouts", "skipped_calls", "late_replies", "refused", "waited",
-            "wait_timeouts", "written_commits", "written_blocks", "failed_writes", "dropped_writes",
-            "late_writes", "stale_commits")  # fmt: skip
+            "wait_timeouts", "written_commits", "written_blocks", "written_snapshots", "failed_writes",
+            "dropped_writes", "late_writes", "stale_commits")  # fmt: skip
 POLL_S = 0.01  # between polls for a prefix another process is computing
 SETTLE_S = 0.05  # between the settler's catch-ups while a reply is owed
 MIN_CALL_S = 1.0  # a call's own time on the connection at least, however long it waited for it
@@ -70,14 +77,17 @@ __all__ = ["RemoteHit", "SidecarDown", "SidecarTier", "SidecarTimeout"]
 
 @dataclasses.dataclass
 class RemoteHit:
-    """Blocks the sidecar pinned for one lease: tokens ``[start, num_tokens)`` of the prompt."""
+    """Blocks the sidecar pinned for one lease: tokens ``[start, num_tokens)`` of the prompt
+    (and, for a store with states, the snapshot after ``num_tokens``)."""
 
     start: int  # tokens the client held itself (the slots begin there)
-    num_tokens: int  # the sidecar's whole match, from token 0
+    num_tokens: int  # the sidecar's whole match, from token 0 (with states: to its deepest snapshot)
     slots: list[int]
-    pool: BlockPool  # a view over the shared memory these slots index
+    pool: SharedBlockPool  # a view over the shared memory these slots index (``pool.states``: its snapshots)
     lease: int
     generation: int
+    snap: int = -1  # with states: the snapshot slot (in ``pool.states``) after ``num_tokens``
+    kv_tokens: int = 0  # with states: the KV the sidecar matched (the junction, >= num_tokens)
 
 
 class SidecarTier:
@@ -86,6 +96,8 @@ class SidecarTier:
     ``timeout_s``: each call's bound (waiting for another thread's call included; a call that
     got the connection late still has ``MIN_CALL_S``, at most ``timeout_s``, on it);
     ``connect_timeout_s``: connecting and the hello reply; both in (0, 3600] seconds.
+    ``states``: the store's (device) state pool, for a model with recurrent layers: the hello
+    names its snapshot tensors and the sidecar's snapshot slots are mapped beside its blocks.
     """
 
     def __init__(
@@ -94,6 +106,7 @@ class SidecarTier:
         pool: BlockPool,
         namer: Namer,
         *,
+        states: StatePool | None = None,
         timeout_s: float = TIMEOUT_S,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         max_retry_s: float = 2.0,
@@ -105,8 +118,9 @@ class SidecarTier:
                 raise ValueError(f"{name} must be seconds in (0, 3600], got {value!r}")
         self.path = path
         self.namer = namer
-        self.layout = layout_of(pool)
+        self.layout = layout_of(pool, states)
         self.local_pool = pool
+        self.local_states = states
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_retry_s = max_retry_s
@@ -116,7 +130,7 @@ class SidecarTier:
         self.writer = WriteThrough(self, max_queue)
         self._lock = threading.Lock()  # one call at a time on the connection
         self._conn: Connection | None = None
-        self._view: BlockPool | None = None  # the shared pool, mapped once the hello reply came
+        self._view: SharedBlockPool | None = None  # the shared pool, mapped once the hello reply came
         self._generation = 0
         self._retry_at = 0.0
         self._retry_s = 0.1
@@ -131,15 +145,24 @@ class SidecarTier:
         forks.track(self)
 
     def bind(self, store) -> None:
-        """Called by ``KVStore.__init__``: the store whose commits are written through."""
+        """Called by ``KVStore.__init__``: the store whose commits are written through (its
+        state pool, if any, the one this tier was made with)."""
         if self.store is not None and self.store is not store:
             raise ValueError("a SidecarTier serves one KVStore")
+        if (store.states is None) != (self.local_states is None) or (
+            store.states is not None
+            and [(s.shape, s.dtype) for s in store.states.specs]
+            != [(s.shape, s.dtype) for s in self.local_states.specs]
+        ):
+            raise ValueError(
+                "a SidecarTier for a store with states= needs SidecarTier(..., states=) of its specs"
+            )
         self.store = store
 
     # -- calls ------------------------------------------------------------------------------
     def call(
         self, header: dict, body: bytes = b"", *, generation: int | None = None, on_late: OnLate | None = None
-    ) -> tuple[dict, BlockPool, int]:
+    ) -> tuple[dict, SharedBlockPool, int]:
         """One request's reply, with the shared pool and the connection generation its slots
         belong to, within ``timeout_s`` all told. Raises ``SidecarDown`` (``SidecarTimeout``: out
         of time, the connection kept) or ``ValueError`` (the sidecar refused it).
@@ -319,7 +342,12 @@ class SidecarTier:
             if len(fds) != 1:
                 raise ConnectionError(f"the hello reply carried {len(fds)} file descriptors, expected 1")
             buf = mmap.mmap(fds[0], reply["pool_bytes"])
-            self._view = shared_pool_view(self.local_pool, buf, reply["num_blocks"])
+            num_slots = reply.get("num_slots", 0)
+            if self.local_states is not None and not num_slots:
+                raise ValueError("the sidecar's pool for this layout holds no snapshot slots")
+            self._view = shared_pool_view(
+                self.local_pool, buf, reply["num_blocks"], states=self.local_states, num_slots=num_slots
+            )
         except (OSError, ConnectionError, ValueError, KeyError) as e:
             self._lost_locked(e, f"the sidecar on {self.path} refused this client: {e}")
             raise SidecarDown(str(e)) from None
@@ -392,8 +420,12 @@ class SidecarTier:
                 if hit is not None:
                     self.release(hit)
                 hit = RemoteHit(
-                    have, answer["num_tokens"], answer["slots"], view, answer["lease"], generation
-                )
+                    have, answer["num_tokens"], answer["slots"], view, answer["lease"], generation,
+                    answer.get("snap", -1), answer.get("kv_tokens", answer["num_tokens"]),
+                )  # fmt: skip
+                if self.local_states is not None and not 0 <= hit.snap < view.states.num_slots:
+                    self.release(hit)  # a sidecar that sent no snapshot for a stateful match: no hit
+                    return None
             wait = answer.get("wait", 0)
             done = not wait or (hit is not None and hit.num_tokens >= wait)
             if done or time.monotonic() >= deadline:

@@ -1,9 +1,11 @@
 """Write-through of committed blocks to the L2 tier, in the background and bounded.
 
-A commit hands its blocks' ``(key, payload)`` pairs to ``L2Writer.put``, which queues them and
-returns at once; one thread writes them with ``put_many``. When more than ``max_bytes`` are
-waiting (the L2 slow or down), new blocks are dropped and counted: the sidecar's memory still
-holds them, only the other machines miss them.
+A commit hands its blocks' (and snapshots') ``(key, payload)`` pairs to ``L2Writer.put``, which
+queues them and returns at once; one thread writes them with ``put_many``. When more than
+``max_bytes`` are waiting or being written (the L2 slow or down), new values are dropped and
+counted: the sidecar's memory still holds them, only the other machines miss them. A value
+larger than ``max_bytes`` is taken when nothing waits (a recurrent-state snapshot may outweigh
+the bound: Mamba-2's default config, 261 MiB), so the bound is the larger of the two.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class L2Writer:
     def put(self, items: list[tuple[bytes, bytes]]) -> None:
         with self._cond:
             for key, payload in items:
-                if self.queued_bytes + len(payload) > self.max_bytes:
+                if self.queued_bytes and self.queued_bytes + len(payload) > self.max_bytes:
                     self.dropped_blocks += 1
                     continue
                 self._queue.append((key, payload))

@@ -16,8 +16,12 @@ What a request may hold (checked before any state is touched):
   ``[0, 2**63)``; seconds (``claim``) a finite number in ``[0, 3600]``;
 - ``ident``: 1..64 bytes as hex; ``ns``: a string of at most ``MAX_NAMESPACE`` characters,
   valid UTF-8;
-- a layout: block size, 1..``MAX_LAYERS`` layers of heads, head dims and a dtype name, each
-  bounded (``radixkv.sidecar.layout`` checks what the sizes add up to);
+- a layout: block size, 0..``MAX_LAYERS`` layers of heads, head dims and a dtype name, and
+  0..``MAX_STATES`` recurrent-state tensors (a shape of 1..``MAX_STATE_DIMS`` dims, a dtype
+  name), each bounded (``radixkv.sidecar.layout`` checks what the sizes add up to, and that a
+  layout has layers or states);
+- snapshot positions (``alloc``'s ``snaps``): at most ``MAX_SNAPS`` counts, strictly increasing
+  and positive (the state checks they are block multiples within the tokens);
 - the body: packed int64 tokens for ``match`` and ``alloc``; no body for the other ops.
 """
 
@@ -34,6 +38,9 @@ MAX_NAMESPACE = 1 << 16  # characters of an encoded namespace (a tenant key's di
 MAX_DIM = 1 << 16  # heads, head dims
 MAX_BLOCK_SIZE = 1 << 16  # tokens a block
 DTYPES = ("bfloat16", "float16", "float32", "float64")
+MAX_STATES = 2 * MAX_LAYERS  # state tensors of a snapshot (a conv and a recurrent state a layer)
+MAX_STATE_DIMS = 8  # dims of one state tensor (without the batch dim)
+MAX_SNAPS = 4096  # snapshot positions one alloc names (a 1 M-token prompt, one every 256 tokens)
 
 Id = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 Count = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
@@ -68,11 +75,21 @@ class Layer(_Object):
     dtype: Literal[DTYPES]
 
 
+class State(_Object):
+    """One tensor of a recurrent-state snapshot: its shape (without the batch dim) and dtype."""
+
+    shape: Annotated[list[Dim], Meta(min_length=1, max_length=MAX_STATE_DIMS)]
+    dtype: Literal[DTYPES]
+
+
 class Layout(_Object):
-    """A pool's KV layout, as ``radixkv.persist.manifest.layout_of`` writes it."""
+    """A pool's KV layout, as ``radixkv.persist.manifest.layout_of`` writes it; ``states``: the
+    snapshot tensors of a model with recurrent layers (none: a plain model; no ``layers``: a
+    model without attention KV, such as Mamba)."""
 
     block_size: Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
-    layers: Annotated[list[Layer], Meta(min_length=1, max_length=MAX_LAYERS)]
+    layers: Annotated[list[Layer], Meta(max_length=MAX_LAYERS)]
+    states: Annotated[list[State], Meta(max_length=MAX_STATES)] = []
 
 
 class Request(_Object, tag_field="op"):
@@ -112,7 +129,7 @@ class Hello(Request, tag="hello"):
 
 
 class Match(Keyed, tag="match"):
-    """-> ``{lease, num_tokens, slots, wait}``."""
+    """-> ``{lease, num_tokens, slots, wait}`` (a pool with states: and ``snap``, ``kv_tokens``)."""
 
     TOKENS: ClassVar[bool] = True
     have: Count = 0
@@ -125,13 +142,20 @@ class Release(Request, tag="release"):
 
 
 class Alloc(Keyed, tag="alloc"):
-    """-> ``{txn, start, slots}``."""
+    """-> ``{txn, start, slots}`` (a pool with states: and ``snaps``, one state slot or -1 per
+    position of ``snaps``: the snapshots after that many tokens the client will write)."""
 
     TOKENS: ClassVar[bool] = True
+    snaps: Annotated[list[Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]], Meta(max_length=MAX_SNAPS)] = []
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if any(a >= b for a, b in zip(self.snaps, self.snaps[1:])):
+            raise ValueError("snaps must be strictly increasing positions")
 
 
 class Commit(Request, tag="commit"):
-    """-> ``{inserted}``."""
+    """-> ``{inserted}`` (a pool with states: and ``snapshots``, those attached)."""
 
     txn: Id
 

@@ -23,6 +23,10 @@ GAUGES = {
     "open_txns",
     "private_blocks",
     "claims",
+    "state_budget_bytes",
+    "used_state_bytes",
+    "cached_snapshots",
+    "private_snapshots",
     "l2_queued_bytes",
     "l2_down",  # 1 while the L2 is in an outage: a state, not a count
 }

@@ -7,18 +7,26 @@ socket: they sit in the shared-memory pool whose file descriptor the ``hello`` r
 
 Client -> sidecar (every op but ``release`` and ``abort`` gets one reply, in order):
 
-    hello   {layout}                       -> {num_blocks, pool_bytes} + the pool's fd
+    hello   {layout}                       -> {num_blocks, pool_bytes[, num_slots]} + the pool's fd
     match   {ident, ns, have, claim} body=tokens
-                                           -> {lease, num_tokens, slots, wait}  (slots of the blocks
-                                              past ``have`` tokens, pinned until release; lease 0:
-                                              none; ``claim`` s > 0: "I compute the rest", and
-                                              ``wait``: tokens another client is computing now)
+                                           -> {lease, num_tokens, slots, wait[, snap, kv_tokens]}
+                                              (slots of the blocks past ``have`` tokens, pinned until
+                                              release; lease 0: none; ``claim`` s > 0: "I compute the
+                                              rest", and ``wait``: tokens another client is computing
+                                              now; with states, ``num_tokens`` ends at a snapshot,
+                                              ``snap`` its slot, ``kv_tokens`` the KV matched)
     release {lease}                        (no reply)
-    alloc   {ident, ns} body=tokens        -> {txn, start, slots}  (``start`` blocks cached; slots to
-                                              write for blocks start.., private to this client)
-    commit  {txn}                          -> {inserted}  (the blocks become visible)
+    alloc   {ident, ns, snaps} body=tokens -> {txn, start, slots[, snaps]}  (``start`` blocks cached;
+                                              slots to write for blocks start.., private to this
+                                              client; with states, a state slot to write, or -1,
+                                              per snapshot position asked for)
+    commit  {txn}                          -> {inserted[, snapshots]}  (the blocks and snapshots
+                                              become visible)
     abort   {txn}                          (no reply)
     stats   {}                             -> {stats}
+
+``[...]``: only for a layout with ``states`` (a model with recurrent layers), whose pool holds
+snapshot slots beside its blocks (``num_slots`` of them: ``radixkv.sidecar.layout``).
 
 Replies with ``"error"`` name what was refused. ``ident`` is hex (a model identity digest), ``ns``
 a string (the encoded namespace); both go into the tree's root key. Every op's fields, their

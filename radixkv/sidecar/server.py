@@ -352,15 +352,22 @@ class Server:
         match request:
             case m.Hello(layout=layout):
                 pool = state.hello(cid, layout)
-                return {"num_blocks": pool.num_blocks, "pool_bytes": pool.geometry.total_bytes, "fd": pool.fd}
+                reply = {
+                    "num_blocks": pool.num_blocks,
+                    "pool_bytes": pool.geometry.total_bytes,
+                    "fd": pool.fd,
+                }
+                if pool.num_slots:
+                    reply["num_slots"] = pool.num_slots
+                return reply
             case m.Match():
                 return state.match(cid, request.namespace, body, request.have, request.claim)
             case m.Release(lease=lease):
                 state.release(cid, lease)
             case m.Alloc():
-                return state.alloc(cid, request.namespace, body)
+                return state.alloc(cid, request.namespace, body, request.snaps)
             case m.Commit(txn=txn):
-                return {"inserted": state.commit(cid, txn)}
+                return state.commit_reply(cid, txn)
             case m.Abort(txn=txn):
                 state.abort(cid, txn)
             case m.Stats():

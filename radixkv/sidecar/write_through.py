@@ -3,12 +3,16 @@
 Every commit of the tier's store queues its key (``push``); one thread per tier pins the local
 blocks, asks the sidecar which blocks it lacks (``alloc``: slots private to this client), copies
 them from the local pools into the shared pool and commits them (visible to others only then).
+A store with states sends the positions of the snapshots on the pinned path with its ``alloc``
+and copies those the sidecar lacks from its state pools (device or host, as each node lives)
+into the state slots it is given: the pin keeps them from being evicted or moved meanwhile.
 Bounded: at most ``max_queue`` commits wait; more are dropped (counted). Why write-through, not
 on eviction: another process can read a prefix as soon as it is computed (a replica's first
 request on a document, ranks sharing a prompt); on eviction it would reach the sidecar only once
 this process's pool is full, and never from a process that exits.
 
 Counters (the tier's): ``written_commits`` (commits the sidecar holds now), ``written_blocks``,
+``written_snapshots``,
 ``failed_writes`` (not made: refused, never sent, or the sidecar gone before its reply),
 ``dropped_writes``. A commit sent that waits out its timeout is neither yet: it is *unsettled*
 (the tier's ``sidecar_unsettled_writes``) until its reply is read, then counted written (and in
@@ -125,15 +129,19 @@ class WriteThrough:
             if lease.num_tokens == 0:
                 return  # evicted (or flushed) since the commit
             held = tokens.head(lease.num_tokens)
+            header = {"op": "alloc", "ident": key[0].hex(), "ns": key[1].decode()}
+            snaps = store.path_snapshots(lease) if store.states is not None else []
+            if snaps:
+                header["snaps"] = [pos for pos, _, _ in snaps]
             try:
-                answer, view, generation = tier.call(
-                    {"op": "alloc", "ident": key[0].hex(), "ns": key[1].decode()}, bytes(held)
-                )
+                answer, view, generation = tier.call(header, bytes(held))
             except (SidecarDown, ValueError):
                 counters["failed_writes"] += 1
                 return
             slots, start, txn = answer["slots"], answer["start"], answer["txn"]
-            if not slots:  # the sidecar holds it all already, or its pool is pinned full
+            given = answer.get("snaps") or [-1] * len(snaps)
+            wanted = [(snap, dst) for snap, dst in zip(snaps, given) if dst >= 0]
+            if not txn:  # the sidecar holds it all already, or its pool is pinned full
                 has_all = start * tier.layout["block_size"] >= held.num_tokens
                 counters["written_commits" if has_all else "failed_writes"] += 1
                 return
@@ -147,6 +155,9 @@ class WriteThrough:
                     copy_blocks(store.pool, [a for a, _ in dev], view, [b for _, b in dev])
                 if host:
                     copy_blocks(store.host_pool, [a for a, _ in host], view, [b for _, b in host])
+                for (_pos, tier_index, slot), dst in wanted:
+                    local = store.host_states if tier_index else store.states
+                    local.copy_to(slot, view.states, dst)
             except BaseException:
                 tier.tell({"op": "abort", "txn": txn}, generation)
                 raise
@@ -155,13 +166,15 @@ class WriteThrough:
             if answer is not None and "error" not in answer:
                 counters["late_writes"] += 1
                 counters["written_blocks"] += len(slots)
+                counters["written_snapshots"] += answer.get("snapshots", 0)
                 counters["written_commits"] += 1
             else:
                 counters["failed_writes"] += 1
 
         try:
-            tier.call({"op": "commit", "txn": txn}, generation=generation, on_late=landed)
+            done, _, _ = tier.call({"op": "commit", "txn": txn}, generation=generation, on_late=landed)
             counters["written_blocks"] += len(slots)
+            counters["written_snapshots"] += done.get("snapshots", 0)
             counters["written_commits"] += 1
         except (SidecarDown, ValueError) as e:
             if not (isinstance(e, SidecarTimeout) and e.owed and e.op == "commit"):  # landed() counts

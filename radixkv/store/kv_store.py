@@ -25,6 +25,9 @@ its deepest snapshot (``Lease.snap``, read by ``read_state``); ``commit(..., sna
 states})`` caches the KV up to the deepest snapshot given and attaches each snapshot at its
 position. The state pool has a byte budget of its own: snapshots evict snapshots (LRU), never
 KV; a node evicted or dropped frees its snapshot; demotion moves it to the host's state pool.
+With a remote tier (the sidecar) a stateful store asks it for more than its own usable match:
+a remote hit ends at the sidecar's deepest snapshot, which ``read_state`` copies from the
+shared memory; commits write their snapshots through with their blocks.
 
 Task pins (``store.tasks``, ``radixkv.store.task_pins``): prefixes pinned by id until unpinned or flushed.
 Persistence (``save``/``restore``): the work is in ``radixkv.persist``.
@@ -48,7 +51,7 @@ from radixkv.store.task_pins import TaskPins
 from radixkv.store.tier import Tier, check_mirror, copy_blocks, gather_into, read_split_rows, scatter_into
 from radixkv.tree import DEVICE, HOST, MatchResult, RadixTree, TierOrderError
 from radixkv.tree.check import snapshot_slots
-from radixkv.tree.node import Tokens, head_of, num_tokens_of, pack_tokens
+from radixkv.tree.node import TOKEN_BYTES, Tokens, head_of, num_tokens_of, pack_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -72,18 +75,15 @@ class KVStore:
     ) -> None:
         """``remote``: a shared tier behind both pools (``radixkv.sidecar.client.SidecarTier``):
         asked for what a match misses, handed every commit to write through. ``states``: the
-        snapshot pool of a model with recurrent layers (the tree becomes stateful);
-        ``host_states``: its host-tier mirror (needs ``host_pool``)."""
+        snapshot pool of a model with recurrent layers (the tree becomes stateful; a ``remote``
+        then carries snapshots too: ``SidecarTier(..., states=)``); ``host_states``: its
+        host-tier mirror (needs ``host_pool``)."""
         if host_pool is not None:
             check_mirror(pool, host_pool)
         if host_states is not None:
             if states is None or host_pool is None:
                 raise ValueError("host_states needs states= and host_pool= as well")
             check_state_mirror(states, host_states)
-        if states is not None and remote is not None:
-            raise ValueError(
-                "a remote tier does not carry recurrent-state snapshots yet: no sidecar for a store with states="
-            )
         self.pool = pool
         self.host_pool = host_pool
         self.states = states
@@ -210,18 +210,43 @@ class KVStore:
         """Copy the snapshot ``lease`` pins (the recurrent states after its ``num_tokens``) into one
         row's ``out`` tensors (``out[j]``: ``states.specs[j].shape``, any device). Returns False,
         copying nothing, when the lease holds no snapshot (nothing matched: the initial state).
-        Runs without the lock: a pinned node's snapshot is neither evicted nor moved."""
+        A lease whose usable end is the remote tier's reads the remote's snapshot from shared
+        memory (``remote_snapshots_read``). Runs without the lock: a pinned node's snapshot (local
+        or remote) is neither evicted nor moved."""
         if lease._store is not self:
             raise ValueError("read_state() of a lease acquired from another KVStore")
         if not lease.active:
             raise RuntimeError("read_state() from a released lease")
-        if self.states is None or lease.snap < 0:
+        if self.states is None:
             return False
-        pool = self.host_states if lease._match.node.tier else self.states
-        pool.read(lease.snap, out)
+        hit = lease.remote
+        remote = hit is not None and hit.snap >= 0
+        if remote:
+            hit.pool.states.read(hit.snap, out)
+        elif lease.snap >= 0:
+            pool = self.host_states if lease._match.node.tier else self.states
+            pool.read(lease.snap, out)
+        else:
+            return False
         with self._lock:
             self.counters.snapshots_read += 1
+            self.counters.remote_snapshots_read += remote
         return True
+
+    def path_snapshots(self, lease: Lease) -> list[tuple[int, int, int]]:
+        """The local snapshots on ``lease``'s pinned path, root first: ``(position, tier, slot)``,
+        ``position`` the tokens before it, ``tier`` the state pool holding ``slot`` (0: ``states``,
+        1: ``host_states``). They stay valid while the lease is held (pinned nodes keep their
+        snapshots and tiers): what write-through copies to the remote tier. O(path)."""
+        with self._lock:
+            node, pos, out = lease._match.node, lease._match.num_tokens, []
+            while not node.is_root:
+                if node.snap >= 0:
+                    out.append((pos, node.tier, node.snap))
+                pos -= len(node.data) // TOKEN_BYTES
+                node = node.parent
+        out.reverse()
+        return out
 
     def _read_with_remote(self, leases, num_tokens, k_out, v_out) -> tuple[int, int]:
         """``read`` for rows some of whose blocks the remote tier pinned (after the local ones);

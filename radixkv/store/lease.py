@@ -45,14 +45,17 @@ class Lease:
 
     @property
     def snap(self) -> int:
-        """The snapshot slot ending the usable prefix (stateful stores), -1 for the initial state."""
+        """The local snapshot slot ending the local usable prefix (stateful stores), -1 for the
+        initial state; a remote hit's is ``remote.snap`` (``KVStore.read_state`` picks)."""
         return self._match.snap
 
     @property
     def kv_tokens(self) -> int:
         """Tokens whose KV the matched path holds, past ``num_tokens`` when no snapshot is there:
-        the junction, where a caller computing on should take a snapshot."""
-        return max(self._match.kv_tokens, self.num_tokens)
+        the junction, where a caller computing on should take a snapshot (the remote tier's
+        junction too, when its hit reaches further)."""
+        remote = self.remote
+        return max(self._match.kv_tokens, self.num_tokens, remote.kv_tokens if remote is not None else 0)
 
     @property
     def block_ids(self) -> Sequence[int]:

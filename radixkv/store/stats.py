@@ -35,6 +35,7 @@ class StoreCounters:
     # Recurrent-state snapshots (stores with states=; all zero otherwise)
     snapshots_written: int = 0  # snapshots attached to nodes by commits
     snapshots_read: int = 0  # snapshots copied into a request's states (read_state)
+    remote_snapshots_read: int = 0  # of snapshots_read, those read from a remote tier (radixkv.sidecar)
     evicted_snapshots: int = 0  # snapshots dropped for room (their KV stayed)
     uncached_snapshots: int = 0  # snapshots a commit could not keep: every slot pinned
     # matched KV past the deepest snapshot (not served: the caller computes on from there)
