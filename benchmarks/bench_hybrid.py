@@ -448,11 +448,11 @@ def part_sysprompt(name: str, model, args) -> None:
             f"{refs[0]['s'] / got[0]['s']:>14.2f}x{ms(ttft):>10}{stock / ttft:>8.1f}x  {os.getloadavg()[0]:.2f}"
         )
     print(f"   {checks.line()}")
-    exact = [n for n in range(BLOCK, args.system + 1, BLOCK) if args.system // n * n >= 0.9 * args.system]
+    fits = [n for n in range(BLOCK, 257, BLOCK) if args.system // n * n >= 0.9 * args.system]
     print(
-        f"   request 2 reuses the largest multiple of the interval <= {args.system}: >= 90% needs an interval "
-        f"<= {int(0.1 * args.system) // BLOCK * BLOCK} or one with a multiple in [{int(0.9 * args.system)}, "
-        f"{args.system}] ({', '.join(map(str, exact[-4:]))}, ...)"
+        f"   request 2 reuses the largest multiple of the interval <= {args.system}: >= 90% of it needs an "
+        f"interval <= {int(0.1 * args.system) // BLOCK * BLOCK} for any prompt, for this one any of "
+        f"{', '.join(map(str, fits))} (block multiples up to 256)"
     )
 
 
