@@ -111,7 +111,9 @@ def test_simple_evaluate_with_a_radixlm_and_a_cache_file_starts_warm(workspace, 
     for key, value in offline_env(tmp).items():
         monkeypatch.setenv(key, value)
     cache_file = tmp / "kv.safetensors"
-    manager = TaskManager(include_path=str(tmp / "tasks"))
+    # The local tasks only: indexing lm-eval's own ~14,000 task files costs ~8 s of CPU and none
+    # of them runs here (the command-line runs above index them as lm-eval's CLI does).
+    manager = TaskManager(include_path=str(tmp / "tasks"), include_defaults=False)
     computed = []
     # A path, then a model object loaded from it (same weights: the cache file's identity holds).
     for pretrained in (str(model_dir), AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)):
