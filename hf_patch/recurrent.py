@@ -211,7 +211,7 @@ class DecodeSnapshots:
                 if states is None:
                     states = state_views(cache.layers, self.layout)
                 self.latest[i] = (length, [t[i].clone() for t in states])
-        if self.eos.numel():
+        if self.eos.numel() and self.fed:  # (the first forward feeds prompt tokens: no EOS of the reply)
             hits = torch.isin(ids.to("cpu"), self.eos)
             for i in torch.nonzero(hits.any(dim=1)).flatten().tolist():
                 if self.limits[i] is None:
@@ -224,17 +224,22 @@ class DecodeSnapshots:
         self._handle.remove()
 
 
+def usable_start(layout: ModelLayout, lease, stop: int) -> int:
+    """The tokens of a row ``fill_row`` reads from ``lease`` (0: the row is computed from the start)."""
+    # (a snapshot past the row's stop, matched for another keep, is not the state at stop)
+    if lease is not None and 0 < lease.num_tokens <= stop:
+        if layout.continues_in_chunks or stop - lease.num_tokens <= STEPWISE_TOKENS:
+            return lease.num_tokens
+    return 0
+
+
 def fill_row(store, layout: ModelLayout, views: list, lease, stop: int, *, count: bool = True) -> int:
     """Read what ``lease`` serves of one row (at most ``stop`` tokens) into its row ``views``: the
     KV (and indexer keys) from the pool, the states from its snapshot; returns the tokens read, 0
     when computing the row from the start is better (a model that steps one token at a time
     after a snapshot, far from it) or nothing is usable. ``count``: a prompt's hit (not an
     in-batch prefix). The views then continue from there (``mark_row_filled``)."""
-    start = 0
-    # (a snapshot past the row's stop, matched for another keep, is not the state at stop)
-    if lease is not None and 0 < lease.num_tokens <= stop:
-        if layout.continues_in_chunks or stop - lease.num_tokens <= STEPWISE_TOKENS:
-            start = lease.num_tokens
+    start = usable_start(layout, lease, stop)
     if start:
         ks, vs = pool_buffers(views, layout)
         store.read([lease], start, [k[:, :, :start] for k in ks], [v[:, :, :start] for v in vs], count=count)

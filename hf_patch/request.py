@@ -40,6 +40,7 @@ from hf_patch.recurrent import (
     fill_row,
     mark_row_filled,
     state_views,
+    usable_start,
 )
 from radixkv import KVStore, Lease
 
@@ -290,6 +291,7 @@ class Request:
         interval = -(-(self.store.snapshot_interval or DEFAULT_INTERVAL) // grain) * grain
         done: dict[tuple, int] = {}
         device_ids = input_ids.to(self.model.device)
+        tails = self._tail_ends(length, keep, interval, grain) if not (score or as_stock) else None
         for i, pad in enumerate(self.pads):
             stock_row = as_stock and pad > 0
             first = 0 if stock_row else pad  # the row's columns as its forwards see them
@@ -300,7 +302,7 @@ class Request:
                 row = self.keys.row(i, self.prompt_ids[i], pad)
                 key = (row.namespace, row.tokens, pad, keep[i])
             views = [row_view(layer, i, first) for layer in layers]
-            end = stop + keep[i] if score else stop
+            end = stop + keep[i] if score else stop if tails is None else tails[i]
             if key is not None and key in done:
                 self._copy_row(done[key], i, first, end)
                 self.snapshots.append(self.snapshots[done[key]])
@@ -345,6 +347,8 @@ class Request:
                 for buf in (*ks, *vs):
                     buf[i, :, :pad].zero_()
         common = length if score else max(0, length - min(keep))
+        if tails is not None:  # generate()'s first forward computes every row's tail from its snapshot
+            common = self.pads[0] + tails[0]
         for layer in layers:
             if hasattr(layer, "set_length"):
                 layer.set_length(common)
@@ -352,6 +356,24 @@ class Request:
                 layer.mark_filled()
         self.cache.consumed = common
         self.common = common
+
+    def _tail_ends(self, length: int, keep: list[int], interval: int, grain: int) -> list[int] | None:
+        """Where each row's catch-up may stop when generate() can compute the rest: at its deepest
+        snapshot (so no catch-up forward ends past it), if that leaves every row at one column
+        (one row, or rows of one prompt) and the model continues in chunks; else None (each row
+        goes to its last prompt token but one, and generate() feeds the last column)."""
+        if not self.layout.continues_in_chunks or self.keys is None:
+            return None
+        ends, columns = [], set()
+        for i, pad in enumerate(self.pads):
+            stop = max(0, length - pad - keep[i])
+            lease = self.leases[i] if self.leases else None
+            start = usable_start(self.layout, lease, stop)
+            junction = lease.kv_tokens if lease is not None else 0
+            cuts = cut_points(start, max(start, stop), interval, junction, grain)
+            ends.append(max([start, *cuts]))
+            columns.add(pad + ends[-1])
+        return ends if len(columns) == 1 else None
 
     def _copy_row(self, src: int, dst: int, first: int, stop: int) -> None:
         """Row ``dst`` becomes a copy of row ``src`` (same key and padding): KV and states of its

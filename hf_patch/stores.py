@@ -32,12 +32,18 @@ logger = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_BUDGET_BYTES = 1 << 30  # 1 GiB of KV per model unless RADIXKV_CACHE_TOKENS/BYTES say otherwise
 # Models with recurrent layers: the share of the byte budget their snapshots get (their own
-# pool: snapshots never evict KV), and at least this many snapshots whatever the share.
+# pool: snapshots never evict KV), and at least this many snapshots where that stays within half
+# of the budget.
 STATE_SHARE = 0.25
 MIN_SNAPSHOTS = 16
 # Tokens between the snapshots a prefill takes (hf_patch.recurrent): the most a second request
-# over the same document recomputes. A multiple of the block size (rounded up).
-DEFAULT_SNAPSHOT_INTERVAL = 256
+# over the same document recomputes. By default the tokens whose KV weighs one snapshot, as a
+# power of two, at least 256 (benchmarks/bench_hybrid.py: 256 keeps a second question over a
+# 2,000-token document >= 5x stock; Qwen3.5's real shapes give 1,024, where snapshots cost 1.5x
+# the KV they cover instead of 6.2x); 2,048 for a model without KV (snapshots are all it keeps).
+# Rounded up to a multiple of the block size.
+MIN_SNAPSHOT_INTERVAL = 256
+STATE_ONLY_SNAPSHOT_INTERVAL = 2048
 # A model without attention KV: blocks hold no bytes, they only number the tree's token runs.
 STATE_ONLY_TOKENS = 1 << 20
 
@@ -114,10 +120,11 @@ def build_store(
 
     Models with recurrent layers (Mamba, linear attention, conv: ``hf_patch.model_spec``) also
     get a pool of state snapshots: ``state_bytes``, else ``RADIXKV_STATE_BYTES``, else a quarter
-    of the byte budget (and the KV pool the rest), at least 16 snapshots; a model with no
-    attention KV gives its whole budget to snapshots. ``snapshot_interval`` (else
-    ``RADIXKV_SNAPSHOT_INTERVAL``, else 256): tokens between the snapshots a prefill takes.
-    The host tier gets the same split.
+    of the byte budget (16 snapshots where that is at most half of it), the KV pool the rest; a
+    model with no attention KV gives its whole budget to snapshots; neither pool ever exceeds the
+    budget (one that holds no snapshot is refused). ``snapshot_interval`` (else
+    ``RADIXKV_SNAPSHOT_INTERVAL``, else ``default_snapshot_interval``): tokens between the
+    snapshots a prefill takes. The host tier gets the same split.
 
     DeepSeek-V4 (``ModelLayout.snapshot_grain``: the lcm of its compress rates, 128 for the
     released configs): the block size must be a multiple of the grain, so that no compression
@@ -171,8 +178,14 @@ def build_store(
         )
     store = KVStore(pool, host, remote=remote, states=states, host_states=host_states)
     if layout.stateful:
-        interval = snapshot_interval or _env_int("RADIXKV_SNAPSHOT_INTERVAL") or DEFAULT_SNAPSHOT_INTERVAL
+        interval = snapshot_interval or _env_int("RADIXKV_SNAPSHOT_INTERVAL") or default_snapshot_interval(layout)
         store.snapshot_interval = -(-interval // block_size) * block_size
+        if states.num_slots < MIN_SNAPSHOTS:
+            logger.warning(
+                "radixkv: %s's store holds only %d state snapshots of %.1f MiB: give it more (state_bytes=, "
+                "RADIXKV_STATE_BYTES, or a larger budget) or take fewer (snapshot_interval=)",
+                type(model).__name__, states.num_slots, states.slot_bytes / 2**20,
+            )  # fmt: skip
     logger.info(
         "radixkv store for %s: %d blocks x %d tokens, %.1f MiB, %d layers%s%s%s",
         type(model).__name__,
@@ -191,25 +204,48 @@ def build_store(
     return store
 
 
+def default_snapshot_interval(layout: ModelLayout) -> int:
+    """Tokens between a prefill's snapshots when none is given (see MIN_SNAPSHOT_INTERVAL)."""
+    per_token = sum(s.bytes_per_token for s in layout.specs)
+    if not per_token:
+        return STATE_ONLY_SNAPSHOT_INTERVAL
+    tokens = snapshot_bytes(layout.state_specs) // per_token
+    return max(MIN_SNAPSHOT_INTERVAL, 1 << max(0, tokens.bit_length() - 1))
+
+
 def _stateful_pools(
     layout: ModelLayout, block_size: int, tokens: int | None, nbytes: int | None, state_bytes: int | None
 ) -> tuple[BlockPool, StatePool]:
-    """The block pool and the snapshot pool of a model with recurrent layers (see build_store)."""
+    """The block pool and the snapshot pool of a model with recurrent layers (see build_store):
+    neither ever takes more than the budget (a byte budget that holds no snapshot is refused)."""
     per_snapshot = snapshot_bytes(layout.state_specs)
     if not layout.specs:  # no attention KV: the whole budget holds snapshots
         pool = BlockPool([], STATE_ONLY_TOKENS // block_size, block_size)
-        budget = state_bytes or nbytes or max(DEFAULT_BUDGET_BYTES, MIN_SNAPSHOTS * per_snapshot)
-        return pool, StatePool.from_budget(layout.state_specs, max(budget, per_snapshot))
+        return pool, _state_pool(layout, state_bytes or nbytes or DEFAULT_BUDGET_BYTES)
     if tokens is not None:
         pool = BlockPool.from_budget(layout.specs, block_size, tokens=tokens)
-        share = pool.nbytes * STATE_SHARE / (1 - STATE_SHARE)
+        total = pool.nbytes / (1 - STATE_SHARE)
     else:
-        share = nbytes * STATE_SHARE
-    if state_bytes is None:
-        state_bytes = int(max(share, MIN_SNAPSHOTS * per_snapshot))
+        total = nbytes
+    if state_bytes is None:  # a quarter, or 16 snapshots if that is at most half of the budget
+        state_bytes = int(max(total * STATE_SHARE, min(MIN_SNAPSHOTS * per_snapshot, total / 2)))
     if tokens is None:
-        pool = BlockPool.from_budget(layout.specs, block_size, bytes=max(nbytes - state_bytes, 1))
-    return pool, StatePool.from_budget(layout.state_specs, max(state_bytes, per_snapshot))
+        if nbytes - state_bytes <= 0:
+            raise ValueError(
+                f"a budget of {nbytes} bytes leaves nothing for KV beside {state_bytes} bytes of snapshots"
+            )
+        pool = BlockPool.from_budget(layout.specs, block_size, bytes=nbytes - state_bytes)
+    return pool, _state_pool(layout, state_bytes)
+
+
+def _state_pool(layout: ModelLayout, nbytes: int) -> StatePool:
+    per_snapshot = snapshot_bytes(layout.state_specs)
+    if nbytes < per_snapshot:
+        raise ValueError(
+            f"a state budget of {nbytes} bytes holds no snapshot of this model ({per_snapshot} bytes: "
+            "every recurrent layer's state for one row); give a larger budget or state_bytes="
+        )
+    return StatePool.from_budget(layout.state_specs, nbytes)
 
 
 def _host_pools(

@@ -216,7 +216,12 @@ def test_host_tier_demotes_snapshots_with_their_nodes_and_serves_them():
     host's state pool; asking about it again reads KV and states from the host, equal to stock."""
     model = build_hybrid("qwen3_5_text")
     store = hf_patch.build_store(
-        model, block_size=BS, budget_tokens=96, snapshot_interval=INTERVAL, host_cache_tokens=1024
+        model,
+        block_size=BS,
+        budget_tokens=96,
+        snapshot_interval=INTERVAL,
+        host_cache_tokens=1024,
+        state_bytes=1 << 20,
     )
     other = tokens(70, seed=60)
     same_as_stock(model, ids(DOC + tokens(5, seed=61)), store)
@@ -309,3 +314,21 @@ def test_decode_snapshots_ignore_forwards_of_other_calls_on_the_same_model():
         history = outs[i][0].tolist()
         cache, _ = same_as_stock(model, ids(history + tokens(4, seed=90 + i)), store)
         assert cache.cached_tokens[0] > len(prompts[i]) // BS * BS  # the reply's snapshot was read
+
+
+def test_one_row_leaves_its_tail_to_generates_first_forward():
+    """A row whose deepest snapshot is its last cut needs no catch-up forward past it:
+    generate()'s first forward computes the tail from there (one forward, not two)."""
+    model = build_hybrid("qwen3_5_text")
+    store = hf_patch.build_store(model, block_size=16, budget_tokens=4096, snapshot_interval=16)
+    same_as_stock(model, ids(DOC[:64] + tokens(9, seed=2)), store, max_new_tokens=1)
+    forwards = []
+    handle = model.register_forward_pre_hook(
+        lambda m, a, k: forwards.append(k["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        cache, _ = same_as_stock(model, ids(DOC[:64] + tokens(15, seed=3)), store, max_new_tokens=1)
+    finally:
+        handle.remove()
+    assert cache.cached_tokens == [64]
+    assert forwards[-1:] == [15] and len(forwards) == 2  # stock's reference, then ours: [64, 79) at once
