@@ -39,6 +39,19 @@ def _extra_ids_tensor(extra_ids) -> torch.Tensor:
     return extra_ids.to("cpu", torch.int64)
 
 
+def _snapshot_hints(value) -> list[int] | list[list[int]] | None:
+    """``snapshot_at`` checked: None, a list of ints >= 0, or a list of such lists."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"snapshot_at must be a list of token positions (or one list per row), got {value!r}")
+    per_row = bool(value) and all(isinstance(v, (list, tuple)) for v in value)
+    for v in (p for row in value for p in row) if per_row else value:
+        if type(v) is not int or v < 0:
+            raise ValueError(f"snapshot_at positions must be ints >= 0, got {v!r}")
+    return [list(row) for row in value] if per_row else list(value)
+
+
 class RadixCache(Cache):
     """A prefix-reusing cache for decoder-only models.
 
@@ -57,6 +70,12 @@ class RadixCache(Cache):
             none): the row's first ``length`` tokens are keyed under the public
             ``namespace`` (a task prompt pinned once for every tenant), the rest stay private
             to the row's own namespace.
+        snapshot_at: models with recurrent layers: prompt positions (tokens from the row's first,
+            pads not counted) where a later prompt is likely to part from this one, e.g. where a
+            system prompt or an earlier turn ends; a snapshot is taken at each (floored to the
+            block size), so the next request that shares exactly that much reuses all of it.
+            A list of ints for every row, or a list of such lists, one per row. Ignored by
+            attention-only models (their KV is usable at every block).
     """
 
     def __init__(
@@ -66,6 +85,7 @@ class RadixCache(Cache):
         *,
         extra_ids=None,
         shared_prefix: SharedPrefix | list[SharedPrefix | None] | None = None,
+        snapshot_at: list[int] | list[list[int]] | None = None,
     ) -> None:
         super().__init__(layer_class_to_replicate=AppendLayer)
         if store is not None and not isinstance(store, KVStore):
@@ -79,6 +99,7 @@ class RadixCache(Cache):
         self.namespace = namespace
         self.extra_ids = None if extra_ids is None else _extra_ids_tensor(extra_ids)
         self.shared_prefix = shared_prefix
+        self.snapshot_at = _snapshot_hints(snapshot_at)
         self.cached_tokens: list[int] = []
         self._request = None  # hf_patch.request.Request while a generate() call runs
         self.consumed = 0  # tokens the layers hold, for a model without attention layers

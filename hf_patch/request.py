@@ -34,6 +34,7 @@ from hf_patch.layer import CompressedLayer, StateLayer, allocate_layers, pool_bu
 from hf_patch.model_spec import ModelLayout
 from hf_patch.recurrent import (
     DEFAULT_INTERVAL,
+    STEPWISE_TOKENS,
     DecodeSnapshots,
     catch_up,
     cut_points,
@@ -327,11 +328,7 @@ class Request:
             start = fill_row(self.store, self.layout, views, lease, stop)
             served = max(0, start - self.computed.get(i, 0))  # in-batch sharing computed the rest for it
             self.cache.cached_tokens[i] = served
-            cuts = (
-                cut_points(start, max(start, stop), 0 if stepwise else interval, junction, grain)
-                if self.keys is not None
-                else []
-            )
+            cuts = self._cuts(i, start, stop, 0 if stepwise else interval, junction, grain)
             if score and end % grain == 0 and end > 0:
                 cuts.append(end)  # the whole row's state: the next call over it reuses all of it
             snaps, logits = catch_up(
@@ -357,6 +354,23 @@ class Request:
         self.cache.consumed = common
         self.common = common
 
+    def _cuts(self, i: int, start: int, stop: int, interval: int, junction: int, grain: int) -> list[int]:
+        """Row ``i``'s snapshot positions in ``(start, stop]``: ``cut_points``' and the caller's
+        ``RadixCache(snapshot_at=)`` hints (floored to the grain)."""
+        if self.keys is None:
+            return []
+        cuts = set(cut_points(start, max(start, stop), interval, junction, grain))
+        hints = self.cache.snapshot_at
+        if hints and isinstance(hints[0], list):
+            prompts = len(hints)
+            hints = hints[i // self.rows_per_prompt] if len(self.pads) == prompts * self.rows_per_prompt else []
+        for h in hints or ():
+            h -= h % grain
+            # (a model stepping a token at a time after a snapshot pays every cut past the first)
+            if start < h <= stop and (self.layout.continues_in_chunks or stop - h <= STEPWISE_TOKENS):
+                cuts.add(h)
+        return sorted(cuts)
+
     def _tail_ends(self, length: int, keep: list[int], interval: int, grain: int) -> list[int] | None:
         """Where each row's catch-up may stop when generate() can compute the rest: at its deepest
         snapshot (so no catch-up forward ends past it), if that leaves every row at one column
@@ -370,7 +384,7 @@ class Request:
             lease = self.leases[i] if self.leases else None
             start = usable_start(self.layout, lease, stop)
             junction = lease.kv_tokens if lease is not None else 0
-            cuts = cut_points(start, max(start, stop), interval, junction, grain)
+            cuts = self._cuts(i, start, stop, interval, junction, grain)
             ends.append(max([start, *cuts]))
             columns.add(pad + ends[-1])
         return ends if len(columns) == 1 else None

@@ -96,3 +96,25 @@ def test_concurrent_requests_pause_resume_and_equal_stock(client, stock):
     for messages, r in results:
         assert r.choices[0].message.content == stock_reply(model, tok, prompt_ids(tok, messages), 10)[1]
     assert sum(r.usage.prompt_tokens_details.cached_tokens for _, r in results) > 0
+
+
+def test_a_shared_system_prompt_is_reused_whole_from_the_second_request(client, stock):
+    """vLLM issue 40696's case through the API: the first request takes a snapshot where its
+    system message ends (demo.model.chat_tokens.message_ends), so the second, another question
+    under the same system prompt, reuses all of it, not only the snapshot interval's multiples."""
+    model, tok = stock
+    system = {"role": "system", "content": "You answer from this table.\n" + DOC}
+    head = tok(  # the system turn rendered alone, floored to the server's block size
+        tok.apply_chat_template([system], add_generation_prompt=False, tokenize=False),
+        add_special_tokens=False,
+    )["input_ids"]
+    end = len(head) // 4 * 4
+    cached = []
+    for q in ("Who is in row 3?", "Who is in row 11?"):
+        messages = [system, {"role": "user", "content": q}]
+        r = client.chat.completions.create(
+            model="qwen35-tiny", messages=messages, max_tokens=6, temperature=0
+        )
+        assert r.choices[0].message.content == stock_reply(model, tok, prompt_ids(tok, messages), 6)[1]
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    assert cached[1] == end, (cached, end)

@@ -332,3 +332,23 @@ def test_one_row_leaves_its_tail_to_generates_first_forward():
         handle.remove()
     assert cache.cached_tokens == [64]
     assert forwards[-1:] == [15] and len(forwards) == 2  # stock's reference, then ours: [64, 79) at once
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text", "mamba2"])
+def test_a_snapshot_hint_makes_the_second_request_reuse_a_whole_system_prompt(name):
+    """vLLM issue 40696's case: a shared system prompt the interval does not divide. With
+    RadixCache(snapshot_at=[its end]) the first request takes a snapshot there, so the second
+    reuses all of it (not only the last interval multiple), and equals stock."""
+    model = build_hybrid(name)
+    system = tokens(42, seed=40)  # ends mid-block (block 4): the hint is floored to 40
+    for hint, want in ((None, 32), ([42], 40)):
+        store = hf_patch.build_store(model, block_size=BS, budget_tokens=4096, snapshot_interval=INTERVAL)
+        first = hf_patch.RadixCache(store=store, snapshot_at=hint)
+        with torch.no_grad():
+            model.generate(ids(system + tokens(20, seed=41)), past_key_values=first, **GEN)
+        cache, _ = same_as_stock(model, ids(system + tokens(20, seed=42)), store)
+        assert cache.cached_tokens == [want]
+    with pytest.raises(ValueError, match="snapshot_at"):
+        hf_patch.RadixCache(snapshot_at=[-1])
+    with pytest.raises(TypeError, match="snapshot_at"):
+        hf_patch.RadixCache(snapshot_at=7)

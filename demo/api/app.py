@@ -318,6 +318,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                 raise ApiError(
                     400, f"the model {model_id} (vision-language) does not take tools here", "tools"
                 )
+            hints = None
             if media is not None:  # a vision-language model: its processor renders every chat
                 with image_slots if pictures or clips else contextlib.nullcontext():
                     prompt = vision.render(engine.processor, messages, pictures, clips)
@@ -325,7 +326,9 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
             else:
                 try:
                     extra = {"tools": agent.rendered_tools, "template_kwargs": agent.template_kwargs}
-                    ids = engine.chat_ids(messages, **{k: v for k, v in extra.items() if v})
+                    extra = {k: v for k, v in extra.items() if v}
+                    ids = engine.chat_ids(messages, **extra)
+                    hints = engine.message_ends(messages, ids, **extra)
                 except ValueError as e:
                     raise ApiError(400, str(e), "messages") from None
             return respond(
@@ -340,6 +343,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                 inputs=inputs,
                 grammar=grammar,
                 reply=reply_spec(agent, ids),
+                snapshot_at=hints,
             )
 
     # POST /v1/responses, GET|DELETE /v1/responses/<id> (stored per tenant, in memory)

@@ -58,9 +58,11 @@ def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -
         inputs: dict | None = None,
         grammar: str | None = None,
         reply: ReplySpec = PLAIN,
+        snapshot_at: list[int] | None = None,
     ):
         """``grammar``: a checked llguidance grammar the reply must match (demo.engine.constrained);
-        ``reply``: how chat replies split into reasoning, content and tool calls."""
+        ``reply``: how chat replies split into reasoning, content and tool calls; ``snapshot_at``:
+        where the chat's messages end (a recurrent model's snapshot hints: Engine.message_ends)."""
         name = adapter or model_id  # the model the response names: the adapter's, as vLLM does
         max_new = schema.check_length(
             len(prompt_ids),
@@ -89,8 +91,9 @@ def responder(engine: Engine, config: Config, metrics: Metrics, model_id: str) -
             grammar=grammar,
         )
         gen = engine.submit(
-            prompt_ids, params, options.salted(namespace, opts.cache_salt), slot=slot, inputs=inputs
-        )
+            prompt_ids, params, options.salted(namespace, opts.cache_salt), slot=slot, inputs=inputs,
+            snapshot_at=snapshot_at,
+        )  # fmt: skip
         gen.alive = client_alive(request.environ)
         rid, created = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if not s.stream:

@@ -129,6 +129,23 @@ class Engine:
             return vision.render(self.processor, list(messages), []).ids
         return chat_tokens.chat_ids(self.tokenizer, list(messages), self.template(), tools, template_kwargs)
 
+    def message_ends(
+        self,
+        messages: Sequence[dict],
+        ids: Sequence[int],
+        tools: Sequence[dict] | None = None,
+        template_kwargs: dict | None = None,
+    ) -> list[int] | None:
+        """Snapshot hints for a chat prompt (``chat_tokens.message_ends``): only for a text model
+        whose store keeps recurrent-state snapshots (its cache reuses a prompt only where one was
+        taken), else None."""
+        if self.store is None or self.store.states is None or self.processor is not None:
+            return None
+        messages = list(messages)
+        return chat_tokens.message_ends(
+            self.tokenizer, messages, self.template(), ids, tools, template_kwargs
+        )
+
     def template(self) -> str | None:
         """The chat template passed to apply_chat_template: None for the tokenizer's own, the
         demo's CHAT_TEMPLATE for a tokenizer without one."""
@@ -161,6 +178,7 @@ class Engine:
         slot: Slot | None = None,
         inputs: dict | None = None,
         hooks=None,
+        snapshot_at: list[int] | None = None,
     ) -> Generation:
         """Queue a request in `slot` (default: reserve one now; raises Busy if the queue is
         full). ``inputs``: model inputs beside the ids (a VLM's processor outputs for this
@@ -168,7 +186,9 @@ class Engine:
         family allows (demo.model.vision_batch), else the request runs alone. ``hooks``: one
         demo.engine.sampling.RowHook (or None) per row of the request (``params.rows``),
         applied to that row's logits only; a ``params.grammar`` makes them (one matcher per
-        row). Iterate the result for text."""
+        row). ``snapshot_at``: prompt positions where a later prompt is likely to part from this
+        one (``message_ends``), for a store with recurrent-state snapshots. Iterate the result for
+        text."""
         if params.grammar is not None:
             if hooks is not None:
                 raise ValueError("a request with a grammar takes no other hooks")
@@ -177,6 +197,7 @@ class Engine:
         group = self.adapters.batch_group(params.adapter) if self.adapters is not None else None
         gen = Generation(prompt_ids, params, namespace, self.decode, self.runner.eos, inputs, group, hooks)
         gen.alone = self.runner.runs_alone(prompt_ids, inputs)
+        gen.snapshot_at = snapshot_at
         self.scheduler.submit(gen, slot)
         return gen
 

@@ -145,6 +145,7 @@ class Generation:
         hooks=None,
     ):
         self.prompt_ids, self.params, self.namespace = prompt_ids, params, namespace
+        self.snapshot_at: list[int] | None = None  # RadixCache(snapshot_at=) for this prompt
         # Model inputs beside the ids (an image's pixel_values, grids, token types: made for this
         # request's prompt alone), merged with the batch's other rows (demo.model.vision_batch).
         self.inputs = inputs or {}

@@ -224,7 +224,10 @@ class Runner:
         else:
             namespace = [g.namespace for g in rows]
         shared = [self.shared_prefix(g.prompt_ids) for g in rows] if self._public else None
-        return RadixCache(store=self.store, namespace=namespace, shared_prefix=shared)
+        hints = None
+        if any(g.snapshot_at for g in rows):  # a paused request resumes with its own context as prompt
+            hints = [list(g.snapshot_at or ()) for g in rows] if len(rows) > 1 else list(rows[0].snapshot_at)
+        return RadixCache(store=self.store, namespace=namespace, shared_prefix=shared, snapshot_at=hints)
 
     def grammar_hooks(self, prompt_ids: Sequence[int], params: Params) -> list[GrammarHook] | None:
         """One fresh matcher of ``params.grammar`` per row of the request (its RowHooks: each row

@@ -89,16 +89,46 @@ def _mark_all(value, tokens: tuple[str, ...]):
     return value
 
 
+def message_ends(
+    tokenizer,
+    messages: Sequence[dict],
+    template: str | None,
+    ids: Sequence[int],
+    tools: Sequence[dict] | None = None,
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """Where the first message and the last but one end in ``ids`` (``chat_ids`` of ``messages``):
+    where a later chat is likely to part from this one (another question under one system prompt,
+    an edited last turn). A boundary is kept only where the template renders the shorter
+    conversation as a prefix of ``ids``. For recurrent models, whose cache reuses a prompt only
+    where a snapshot was taken (hf_patch.RadixCache(snapshot_at=)); two renders of the template."""
+    ends = []
+    for k in sorted({1, len(messages) - 1}):
+        if not 0 < k < len(messages):
+            continue
+        try:
+            head = chat_ids(
+                tokenizer, messages[:k], template, tools, template_kwargs, generation_prompt=False
+            )
+        except ValueError:
+            continue
+        if 0 < len(head) < len(ids) and list(ids[: len(head)]) == head:
+            ends.append(len(head))
+    return ends
+
+
 def chat_ids(
     tokenizer,
     messages: Sequence[dict],
     template: str | None,
     tools: Sequence[dict] | None = None,
     template_kwargs: dict | None = None,
+    *,
+    generation_prompt: bool = True,
 ) -> list[int]:
     """Token ids of `messages` ({"role", "content": str, and for agents "tool_calls" /
     "tool_call_id"}) rendered with `template` (None: the tokenizer's own) plus the assistant's
-    generation prompt. ``tools``: function specs ({"name", "description", "parameters"}) passed
+    generation prompt (``generation_prompt``). ``tools``: function specs ({"name", "description", "parameters"}) passed
     to the template as transformers does (``{"type": "function", "function": spec}``);
     ``template_kwargs``: extra template variables (``enable_thinking``). Every string a client
     sent (tool definitions and call arguments too) is marked, so none can forge a turn.
@@ -114,7 +144,7 @@ def chat_ids(
         extra["tools"] = _mark_all([{"type": "function", "function": t} for t in tools], tokens)
     try:
         text = tokenizer.apply_chat_template(
-            marked, chat_template=template, add_generation_prompt=True, tokenize=False, **extra
+            marked, chat_template=template, add_generation_prompt=generation_prompt, tokenize=False, **extra
         )
     except Exception as e:  # jinja TemplateError: the model's template refused the messages
         raise ValueError(f"the chat template rejected the messages: {e}") from None
