@@ -5,7 +5,8 @@ kinds (DSA indexers with 16 heads and a top-k below the prompt, so the selection
 Per family, on one store (block size 4, a snapshot every 16 tokens): a document and three
 questions (cold; the second reuses it but at most one interval; the third all of it), a chat
 turn that reuses the whole history, a 3-row left-padded batch, seeded sampling, a fully cached
-prompt and scores against an uncached forward. Tokens must be equal and logits within 1e-4
+prompt, scores against an uncached forward, and a restart from a cache file (a fresh process
+and the sidecar: tests/test_hf_persist_states.py, tests/test_sidecar_snapshots.py). Tokens must be equal and logits within 1e-4
 (a stale recurrent state moves them by 1e-2 to 1: ``test_a_wrong_snapshot_is_caught``).
 """
 
@@ -58,7 +59,7 @@ def same_as_stock(model, input_ids, store, seed=None, atol=ATOL, **kwargs):
 
 
 @pytest.mark.parametrize("name", SUPPORTED)
-def test_family_matches_stock_and_reuses_its_prefixes(name):
+def test_family_matches_stock_and_reuses_its_prefixes(name, tmp_path):
     model = build_hybrid(name)
     pattern = layer_pattern(model)
     print(f"{name}: {pattern}")
@@ -114,6 +115,14 @@ def test_family_matches_stock_and_reuses_its_prefixes(name):
             want = logits.log_softmax(-1).gather(1, torch.tensor(continuation).unsqueeze(1)).sum().item()
             assert abs(score.logprob - want) < ATOL, (score.logprob, want)
     store.check_invariants()
+
+    # A restart from a cache file: a new store restored from the saved one reads the document.
+    path = tmp_path / "cache.safetensors"
+    hf_patch.save_cache(model, path, store=store)
+    fresh = hf_patch.build_store(model, block_size=BS, budget_tokens=4096, snapshot_interval=INTERVAL)
+    hf_patch.restore_cache(model, path, store=fresh)
+    cache, _ = same_as_stock(model, ids(DOC + tokens(7, seed=99)), fresh)
+    assert cache.cached_tokens == [doc_blocks]
 
 
 def test_a_wrong_snapshot_is_caught():
