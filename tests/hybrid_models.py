@@ -697,6 +697,26 @@ def build_hybrid(name: str, seed: int = 0):
     return model.float().eval()
 
 
+def save_hybrid(directory, name: str, seed: int = 0):
+    """Family ``name``'s tiny config as a checkpoint folder with demo's byte-level BPE tokenizer
+    (512 tokens, chat template included): what batchrun and evalrun load by path."""
+    from demo.model.loading import build_tokenizer
+
+    tokenizer = build_tokenizer(512)
+    make_config, attn = HYBRID_CONFIGS[name]
+    config = make_config()
+    config.vocab_size = len(tokenizer)
+    for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        if hasattr(config, key):
+            setattr(config, key, getattr(tokenizer, key))
+    if attn is not None:
+        config._attn_implementation = attn
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).float().eval().save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def tokens(n: int, seed: int, low: int = FIRST_TOKEN, high: int = VOCAB) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, high, (n,), generator=g).tolist()
