@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from cuda_ext import ragged_decode
+from hf_patch.step_models import unsupported_reason
 
 __all__ = ["NAME", "PACKED", "available", "columns", "packed", "probed_once", "verify"]
 
@@ -150,8 +151,6 @@ def _fits(model) -> bool:
     config (a composite model's sub-configs each hold their own attention setting, which the
     switch would overwrite) and full attention over 1-D positions (RunningBatch's models: each
     row's mask is every column from its first real one, all the kernel reads)."""
-    from hf_patch.running_batch import unsupported_reason  # it imports this module
-
     config = model.config
     return (
         model.device.type == "cpu"
