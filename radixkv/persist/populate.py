@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import sys
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14)
-PAGE = 4096
+PAGE = mmap.PAGESIZE  # madvise takes ranges aligned to it (4 KiB on x86, 16/64 KiB on some ARM)
 
 _madvise = None
 if sys.platform.startswith("linux"):
