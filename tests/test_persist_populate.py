@@ -1,5 +1,6 @@
 """radixkv.persist.populate: a restore commits the pool pages it reads into in one call."""
 
+import mmap
 import resource
 import sys
 
@@ -16,13 +17,22 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def _small_pages(nbytes: int) -> torch.Tensor:
+    """New memory in the system's small pages (no transparent huge pages, whatever the
+    system's setting: one fault per page when first written), as a uint8 tensor."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
 @linux
 def test_populated_memory_takes_no_faults_when_written():
     if populate_mod._madvise is None:
         pytest.fail("libc's madvise was not found on Linux")
     nbytes = 64 << 20  # 16,384 pages of 4 KiB: far above anything else this test could fault in
     pages = nbytes // PAGE
-    t = torch.empty(nbytes, dtype=torch.uint8)
+    t = _small_pages(nbytes)
     view = memoryview(t.numpy()).cast("B")
     assert populate(view)
     before = _minor_faults()
@@ -30,7 +40,7 @@ def test_populated_memory_takes_no_faults_when_written():
     faults = _minor_faults() - before
     assert faults < pages // 16, f"{faults} minor faults writing {pages} pages populated beforehand"
     # and the same write into memory not populated does fault (the check above can fail)
-    u = torch.empty(nbytes, dtype=torch.uint8)
+    u = _small_pages(nbytes)
     before = _minor_faults()
     u.fill_(7)
     assert _minor_faults() - before > pages // 2
