@@ -257,3 +257,34 @@ def test_the_config_takes_vllms_json_and_names_what_is_wrong() -> None:
     ]:
         with pytest.raises(ValueError, match=words):
             KVEventsConfig.from_json(text)
+
+
+def test_the_sidecar_publishes_its_blocks_under_the_hashes_an_engine_gives_them() -> None:
+    """One prefix, one key: the same hashes from an engine's store and from the sidecar's
+    shared tier (medium CPU), so a router sees both holding the same blocks; evictions too."""
+    from radixkv.events.recorder import sidecar_listener
+    from radixkv.sidecar.state import Sidecar
+    from radixkv.tree import pack_tokens
+
+    log = EventLog()
+    one = {"num_kv_heads": 1, "k_head_dim": 64, "v_head_dim": 64, "dtype": "float32"}
+    sidecar = Sidecar(1024 * 6, tree_listener=sidecar_listener(log))  # 6 blocks of 2 tokens
+    sidecar.add_client(1)
+    sidecar.hello(1, {"block_size": 2, "layers": [one]})
+    key = (b"\x01" * 32, b'{"str":"a"}')
+    rebuilt = Rebuilt()
+    for tokens in ([5, 6, 7, 8, 9], [5, 6, 1, 2], [3] * 8):  # the last evicts the LRU leaf
+        txn = sidecar.alloc(1, key, bytes(pack_tokens(tokens)))
+        sidecar.commit(1, txn["txn"])
+        rebuilt.apply(BatchEncoder().encode(log.take(), 0.0, 0))
+    held = {p: h for (medium, h, p) in rebuilt.prefixes() if medium == "CPU"}
+    assert sorted(held) == [(3, 3), (3,) * 4, (3,) * 6, (3,) * 8, (5, 6), (5, 6, 1, 2)]
+
+    engine, engine_log = BlockPool(SPECS, 8, 2), EventLog()
+    store = KVStore(engine)
+    store.set_listener(TreeRecorder(engine_log, 2, lambda ns: key))
+    store.commit([5, 6, 1, 2, 4], *kv_for([5, 6, 1, 2, 4]))
+    engine_rebuilt = Rebuilt()
+    engine_rebuilt.apply(BatchEncoder().encode(engine_log.take(), 0.0, 0))
+    on_gpu = {p: h for (medium, h, p) in engine_rebuilt.prefixes() if medium == "GPU"}
+    assert on_gpu == {p: held[p] for p in [(5, 6), (5, 6, 1, 2)]}
