@@ -53,6 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         _fail(f"--lora-modules: {e.message}")
     engine = app.extensions["radixkv"]["engine"]
     log = logging.getLogger("demo")
+    from demo import kv_events
+
+    try:
+        events = kv_events.start(config.kv_events_config, engine)
+    except ValueError as e:  # pyzmq missing, an endpoint that does not bind
+        _fail(f"--kv-events-config: {e}")
+    if events is not None:
+        log.info("KV events on %s (replay: %s)", events.config.endpoint, events.config.replay_endpoint)
     log.info(
         "model %s on %s, context %d tokens, prefix reuse %s (block size %d), tenants: %s, flush: %s",
         config.model_id,
@@ -98,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         # still holds goes out first (bounded), then the cache file gets the time left.
         flush_sidecar(engine.store, stopped + config.cache_save_timeout)
         app.extensions["radixkv"]["cache_files"].save_at_exit(stopped + config.cache_save_timeout)
+        if events is not None:
+            events.close()
     return 0
 
 

@@ -40,6 +40,7 @@ class Config:
     block_size: int = 16
     cache_tokens: int | None = None  # KV pool budget in tokens; None = hf_patch's default
     sidecar: str | None = None  # Unix socket of a radixkv sidecar shared by this machine's processes
+    kv_events_config: str | None = None  # vLLM's KVEventsConfig JSON: KV events for routers
     api_keys: tuple[str, ...] = ()  # non-empty: Bearer key required, one cache namespace each
     admin_token: str | None = None  # required by POST /v1/cache/flush; None = flush refused
     default_max_tokens: int = 256  # when a request gives no max_tokens (clamped to the context)
@@ -102,6 +103,15 @@ class Config:
     responses_max_age: float = 3600.0
 
     def __post_init__(self) -> None:
+        if self.kv_events_config is not None:
+            from radixkv.events.config import KVEventsConfig
+
+            try:
+                events = KVEventsConfig.from_json(self.kv_events_config)
+            except ValueError as e:
+                raise ValueError(f"kv_events_config: {e}") from None
+            if events.enabled and not self.reuse:
+                raise ValueError("kv_events_config: KV events need the prefix cache (no --no-reuse)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -265,6 +275,7 @@ _ENV = {
     "block_size": ("RADIXKV_BLOCK_SIZE", int),
     "cache_tokens": ("RADIXKV_CACHE_TOKENS", int),
     "sidecar": ("RADIXKV_SIDECAR", str),
+    "kv_events_config": ("RADIXKV_KV_EVENTS_CONFIG", str),
     "api_keys": ("RADIXKV_API_KEYS", _keys),
     "admin_token": ("RADIXKV_ADMIN_TOKEN", str),
     "default_max_tokens": ("RADIXKV_MAX_TOKENS", int),
@@ -344,6 +355,12 @@ def parser() -> argparse.ArgumentParser:
         "--sidecar",
         help="Unix socket of a python -m radixkv.sidecar: prefixes shared with the other processes "
         "and replicas of this machine (env RADIXKV_SIDECAR; docs/sidecar.md)",
+    )
+    p.add_argument(
+        "--kv-events-config",
+        help="publish KV cache events for routers, vLLM's JSON: "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' '
+        "(env RADIXKV_KV_EVENTS_CONFIG; docs/kv-events.md; needs pyzmq)",
     )
     p.add_argument("--api-keys", type=_keys, help="comma-separated tenant keys (env RADIXKV_API_KEYS)")
     p.add_argument("--admin-token", help="token for POST /v1/cache/flush (env RADIXKV_ADMIN_TOKEN)")

@@ -78,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
     parser.add_argument("--metrics-host", default="127.0.0.1")
     parser.add_argument("--mode", type=_mode, default=0o600, help="socket file mode (default 600)")
+    parser.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="publish KV events for routers: vLLM's JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' '
+        "(docs/kv-events.md; needs pyzmq)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s radixkv-sidecar %(message)s")
@@ -95,9 +102,27 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, ImportError) as e:
             parser.error(f"--l2: {e}")
         writer = L2Writer(l2)
+    publisher = listener = None
+    if args.kv_events_config:
+        from radixkv.events import EventLog, KVEventsConfig, start_publisher
+        from radixkv.events.recorder import sidecar_listener
+
+        try:
+            config = KVEventsConfig.from_json(args.kv_events_config)
+            log = EventLog()
+            publisher = start_publisher(config, log)
+        except ValueError as e:
+            parser.error(f"--kv-events-config: {e}")
+        if publisher is not None:
+            listener = sidecar_listener(log)
+            logger.info("KV events on %s", config.endpoint)
     try:
         state = Sidecar(
-            args.host_bytes, l2=l2, l2_writer=writer.put if writer else None, state_bytes=args.state_bytes
+            args.host_bytes,
+            l2=l2,
+            l2_writer=writer.put if writer else None,
+            state_bytes=args.state_bytes,
+            tree_listener=listener,
         )
     except ValueError as e:
         parser.error(str(e))
@@ -123,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
         server.serve()
     finally:
+        if publisher is not None:
+            publisher.close()
         if writer is not None:
             writer.close()
         if l2 is not None:

@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 from radixkv.sidecar.claims import Claims
 from radixkv.sidecar.layout import KVLayout, PoolGeometry
-from radixkv.tree import RadixTree
+from radixkv.tree import RadixTree, TreeListener
 from radixkv.tree.check import snapshot_slots
 from radixkv.tree.node import TOKEN_BYTES, Node, PackedTokens
 
@@ -191,10 +191,16 @@ class Sidecar:
     """Pools, trees and clients of one sidecar process (see the module docstring)."""
 
     def __init__(
-        self, budget_bytes: int, l2=None, l2_writer: Callable | None = None, state_bytes: int | None = None
+        self,
+        budget_bytes: int,
+        l2=None,
+        l2_writer: Callable | None = None,
+        state_bytes: int | None = None,
+        tree_listener: Callable[[SharedPool], TreeListener] | None = None,
     ) -> None:
         """``state_bytes``: the most of ``budget_bytes`` snapshots take (default a quarter);
-        blocks may use what snapshots leave unused."""
+        blocks may use what snapshots leave unused. ``tree_listener(pool)``: the listener of
+        each new pool's tree (KV events: ``--kv-events-config``)."""
         if type(budget_bytes) is not int or budget_bytes <= 0:
             raise ValueError(f"host bytes must be a positive int, got {budget_bytes!r}")
         if state_bytes is None:
@@ -209,6 +215,7 @@ class Sidecar:
         self.lock = threading.Lock()
         self.l2 = l2
         self.l2_writer = l2_writer  # l2_writer(list of (key, payload)): queue blocks for the L2
+        self.tree_listener = tree_listener
         self._ids = itertools.count(1)
         self.claims = Claims()
 
@@ -246,6 +253,8 @@ class Sidecar:
                         f"{MIN_SNAPSHOTS}: raise --state-bytes (or --host-bytes)"
                     )
             pool = self.pools[layout.key] = SharedPool(layout, num_blocks, num_slots)
+            if self.tree_listener is not None:
+                pool.tree.listener = self.tree_listener(pool)
             logger.info(
                 "pool for a new layout: %d blocks of %d bytes%s",
                 num_blocks,

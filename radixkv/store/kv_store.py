@@ -93,6 +93,7 @@ class KVStore:
         self.snapshot_interval: int | None = None
         self._private_snaps: tuple[set[int], set[int]] = (set(), set())  # slots being written
         self.tiers = (Tier(DEVICE, pool),) + ((Tier(HOST, host_pool),) if host_pool is not None else ())
+        self.listener = None  # set_listener: told of every change of the tree's contents
         self.tree = self._new_tree()
         self.counters = StoreCounters()
         # Incremented by flush(): KV committed under an older epoch (older weights) is dropped.
@@ -714,6 +715,9 @@ class KVStore:
         Blocks pinned by running requests go when released."""
         with self._lock:
             old, self.tree = self.tree, self._new_tree()
+            old.listener = None  # the old tree's nodes leave as one AllBlocksCleared, not one by one
+            if self.listener is not None:
+                self.listener.cleared()
             self.epoch += 1
             self.counters.flushes += 1
             for lease in self.tasks.drop_all():  # KV of older weights: the owner pins them again
@@ -738,14 +742,27 @@ class KVStore:
                 self.host_pool.free(host)
             return len(freed) + len(host)
 
+    def set_listener(self, listener) -> None:
+        """Tell ``listener`` (a ``radixkv.tree.TreeListener`` with ``cleared()`` and
+        ``announce(tree)``, e.g. ``radixkv.events.TreeRecorder``) of every change of the cached
+        contents from now on: nodes stored, removed and moved between tiers, and each flush.
+        What the store holds already is announced first. None detaches. O(N) under the lock."""
+        with self._lock:
+            self.listener = self.tree.listener = listener
+            if listener is not None:
+                listener.announce(self.tree)
+
     def _new_tree(self) -> RadixTree:
         # Ids come off the pool's free list (refcount 1), so the tree need not re-check that it
         # does not own them already; check_invariants still recounts them.
         if self.states is None:
-            return RadixTree(self.pool.block_size, check_block_ids=False)
-        return RadixTree(
-            self.pool.block_size, check_block_ids=False, stateful=True, free_snapshot=self._free_snapshot
-        )
+            tree = RadixTree(self.pool.block_size, check_block_ids=False)
+        else:
+            tree = RadixTree(
+                self.pool.block_size, check_block_ids=False, stateful=True, free_snapshot=self._free_snapshot
+            )
+        tree.listener = self.listener
+        return tree
 
     def _check_layers(self, op: str, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]) -> None:
         n = len(self.pool.layers)

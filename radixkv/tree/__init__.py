@@ -2,9 +2,11 @@
 
 ``node``: packed tokens, ``Node``, ``MatchResult`` and the walk/split primitives;
 ``radix_tree``: ``RadixTree`` (match, insert, pins, LRU eviction, tier moves);
-``check``: the independent recount behind ``RadixTree.check_invariants``.
+``check``: the independent recount behind ``RadixTree.check_invariants``;
+``listener``: the ``TreeListener`` protocol a tree tells of each node stored, removed or moved.
 """
 
+from radixkv.tree.listener import TreeListener
 from radixkv.tree.node import DEVICE, HOST, MatchResult, Node, PackedTokens, TreeInvariantError, pack_tokens
 from radixkv.tree.radix_tree import RadixTree, TierOrderError
 
@@ -16,6 +18,7 @@ __all__ = [
     "PackedTokens",
     "RadixTree",
     "TierOrderError",
+    "TreeListener",
     "TreeInvariantError",
     "pack_tokens",
 ]

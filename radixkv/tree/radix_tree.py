@@ -45,6 +45,7 @@ from sortedcontainers import SortedList
 
 import radixkv.tree.node as _node
 from radixkv.tree.check import check_snapshots, check_tree
+from radixkv.tree.listener import TreeListener
 from radixkv.tree.node import (
     DEVICE,
     HOST,
@@ -111,6 +112,9 @@ class RadixTree:
         self._num_snaps = [0, 0]  # per tier
         self.freed_snapshots: list[tuple[int, int]] = []
         self._free_snapshot = free_snapshot or (lambda tier, slot: self.freed_snapshots.append((tier, slot)))
+        # Told of every node whose blocks enter, leave or change tier (radixkv.tree.listener):
+        # KV events for routers. None costs one attribute test per change.
+        self.listener: TreeListener | None = None
 
     # ---------------------------------------------------------------- counters
 
@@ -206,12 +210,16 @@ class RadixTree:
         if self._owned is not None:
             (self._owned_host if tier else self._owned).update(block_ids)
         self._add_evictable(leaf)
+        if self.listener is not None:
+            self.listener.stored(leaf)
         return leaf
 
     def _remove_leaf(self, node: Node) -> None:
         """Detach an unpinned leaf already taken out of the evictable set; cascade to its parent."""
         parent = node.parent
         assert parent is not None
+        if self.listener is not None:
+            self.listener.removed(node)  # still attached: its path names its blocks
         if node.snap >= 0:
             self._drop_snap(node)
         del parent.children[node.key]
@@ -626,6 +634,8 @@ class RadixTree:
         parent.dev_children -= 1
         if not (parent.dev_children or parent.pin_count or parent.is_root or parent.evict_entry):
             self._add_evictable(parent)
+        if self.listener is not None:
+            self.listener.moved(node, DEVICE)
         return old
 
     def promote(self, node: Node, device_ids: Sequence[int], device_snap: int = -1) -> list[int]:
@@ -662,6 +672,8 @@ class RadixTree:
         if parent.evict_entry is not None:  # a device parent is no candidate with a device child
             self._evictable.remove(parent.evict_entry)
             parent.evict_entry = None
+        if self.listener is not None:
+            self.listener.moved(node, HOST)
         return old
 
     def host_blocks_at(self, node: Node) -> int:
