@@ -37,7 +37,8 @@ def served(checkpoint):  # noqa: F811
     logger.setLevel(logging.INFO)
     logger.addHandler(lines)
     try:
-        app = create_app(Config(model=checkpoint, block_size=BS, max_batch_size=4))
+        # prefill_chunk 32: a long prompt arriving while others run is prefilled in slices between steps
+        app = create_app(Config(model=checkpoint, block_size=BS, max_batch_size=4, prefill_chunk=32))
     finally:
         logger.removeHandler(lines)
         logger.setLevel(before)

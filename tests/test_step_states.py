@@ -136,6 +136,24 @@ def test_rows_joining_and_leaving_at_different_steps_equal_stock_alone(model):
     store.check_invariants()
 
 
+def test_a_prompt_prefilled_in_slices_continues_from_the_last_slices_state(model):
+    """demo's Runner.prefill: a long prompt's slices (block multiples) are generate() calls of
+    one token on a RadixCache, each committing a snapshot at its end; the admission reads the
+    last one and computes only the rest."""
+    store = store_for(model)
+    batch = RunningBatch(model, store, PAD, [EOS])
+    row = Logged(tokens(45, 12), 6, seed=2)
+    for end in (16, 32):
+        with torch.no_grad():
+            model.generate(torch.tensor([row.prompt[:end]]), past_key_values=hf_patch.RadixCache(store=store),
+                           max_new_tokens=1, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)  # fmt: skip
+    running: dict = {}
+    admit(batch, model, store, [row], running)
+    assert row.cached == 32
+    run(batch, running, 10)
+    assert_stock(model, row)
+
+
 def test_a_chats_second_turn_reads_the_whole_first_turn(model):
     store = store_for(model)
     batch = RunningBatch(model, store, PAD, [EOS])
@@ -173,6 +191,29 @@ def test_a_plain_cache_prefill_of_one_length_joins_and_padded_rows_are_refused(m
         model(input_ids=ids, attention_mask=mask, use_cache=True, **{batch.layout.cache_arg: cache})
     with pytest.raises(ValueError, match="include the padding"):
         prefill_tensors(model, cache, mask)
+
+
+@pytest.mark.parametrize("name", ["falcon_h1", "mamba"])
+def test_a_kv_and_state_layer_and_a_mamba1_mixer_decode_exactly(name):
+    """Falcon-H1: KV and states in one layer; Mamba-1: a mixer whose multi-token forward takes no
+    initial state (its prefill continues from a snapshot a token at a time, in generate())."""
+    model = build_hybrid(name)
+    print(name, layer_pattern(model))
+    assert unsupported_reason(model) is None
+    store = store_for(model)
+    batch = RunningBatch(model, store, PAD, [EOS])
+    a, b = Logged(tokens(17, 13), 8), Logged(tokens(6, 14), 5, seed=4)
+    running: dict = {}
+    admit(batch, model, store, [a], running)
+    run(batch, running, 2)
+    admit(batch, model, store, [b], running)
+    run(batch, running, 10)
+    follow = Logged(a.prompt + a.out + tokens(3, 15), 4)
+    admit(batch, model, store, [follow], running)
+    assert follow.cached == (len(a.prompt) + len(a.out) - 1) // BS * BS
+    run(batch, running, 10)
+    for r in (a, b, follow):
+        assert_stock(model, r)
 
 
 @pytest.mark.parametrize("name, why", [("bamba", "differ"), ("deepseek_v32", "indexed"), ("zaya", "sliding")])
