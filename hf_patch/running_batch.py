@@ -3,8 +3,8 @@ steps, their KV kept across steps (a step loop over the model's forward, no gene
 
     batch = RunningBatch(model, store, pad_id, eos)
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1)
-    kv = [(layer.keys, layer.values) for layer in cache.layers]
-    slots = batch.admit(kv, ids, mask, first_tokens, prefill_keys(model, cache, ids.shape[0]))
+    kv, states = prefill_tensors(model, cache, mask)   # states: None unless the model is stateful
+    slots = batch.admit(kv, ids, mask, first_tokens, prefill_keys(model, cache, ids.shape[0]), states=states)
     logits = batch.step()               # [slots, vocab] float32, one forward over [slots, 1]
     batch.set_next(tokens)              # the tokens sampled from those logits, one per slot
     slots, cached = batch.seat(contexts, keys)   # or: rows join with their prompts uncomputed
@@ -38,11 +38,15 @@ a small model's forward costs ~6 ms before its first token), and its first token
 that step with everyone's next one. After that step each seated row's prompt is committed
 (as the prefill generate() commits it).
 
-Only full-attention decoders with 1-D positions (``unsupported_reason(model)`` is None):
-sliding windows, M-RoPE and encoder-decoder models need state this layout does not keep. Not
+Decoders with 1-D positions whose layers keep full-attention KV, recurrent / conv state, or
+both (``unsupported_reason(model)`` is None): sliding windows, indexer keys, shared KV, M-RoPE
+and encoder-decoder models need what this layout does not keep. A model with recurrent state
+(``ModelLayout.stateful``) keeps each row's states in its slot (hf_patch.slot_states: spliced in
+at ``admit``, snapshotted at block boundaries, committed with the row); its rows join through
+``admit`` only (``packs`` is False: a recurrent layer cannot run over packed rows). Not
 thread-safe: one worker owns a batch. Memory: one ``[B, H, W + headroom, D]`` K and V buffer
-per layer; steps append in place, admission and removal write one slot (see the class for
-when the whole batch is re-laid out).
+per KV layer, one ``[B, ...]`` tensor per state; steps append in place, admission and removal
+write one slot (see the class for when the whole batch is re-laid out).
 """
 
 from __future__ import annotations
