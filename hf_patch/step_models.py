@@ -46,8 +46,8 @@ def unsupported_reason(model) -> str | None:
         return str(e)
     if layout.index_layers or layout.compressors or layout.padding_dependent:
         return "sparse-indexed or compressed attention layers (rows decode in generate() calls)"
-    if not set(layout.kinds) <= {"kv", "state", "kv+state", "none"} or not (
-        layout.kv_layers or layout.stateful
-    ):
+    # (an attention-only model: KV in every layer, as before; "none" layers only beside states)
+    allowed = {"kv", "state", "kv+state", "none"} if layout.stateful else {"kv"}
+    if not set(layout.kinds) <= allowed:
         return f"cache layers of kinds {sorted(set(layout.kinds))} (rows decode in generate() calls)"
     return None
