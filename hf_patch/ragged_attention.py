@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from cuda_ext import ragged_decode
+from hf_patch.model_spec import model_layout
 from hf_patch.step_models import unsupported_reason
 
 __all__ = ["NAME", "PACKED", "available", "columns", "packed", "probed_once", "verify"]
@@ -160,6 +161,7 @@ def _fits(model) -> bool:
         and not getattr(config, "sub_configs", None)
         and (not hasattr(config, "get_text_config") or config.get_text_config() is config)
         and unsupported_reason(model) is None
+        and not model_layout(model).stateful  # (its probe counts every layer as attention)
     )
 
 

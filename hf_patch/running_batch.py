@@ -3,8 +3,8 @@ steps, their KV kept across steps (a step loop over the model's forward, no gene
 
     batch = RunningBatch(model, store, pad_id, eos)
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1)
-    kv = [(layer.keys, layer.values) for layer in cache.layers]
-    slots = batch.admit(kv, ids, mask, first_tokens, prefill_keys(model, cache, ids.shape[0]))
+    kv, states = prefill_tensors(model, cache, mask)   # states: None unless the model is stateful
+    slots = batch.admit(kv, ids, mask, first_tokens, prefill_keys(model, cache, ids.shape[0]), states=states)
     logits = batch.step()               # [slots, vocab] float32, one forward over [slots, 1]
     batch.set_next(tokens)              # the tokens sampled from those logits, one per slot
     slots, cached = batch.seat(contexts, keys)   # or: rows join with their prompts uncomputed
@@ -38,11 +38,15 @@ a small model's forward costs ~6 ms before its first token), and its first token
 that step with everyone's next one. After that step each seated row's prompt is committed
 (as the prefill generate() commits it).
 
-Only full-attention decoders with 1-D positions (``unsupported_reason(model)`` is None):
-sliding windows, M-RoPE and encoder-decoder models need state this layout does not keep. Not
+Decoders with 1-D positions whose layers keep full-attention KV, recurrent / conv state, or
+both (``unsupported_reason(model)`` is None): sliding windows, indexer keys, shared KV, M-RoPE
+and encoder-decoder models need what this layout does not keep. A model with recurrent state
+(``ModelLayout.stateful``) keeps each row's states in its slot (hf_patch.slot_states: spliced in
+at ``admit``, snapshotted at block boundaries, committed with the row); its rows join through
+``admit`` only (``packs`` is False: a recurrent layer cannot run over packed rows). Not
 thread-safe: one worker owns a batch. Memory: one ``[B, H, W + headroom, D]`` K and V buffer
-per layer; steps append in place, admission and removal write one slot (see the class for
-when the whole batch is re-laid out).
+per KV layer, one ``[B, ...]`` tensor per state; steps append in place, admission and removal
+write one slot (see the class for when the whole batch is re-laid out).
 """
 
 from __future__ import annotations
@@ -52,19 +56,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DummyLayer
 
-from hf_patch import ragged_attention
+from hf_patch import ragged_attention, step_models
 from hf_patch.cache import RadixCache
 from hf_patch.call import key_parts
 from hf_patch.keys.adapters import unkeyable_reason
 from hf_patch.keys.weights import fingerprint, flush_if_weights_changed
-from hf_patch.layer import AppendLayer
-from hf_patch.model_spec import layer_specs
+from hf_patch.layer import AppendLayer, StateAppendLayer, StateLayer
+from hf_patch.model_spec import ModelLayout, layer_specs, model_layout
 from hf_patch.request import KeyParts
-from hf_patch.step_models import unsupported_reason
+from hf_patch.slot_states import SlotStates
 
-__all__ = ["JoinFailed", "RowKeys", "RunningBatch", "packs", "prefill_keys", "unsupported_reason"]
+__all__ = [
+    "JoinFailed", "RowKeys", "RunningBatch", "packs", "prefill_keys", "prefill_tensors", "unsupported_reason",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -124,13 +130,102 @@ class _SlotLayer(AppendLayer):
         return self.keys, self.values
 
 
+class _SlotStateLayer(StateAppendLayer):
+    """A RunningBatch layer keeping both KV and recurrent states (Falcon-H1, Zamba): a column
+    per step, states per slot (never packed: stateful models join through ``admit``)."""
+
+    scatter = None
+
+
+def prefill_tensors(model, cache, mask: torch.Tensor) -> tuple[list, list[torch.Tensor] | None]:
+    """What ``RunningBatch.admit`` takes from a prefill generate() that just ran on ``cache``
+    over rows left-padded as ``mask`` ``[R, T]``: per KV layer (``ModelLayout.kv_layers``, every
+    layer of an attention-only model) its ``(k, v)`` ``[R, H, T, D]``, and for a stateful model
+    one ``[R, ...]`` tensor per state entry (else None).
+
+    A row's state must be the state after its real tokens only. A RadixCache computes every row
+    alone (hf_patch.request), so any padding is fine there; a plain cache (or a call run
+    uncached: hf_patch.keys.adapters.unkeyable_reason) computed padded rows with their pads in
+    the state, as stock's batched prefill does: ValueError then (admit such rows in groups of
+    one length)."""
+    layout = model_layout(model)
+    layers = cache.layers
+    kv = [(layers[i].keys, layers[i].values) for i in layout.kv_layers]
+    if not layout.stateful:
+        return kv, None
+    padded = bool((mask == 0).any())
+    if padded and (not isinstance(cache, RadixCache) or unkeyable_reason(model) is not None):
+        raise ValueError(
+            "prefill_tensors: padded rows of a recurrent model computed together (not through a "
+            "RadixCache): their states include the padding; prefill rows of one length together"
+        )
+    return kv, SlotStates.rows_of(layers, layout)
+
+
+def unsupported_reason(model) -> str | None:
+    """Why ``model`` cannot decode in a RunningBatch, or None (``hf_patch.step_models``' layouts).
+    A model with recurrent state is also probed, once per model and remembered on it (logged
+    when it fails): rows decoding beside others in a step, from states spliced in per slot,
+    must give the logits each row gets decoding alone. That catches a family whose decode
+    reads its cache or mask in a way the batch does not give it."""
+    reason = step_models.unsupported_reason(model)
+    if reason is not None or not model_layout(model).stateful:
+        return reason
+    ok = ragged_attention.probed_once(
+        model, "_radixkv_step_states_ok", _probe_states, logger, "rows decode in generate() calls"
+    )
+    return None if ok else "its decode steps over per-slot recurrent states differ from a row's own (logged)"
+
+
+def _probe_states(model) -> tuple[bool, str | None]:
+    """Two rows (4 and 7 tokens) prefilled alone in stock caches, admitted, decoded two steps
+    together: each step's logits against the row's own stock decode."""
+    from transformers import DynamicCache
+
+    layout = model_layout(model)
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, text.vocab_size, (1, n), generator=g) for n in (4, 7)]
+    fed = torch.randint(3, text.vocab_size, (2, 2), generator=g)  # the tokens the two steps feed
+    device = model.device
+    want, kv, states = [], [], []
+    with torch.no_grad():
+        for r, ids in enumerate(prompts):
+            cache = DynamicCache(config=text)
+            model(input_ids=ids.to(device), use_cache=True, **{layout.cache_arg: cache})
+            k, s = prefill_tensors(model, cache, torch.ones_like(ids))
+            kv.append([(a.clone(), b.clone()) for a, b in k])
+            states.append([t.clone() for t in s])  # (the stock decode below updates them in place)
+            own = []
+            for step in range(2):  # the row alone, on in its stock cache
+                out = model(input_ids=fed[r : r + 1, step : step + 1].to(device), use_cache=True,
+                            **{layout.cache_arg: cache})  # fmt: skip
+                own.append(out.logits[0, -1].float())
+            want.append(own)
+    batch = RunningBatch(model)
+    for r, ids in enumerate(prompts):
+        batch.admit(kv[r], ids, torch.ones_like(ids), [int(fed[r, 0])], states=states[r])
+    for step in range(2):
+        got = batch.step()
+        for r in range(2):
+            diff = (got[r] - want[r][step]).abs().max().item()
+            scale = max(1.0, want[r][step].abs().max().item())
+            tolerance = 1e-3 if got.dtype == torch.float32 and model.dtype == torch.float32 else 5e-2
+            if diff > tolerance * scale:
+                return False, f"row {r}'s logits at step {step} differ by {diff:.3g} from its own decode"
+        if step == 0:
+            batch.set_next([int(fed[0, 1]), int(fed[1, 1])])
+    return True, None
+
+
 def packs(model) -> bool:
     """Whether newcomers may join ``model``'s RunningBatch inside a step (``seat``): the CPU
     ragged kernel applies (hf_patch.ragged_attention.verify), and, probed once per model and
     remembered on it (logged when not), a packed step gives the logits a plain step and a
     separate prefill give (a row joining beside a decoding one)."""
-    if not ragged_attention.verify(model):
-        return False
+    if not ragged_attention.verify(model) or model_layout(model).stateful:
+        return False  # (a recurrent layer cannot run over rows packed as one sequence)
     return ragged_attention.probed_once(
         model,
         "_radixkv_packed_ok",
@@ -191,6 +286,16 @@ class RunningBatch:
         self.pending: list[int] = []
         self._seated: list[int] = []  # slots seated since the last step: committed after it
         self._packed: bool | None = None  # packs(model), asked once
+        self._layout: ModelLayout | None = None
+        # a stateful model's per-slot states and snapshots (hf_patch.slot_states), at the first layout
+        self.states: SlotStates | None = None
+
+    @property
+    def layout(self) -> ModelLayout:
+        """The model's layout (hf_patch.model_spec), read once."""
+        if self._layout is None:
+            self._layout = model_layout(self.model)
+        return self._layout
 
     @property
     def size(self) -> int:
@@ -218,20 +323,31 @@ class RunningBatch:
         mask: torch.Tensor,
         first: Sequence[int],
         keys: RowKeys | None = None,
+        states: Sequence[torch.Tensor] | None = None,
     ) -> list[int]:
-        """Splice in R rows whose prompt KV was just computed: ``kv`` per layer ``(k, v)`` each
-        ``[R, H, T, D]`` (a prefill cache's layers, left-padded as ``mask`` ``[R, T]`` says),
-        ``ids`` ``[R, T]`` their tokens, ``first`` the token sampled for each (not fed yet).
+        """Splice in R rows whose prompt KV was just computed: ``kv`` per KV layer ``(k, v)``
+        each ``[R, H, T, D]`` (a prefill cache's, left-padded as ``mask`` ``[R, T]`` says:
+        ``prefill_tensors``), ``ids`` ``[R, T]`` their tokens, ``first`` the token sampled for
+        each (not fed yet). ``states`` (a stateful model: ``prefill_tensors``' states, one
+        ``[R, ...]`` tensor per state entry, each row's after its real tokens only).
         ``keys``: the prefill's key parts (``prefill_keys``), None: never committed. Returns
         the slot of each new row (free slots first; live slots keep theirs). Copies ``kv``."""
         rows, length = ids.shape
-        if len(kv) != self._num_layers() or len(first) != rows or tuple(mask.shape) != (rows, length):
+        layout = self.layout
+        if len(kv) != len(layout.kv_layers) or len(first) != rows or tuple(mask.shape) != (rows, length):
             raise ValueError(
                 f"admit: {len(kv)} layers, {len(first)} first tokens and mask {list(mask.shape)} "
-                f"for ids {list(ids.shape)} (the model has {self._num_layers()} layers)"
+                f"for ids {list(ids.shape)} (the model has {len(layout.kv_layers)} KV layers)"
             )
         if kv and kv[0][0].shape[2] != length:
             raise ValueError(f"admit: KV of {kv[0][0].shape[2]} columns for {length} tokens")
+        if layout.stateful and (states is None or len(states) != len(layout.state_entries)):
+            raise ValueError(
+                f"admit: {0 if states is None else len(states)} state tensors for a model with "
+                f"{len(layout.state_entries)} (hf_patch.running_batch.prefill_tensors)"
+            )
+        if layout.stateful and any(t.shape[0] != rows for t in states):
+            raise ValueError(f"admit: states of {[t.shape[0] for t in states]} rows for {rows} rows")
         mask = mask.to("cpu", torch.long)
         real = mask.sum(dim=1)
         expected = torch.arange(length).unsqueeze(0) >= (length - real).unsqueeze(1)
@@ -248,10 +364,12 @@ class RunningBatch:
         ids = torch.where(mask.bool(), ids.to("cpu", torch.long), self.pad_id)
         for r, slot in enumerate(slots):
             pad = width - int(real[r])
-            for layer, (k, v) in zip(self.cache.layers, kv):
+            for layer, (k, v) in zip(self._kv_layers(), kv):
                 for buf, src in zip(layer.buffers(), (k, v)):
                     buf[slot, :, :pad] = 0  # padding: finite zeros, masked
                     buf[slot, :, pad:width] = src[r, :, length - int(real[r]) :]
+            if self.states is not None:
+                self.states.admit(self.cache.layers, slot, states, r)
             self.ids[slot] = self.pad_id
             self.ids[slot, width - length :] = ids[r]
             self.mask[slot] = 0
@@ -370,6 +488,8 @@ class RunningBatch:
                 added += self._commit_or_log(i)
             self.live[i], self.last[i], self._keys[i] = False, self.pad_id, None
             self.pending[i] = 0
+            if self.states is not None:
+                self.states.free(i)
             self.mask[i] = 0
             self.ids[i] = self.pad_id
         gone = set(slots)
@@ -404,26 +524,41 @@ class RunningBatch:
             raise ValueError("step: the batch has no rows")
         if any(self.pending):
             return self._packed_step(**model_kwargs)
-        device = self.cache.layers[0].keys.device
+        kv_layers = self._kv_layers()
+        device = kv_layers[0].keys.device if kv_layers else self.model.device
         tokens = torch.tensor(self.last, dtype=torch.long).unsqueeze(1)
         positions = self.mask.sum(dim=1, keepdim=True)  # real tokens before this one
         mask = torch.cat([self.mask, torch.ones_like(tokens)], dim=1)
         width = self.width
         starts = [pad if alive else width for pad, alive in zip(self.pads, self.live)]
+        if self.layout.cache_arg == "cache_params":
+            # the Mamba families: no positions, and a one-token step has no padding to mask
+            inputs = {"cache_params": self.cache}
+        else:
+            inputs = {
+                "attention_mask": mask.to(device),
+                "position_ids": positions.to(device),
+                "past_key_values": self.cache,
+            }
         with torch.no_grad(), ragged_attention.columns(self.model, starts, width + 1) as ragged:
             out = self.model(
                 input_ids=tokens.to(device),
-                attention_mask=mask.to(device),
-                position_ids=positions.to(device),
-                past_key_values=self.cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **inputs,
                 **model_kwargs,
                 **ragged,
             )
         free = torch.tensor([not alive for alive in self.live])
         mask[free, -1] = 0  # a free slot's column stays masked (its fed token was no row's)
         self.ids, self.mask = torch.cat([self.ids, tokens], dim=1), mask
+        if self.states is not None:
+            fed = {
+                i: (self.width - self.pads[i], self.last[i])
+                for i in self.rows
+                if self._keys[i] is not None and self.store is not None
+            }
+            self.states.after_step(self.cache.layers, fed)
         self._commit_seated()
         return out.logits[:, -1, :].to(dtype=torch.float32)
 
@@ -540,22 +675,47 @@ class RunningBatch:
         key = keys.keys.row(row, ids[:end], 0)
         if key.tokens.num_tokens < self.store.block_size:
             return 0
-        layers = self.cache.layers
+        layers = self._kv_layers()
+        snapshots = None
+        if self.states is not None:  # KV is cached up to the deepest snapshot (the prompt's: its prefill's)
+            snapshots = self.states.snapshots(i, end)
+            if not snapshots:
+                return 0
         return self.store.commit(
             key.tokens,
             [layer.keys[i : i + 1, :, pad : pad + end] for layer in layers],
             [layer.values[i : i + 1, :, pad : pad + end] for layer in layers],
             key.namespace,
             epoch=keys.epoch,
+            snapshots=snapshots,
         )
 
     # -- layout -----------------------------------------------------------------------------
-    def _num_layers(self) -> int:
-        if self.cache is not None:
-            return len(self.cache.layers)
-        config = self.model.config
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return config.num_hidden_layers
+    def _kv_layers(self) -> list:
+        """The batch's layers holding KV (``ModelLayout.kv_layers``: all of an attention-only model)."""
+        if not self.layout.stateful:
+            return self.cache.layers
+        return [self.cache.layers[i] for i in self.layout.kv_layers]
+
+    def _new_layers(self) -> list:
+        """One empty layer per model layer: KV (a column per step, or scattered when packed),
+        states, both, or nothing, as the layout says (attention-only: KV everywhere)."""
+        layout = self.layout
+        if not layout.stateful:
+            return [_SlotLayer() for _ in layout.kinds]
+        states: dict[int, int] = {}
+        for layer_idx, _, idx in layout.state_entries:
+            states[layer_idx] = max(states.get(layer_idx, 0), idx + 1)
+        kinds = {"kv": _SlotLayer, "state": StateLayer, "kv+state": _SlotStateLayer}
+        out = []
+        for i, kind in enumerate(layout.kinds):
+            if kind == "none":
+                out.append(DummyLayer())
+            elif kind == "kv":
+                out.append(_SlotLayer())
+            else:
+                out.append(kinds[kind](number_of_states=states[i]))
+        return out
 
     def clear(self) -> None:
         """Drop every row and the KV (nothing committed)."""
@@ -564,6 +724,7 @@ class RunningBatch:
         self.mask = torch.zeros((0, 0), dtype=torch.long)
         self.live, self.pads, self.last, self.prompt_lengths, self._keys = [], [], [], [], []
         self.pending, self._seated = [], []
+        self.states = None
 
     def _relayout(self, keep: list[int], trim: int, width: int, slots: int, like) -> None:
         """New zeroed buffers of ``slots`` x ``width`` (+ headroom) columns; new slot j holds old
@@ -571,11 +732,11 @@ class RunningBatch:
         (k, v) to shape the buffers after when the batch has none yet."""
         old_width = self.width
         shift = width - (old_width - trim)  # new column = old column - trim + shift
-        source = [(layer.keys, layer.values) for layer in self.cache.layers] if self.cache else like
+        source = [(layer.keys, layer.values) for layer in self._kv_layers()] if self.cache else like
         index = torch.tensor(keep, dtype=torch.long)
-        layers = []
-        for k0, v0 in source:
-            layer = _SlotLayer()
+        layers = self._new_layers()
+        kv_layers = layers if not self.layout.stateful else [layers[i] for i in self.layout.kv_layers]
+        for layer, (k0, v0) in zip(kv_layers, source):
             layer.allocate(
                 slots, k0.shape[1], k0.shape[3], v0.shape[3], width + HEADROOM, k0.dtype, k0.device
             )
@@ -584,7 +745,10 @@ class RunningBatch:
                 if keep and self.cache is not None:
                     buf[: len(keep), :, shift:width] = old[index.to(old.device), :, trim:old_width]
             layer.set_length(width)
-            layers.append(layer)
+        if self.layout.stateful:
+            if self.states is None:
+                self.states = SlotStates(self.layout, self.store.block_size if self.store else 1, self.eos)
+            self.states.allocate(layers, slots, self.cache.layers if self.cache else None, keep)
         self.cache = Cache(layers=layers)
         ids = torch.full((slots, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((slots, width), dtype=torch.long)

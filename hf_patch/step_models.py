@@ -1,5 +1,5 @@
-"""Which models a ``RunningBatch`` decodes (``unsupported_reason``): full-attention decoders with
-1-D positions. Its own module because both hf_patch.running_batch (which refuses the others)
+"""Which models a ``RunningBatch`` decodes (``unsupported_reason``): decoders with 1-D positions
+whose layers keep full-attention KV and / or recurrent state. Its own module because both hf_patch.running_batch (which refuses the others)
 and hf_patch.ragged_attention (whose kernel reads the columns such a batch keeps) ask it, and
 the first imports the second.
 """
@@ -12,8 +12,12 @@ __all__ = ["unsupported_reason"]
 
 
 def unsupported_reason(model) -> str | None:
-    """Why ``model`` cannot decode in a RunningBatch, or None: it must be a decoder-only model
-    whose layers are all full attention with 1-D rotary or learned positions."""
+    """Why ``model`` cannot decode in a RunningBatch, or None: a decoder-only model with 1-D
+    rotary or learned positions whose layers keep full-attention KV, recurrent / conv state
+    (``ModelLayout.stateful``: per-slot states, hf_patch.slot_states), both, or nothing. Refused:
+    sliding windows (the batch keeps no window), sparse-indexed (DSA) keys, KV shared between
+    layers (Gemma 3n), compressed caches (DeepSeek-V4), M-RoPE and encoder-decoder models. A
+    stateful model is also probed once (hf_patch.running_batch.unsupported_reason)."""
     config = getattr(model, "config", None)
     if config is None:
         return "the model has no config"
@@ -21,10 +25,13 @@ def unsupported_reason(model) -> str | None:
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder model"
     layer_types = getattr(text, "layer_types", None)
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        return f"layers of types {sorted(set(layer_types))} (only full attention is supported)"
+    windowed = {"sliding_attention", "chunked_attention"}
+    if layer_types and any(t in windowed for t in layer_types):
+        return f"layers of types {sorted(set(layer_types))} (sliding or chunked attention is not supported)"
     if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
         return "a sliding-window attention model"
+    if getattr(text, "num_kv_shared_layers", 0):
+        return "layers that share KV (num_kv_shared_layers: rows decode in generate() calls)"
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     inner = getattr(model, "model", None)
     if (isinstance(rope, dict) and ("mrope_section" in rope or rope.get("rope_type") == "mrope")) or any(
@@ -37,7 +44,10 @@ def unsupported_reason(model) -> str | None:
         layout = model_layout(model)
     except ValueError as e:  # UnsupportedModelError: no RadixCache call would run either
         return str(e)
-    if layout.stateful or layout.index_layers or set(layout.kinds) != {"kv"}:
-        # rows would need their states (or indexer keys, or shared layers) carried per slot
-        return "recurrent, sparse-indexed or shared-KV layers (rows decode in generate() calls)"
+    if layout.index_layers or layout.compressors or layout.padding_dependent:
+        return "sparse-indexed or compressed attention layers (rows decode in generate() calls)"
+    # (an attention-only model: KV in every layer, as before; "none" layers only beside states)
+    allowed = {"kv", "state", "kv+state", "none"} if layout.stateful else {"kv"}
+    if not set(layout.kinds) <= allowed:
+        return f"cache layers of kinds {sorted(set(layout.kinds))} (rows decode in generate() calls)"
     return None

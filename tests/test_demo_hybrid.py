@@ -1,5 +1,5 @@
-"""The demo serving a hybrid (linear-attention + attention) checkpoint: replies equal stock
-generate() of the chat template's prompt, the next turn reads the history from the cache, and
+"""The demo serving a hybrid (linear-attention + attention) checkpoint on its generate() path:
+replies equal stock generate() of the chat template's prompt, the next turn reads the history from the cache, and
 concurrent requests that pause and resume (their rows computed from their snapshots) still equal
 stock."""
 
@@ -49,9 +49,14 @@ def stock(checkpoint):
 
 @pytest.fixture(scope="module")
 def client(checkpoint):
-    # decode_chunk 3: rows of a batch with a waiting request pause after 3 steps and resume later
+    # the generate() path (hybrid models the step loop refuses, adapters; the step loop's own
+    # tests: tests/test_demo_step_states.py); decode_chunk 3: rows of a batch with a waiting
+    # request pause after 3 steps and resume later
     config = Config(model=checkpoint, block_size=4, decode_chunk=3, max_batch_size=2)
-    with serving(create_app(config)) as url:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("demo.engine.engine.step_loop_reason", lambda model, processor=None: "turned off")
+        app = create_app(config)
+    with serving(app) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 

@@ -9,7 +9,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper
 
 import hf_patch
-from hf_patch.running_batch import RunningBatch, prefill_keys, unsupported_reason
+from hf_patch.running_batch import RunningBatch, prefill_keys, prefill_tensors, unsupported_reason
 from tests.hf_models import EOS, PAD, build, left_pad, one_torch_thread, shared, store_for, tokens  # noqa: F401
 
 MODEL = "llama-sdpa"
@@ -66,9 +66,9 @@ def admit(batch: RunningBatch, model, store, rows: list[Row], running: dict, cac
     for i, r in enumerate(rows):
         r.out.append(first[i])
         r.cached = cache.cached_tokens[i] if cache_prompt else 0
-    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    kv, states = prefill_tensors(model, cache, mask)
     keys = prefill_keys(model, cache, len(rows)) if cache_prompt else None
-    slots = batch.admit(kv, ids, mask, first, keys)
+    slots = batch.admit(kv, ids, mask, first, keys, states=states)
     assert sorted(batch.rows) == sorted([*running, *slots])
     running.update(zip(slots, rows))
 

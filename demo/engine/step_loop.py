@@ -92,6 +92,11 @@ class StepLoop:
         pad = runner.config(Params(1, temperature=0.0)).pad_token_id
         self.batch = RunningBatch(runner.model, runner.store, pad, sorted(runner.eos))
         # probe the model for the CPU decode kernel (and compile it) now, not in the first step
+        if self.batch.layout.stateful:
+            log.info(
+                "decoding in a step loop, each row's recurrent state kept in its slot (hf_patch.slot_states); "
+                "newcomers join through prefill calls"
+            )
         if ragged_attention.verify(runner.model):
             log.info("decode steps read each row's own columns (hf_patch.ragged_attention)")
             if self.batch.packed:  # probed now too
@@ -137,7 +142,16 @@ class StepLoop:
         one is, every request runs in generate() calls, mixed adapters through PEFT's
         adapter_names; rows already decoding finish as the base model, `_base`)."""
         adapters = self.runner.adapters
-        return not gen.inputs and gen.params.adapter is None and (adapters is None or len(adapters) == 0)
+        if gen.inputs or gen.params.adapter is not None or (adapters is not None and len(adapters) > 0):
+            return False
+        # a recurrent model's rows prefilled without the store are prefilled together only when
+        # they need no padding (`_admit`): a request whose rows differ in length runs elsewhere
+        return not self._plain_stateful(gen) or len({len(gen.contexts[r]) for r in gen.open_rows}) <= 1
+
+    def _plain_stateful(self, gen: Generation) -> bool:
+        """Whether ``gen``'s prefill runs without a RadixCache on a model with recurrent state:
+        then its padded rows would carry their pads in their states (stock's batched prefill)."""
+        return self.batch.layout.stateful and (self.runner.store is None or not gen.params.cache_prompt)
 
     def _base(self):
         """The model computing as the base while LoRA adapters are loaded (a no-op otherwise)."""
@@ -278,14 +292,21 @@ class StepLoop:
         raises, `serve` answers ``gens`` with the error too (`admitting`)."""
         self.admitting = list(gens)
         for group in _by_cache_prompt(gens):
-            self._admit_group(group)
+            if self._plain_stateful(group[0]):  # rows of one length together: no padding
+                lengths: dict[int, list[Generation]] = {}
+                for g in group:
+                    lengths.setdefault(len(g.contexts[g.open_rows[0]]), []).append(g)
+                for same in lengths.values():
+                    self._admit_group(same)
+            else:
+                self._admit_group(group)
         self.admitting = []
         self.scheduler.set_running(self._gens())
 
     def _admit_group(self, gens: list[Generation]) -> None:
         from transformers import DynamicCache
 
-        from hf_patch.running_batch import prefill_keys
+        from hf_patch.running_batch import prefill_keys, prefill_tensors
 
         runner = self.runner
         # a row's context: its prompt, plus what it generated before on the generate() path (a
@@ -303,6 +324,12 @@ class StepLoop:
 
         sampler = RowSampler(prefill_rows, lambda i: i in failed, fail)
         cache = runner.cache(gens, [g for g, _ in rows])
+        layout = self.batch.layout
+        arg = "past_key_values"  # (hf_patch hands a RadixCache to a Mamba model as cache_params)
+        if cache is None and layout.stateful:  # the layers stock builds for it
+            model_config = runner.model.config
+            cache = DynamicCache(config=model_config.get_text_config(decoder=True))
+            arg = layout.cache_arg
         cache = cache if cache is not None else DynamicCache()
         device = runner.model.device
         try:
@@ -310,9 +337,9 @@ class StepLoop:
                 [g for g, _ in rows],
                 ids.to(device),
                 attention_mask=mask.to(device),
-                past_key_values=cache,
                 generation_config=config,
                 logits_processor=[sampler],
+                **{arg: cache},
             )
         except Exception as e:  # the newcomers get the error; the running rows go on
             log.exception("admission prefill failed")
@@ -325,10 +352,10 @@ class StepLoop:
         for i, (g, _) in enumerate(rows):
             if g.cached is None:  # a sliced prompt counted its store reads in its first slice
                 g.cached = cached[i] if i < len(cached) else 0
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        kv, states = prefill_tensors(runner.model, cache, mask)
         with self._base():  # keyed as the base model computed it
             keys = prefill_keys(runner.model, cache, len(rows))
-        new = self.batch.admit(kv, ids, mask, first.tolist(), keys)
+        new = self.batch.admit(kv, ids, mask, first.tolist(), keys, states=states)
         self._occupy(new, rows)
         self._emit(new, first.tolist(), logprobs)
         self._end(new, first.tolist())
