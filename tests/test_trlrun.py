@@ -1,8 +1,20 @@
-"""trlrun.RadixRollouts in real TRL runs: GRPO and RLOO on a tiny random model, single turn, with
-a tool, with an environment, with LoRA. Each run with the callback is compared with the same run
-without it (same seeds): every rollout's completion ids, the logged losses and the final weights
-are equal, so every rollout after an optimizer step was generated from the new weights (a stale
-prefix would change the sampled tokens and everything after). fp32, CPU.
+"""trlrun.RadixRollouts in real TRL runs: GRPO and RLOO of 3 steps on a tiny random model (built
+from a config and saved with its tokenizer to a local directory, which the runs load), rewards
+from a function, single turn, with a tool, with a two-turn environment, with LoRA (peft). fp32,
+CPU. Each run with the callback is compared with
+
+- the same run without it (same seeds): every rollout's completion ids, the logged losses,
+  gradient norms, entropies and rewards, and the final weights are equal (TRL's generate() path
+  computes no rollout logprobs; the losses are computed from the training forward's);
+- each of its generate() calls replayed on a fresh model loaded from the directory and given the
+  weights the trainer's model had at that call (LoRA's included): a stock forward over the
+  sequences it generated gives its logits (within 1e-4, fp32 rounding; not the sampled tokens
+  again, which a rounding difference at a near-tie can flip). Every step's weights differ from
+  the last step's, and under the previous step's weights the logits are far off: a stale prefix
+  would be caught.
+
+and its ``cached_tokens`` show the reuse expected: each prompt's G rows compute it once, and a
+later turn reads the turns before it.
 """
 
 from __future__ import annotations
@@ -16,8 +28,11 @@ import torch
 
 trl = pytest.importorskip("trl")  # the trl extra (setup.cfg); the dev extra has it
 from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 
+from hf_patch.keys import model_walk  # noqa: E402
+from hf_patch.keys.adapters import unwrap_peft  # noqa: E402
 from tests.hf_models import one_torch_thread  # noqa: E402, F401  (autouse)
 from tests.trl_models import Pinger, ping, tiny_llama, tool_bias, tool_tokenizer  # noqa: E402
 from trlrun import RadixRollouts, budget  # noqa: E402
@@ -47,10 +62,91 @@ def _data(n: int = 8) -> Dataset:
     )
 
 
-def _train(radix: RadixRollouts | None, *, trainer="grpo", completion=16, watch=None, **kwargs):
-    """One TRL run of STEPS steps; returns (every rollout's completion ids, logged values, the
-    trained model's state dict, the trainer)."""
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama and its tokenizer, saved where every run loads them from."""
+    path = tmp_path_factory.mktemp("tiny-tool-llama")
     tok = tool_tokenizer()
+    tiny_llama(tok).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+class Recorder:
+    """Wraps the generating model's own ``generate`` (below RadixRollouts' wrapper, which takes it
+    as the generate it calls): each call's inputs, weights, sequences and per-step logits (asked
+    for with ``output_logits``; TRL is handed the sequences, as it asked)."""
+
+    def __init__(self, model):
+        self.model, self.original, self.calls = model, model.generate, []
+        self.step = lambda: None  # the trainer's step counter, once there is a trainer
+        model.generate = self
+
+    def __call__(self, *args, **kwargs):
+        assert not args
+        weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        out = self.original(**kwargs, output_logits=True, return_dict_in_generate=True)
+        self.calls.append(
+            {
+                "mask": kwargs["attention_mask"],
+                "sequences": out.sequences,
+                "logits": torch.stack(out.logits, 1),  # (rows, new tokens, vocab)
+                "weights": weights,
+                "step": self.step(),
+            }
+        )
+        return out.sequences
+
+
+def _replay(model_dir, record, weights, peft_config) -> float:
+    """The largest difference between ``record``'s generate() logits and a stock forward, over
+    the sequences it generated, of a fresh model loaded from ``model_dir`` and given ``weights``."""
+    from peft import get_peft_model
+
+    fresh = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if peft_config is not None:
+        fresh = unwrap_peft(get_peft_model(fresh, copy.deepcopy(peft_config)))
+    fresh.load_state_dict(weights, strict=True)
+    seq, logits = record["sequences"], record["logits"]
+    prompt, new = record["mask"].shape[1], logits.shape[1]
+    mask = torch.cat([record["mask"], torch.ones(seq.shape[0], seq.shape[1] - prompt, dtype=torch.long)], 1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # generate()'s, under left padding
+    with torch.no_grad():
+        forward = fresh(input_ids=seq, attention_mask=mask, position_ids=positions).logits
+    return (forward[:, prompt - 1 : prompt - 1 + new] - logits).abs().max().item()
+
+
+def _assert_replays(model_dir, recorder: Recorder, peft_config=None) -> None:
+    """Every call generated from the weights the model had then: its logits equal a fresh model's
+    given those weights (fp32 rounding apart); each step's weights differ from the previous
+    step's, and under the previous step's weights the logits are far off (a stale prefix or stale
+    weights would be caught)."""
+    calls = recorder.calls
+    for i, record in enumerate(calls):
+        assert _replay(model_dir, record, record["weights"], peft_config) < 1e-4, i
+    steps = [c for i, c in enumerate(calls) if i == 0 or c["step"] != calls[i - 1]["step"]]
+    assert [c["step"] for c in steps] == list(range(STEPS))
+    for before, after in zip(steps, steps[1:]):
+        changed = [k for k, v in after["weights"].items() if not torch.equal(v, before["weights"][k])]
+        assert changed, "the optimizer step changed no weight"
+        if peft_config is not None:
+            assert all("lora_" in k for k in changed), changed  # LoRA trains the adapter only
+        assert _replay(model_dir, after, before["weights"], peft_config) > 1e-3
+
+
+def _train(
+    radix: RadixRollouts | None,
+    model_dir,
+    *,
+    trainer="grpo",
+    completion=16,
+    watch=None,
+    record=False,
+    **kwargs,
+):
+    """One TRL run of STEPS steps; returns (every rollout's completion ids, logged values, the
+    trained model's state dict, the trainer, the Recorder or None)."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
     rollouts: list = []
 
     def reward(completions, completion_ids, **_):
@@ -72,6 +168,7 @@ def _train(radix: RadixRollouts | None, *, trainer="grpo", completion=16, watch=
         dataloader_num_workers=0,
         disable_tqdm=True,
         beta=0.0,
+        bf16=False,  # TRL's configs default to bf16 (CPU autocast in the rollouts too): fp32 here
     )
     tools = kwargs.pop("tools", None)
     env = kwargs.pop("environment_factory", None)
@@ -82,8 +179,10 @@ def _train(radix: RadixRollouts | None, *, trainer="grpo", completion=16, watch=
     extra = {"tools": tools} if tools else {}
     if env:
         extra["environment_factory"] = env
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    recorder = Recorder(model) if record else None
     built = trainer_cls(
-        model=tiny_llama(tok),
+        model=model,
         reward_funcs=reward,
         args=config_cls(**options),
         train_dataset=_data(),
@@ -94,10 +193,12 @@ def _train(radix: RadixRollouts | None, *, trainer="grpo", completion=16, watch=
     )
     if watch is not None:
         built.model.register_forward_pre_hook(watch)
+    if recorder is not None:
+        recorder.step = lambda: built.state.global_step
     built.train()
     logged = [{k: e[k] for k in LOGGED if k in e} for e in built.state.log_history if "loss" in e]
     state = {k: v.detach().clone() for k, v in built.model.state_dict().items()}
-    return rollouts, logged, state, built
+    return rollouts, logged, state, built, recorder
 
 
 def _assert_same_run(stock, radix) -> None:
@@ -119,7 +220,29 @@ def _prompt_lengths(tok, n: int, tools=None) -> list[int]:
     ]
 
 
-def test_grpo_single_turn_equals_stock_and_frees_the_pool_before_training():
+def _count_walks(monkeypatch) -> list:
+    """Every model walk built from now on (hf_patch.keys.model_walk: a call on a model whose
+    structure is unchanged builds none)."""
+    built: list = []
+    build = model_walk._build
+
+    def counting(model):
+        built.append(type(model).__name__)
+        return build(model)
+
+    monkeypatch.setattr(model_walk, "_build", counting)
+    return built
+
+
+def _assert_later_turns_read_earlier_ones(radix: RadixRollouts, share: float) -> None:
+    calls = list(radix.calls)
+    later = [c for i, c in enumerate(calls) if i and c["round"] == calls[i - 1]["round"]]
+    assert later, "no rollout called the tool"
+    for call in later:  # prompt + completion so far were committed by the turn before
+        assert call["cached_tokens"] >= share * call["prompt_tokens"], call
+
+
+def test_grpo_single_turn_equals_stock_and_frees_the_pool_before_training(model_dir, monkeypatch):
     seen: list = []  # at every forward the trainer makes itself: was the pool released?
     radix = RadixRollouts()
 
@@ -127,9 +250,11 @@ def test_grpo_single_turn_equals_stock_and_frees_the_pool_before_training():
         if not radix.generating:
             seen.append(radix.store is None)
 
-    stock = _train(None)
-    ours = _train(radix, watch=watch)
+    stock = _train(None, model_dir)
+    walks = _count_walks(monkeypatch)
+    ours = _train(radix, model_dir, watch=watch, record=True)
     _assert_same_run(stock, ours)
+    _assert_replays(model_dir, ours[4])
     stats = radix.stats
     assert stats["rounds"] == stats["calls"] == stats["releases"] == STEPS
     assert seen and all(seen), "a training forward ran while the rollout pool was allocated"
@@ -139,44 +264,45 @@ def test_grpo_single_turn_equals_stock_and_frees_the_pool_before_training():
     assert stats["cached_tokens"] >= floor > 0
     assert stats["rows"] == 2 * G * STEPS and stats["prompt_tokens"] == G * sum(lengths)
     assert radix.store is None  # released at the end of training too
+    # The weights check read a kept walk: training steps change no module structure.
+    assert walks == ["LlamaForCausalLM"], walks
 
 
-def test_rloo_with_a_kept_pool_flushes_each_steps_stale_kv():
+def test_rloo_with_a_kept_pool_flushes_each_steps_stale_kv(model_dir):
     """release=False: the pool outlives the rounds; each round finds the weights changed by the
     optimizer step and flushes what the old weights computed before reading anything."""
     radix = RadixRollouts(release=False)
-    stock = _train(None, trainer="rloo")
-    ours = _train(radix, trainer="rloo")
+    stock = _train(None, model_dir, trainer="rloo")
+    ours = _train(radix, model_dir, trainer="rloo", record=True)
     _assert_same_run(stock, ours)
+    _assert_replays(model_dir, ours[4])
     assert radix.store is None  # on_train_end releases even a kept pool
     assert radix.stats["rounds"] == STEPS and radix.stats["releases"] == 1
     assert radix.stats["leftover_blocks"] == 0
     assert radix.stats["cached_tokens"] > 0
 
 
-def test_grpo_with_a_tool_equals_stock_and_reads_each_turns_history():
+def test_grpo_with_a_tool_equals_stock_and_reads_each_turns_history(model_dir):
     radix = RadixRollouts()
-    stock = _train(None, tools=[ping], completion=48)
-    ours = _train(radix, tools=[ping], completion=48)
+    stock = _train(None, model_dir, tools=[ping], completion=48)
+    ours = _train(radix, model_dir, tools=[ping], completion=48, record=True)
     _assert_same_run(stock, ours)
-    calls = list(radix.calls)
-    assert len(calls) > STEPS, "no rollout called the tool"
-    later = [c for i, c in enumerate(calls) if i and c["round"] == calls[i - 1]["round"]]
-    assert later
-    for call in later:  # prompt + completion so far were committed by the turn before
-        assert call["cached_tokens"] >= 0.7 * call["prompt_tokens"], call
-
-
-def test_grpo_with_an_environment_equals_stock():
-    radix = RadixRollouts()
-    stock = _train(None, environment_factory=Pinger, completion=48)
-    ours = _train(radix, environment_factory=Pinger, completion=48)
-    _assert_same_run(stock, ours)
+    _assert_replays(model_dir, ours[4])
     assert radix.stats["calls"] > STEPS
-    assert radix.stats["cached_tokens"] >= 0.5 * radix.stats["prompt_tokens"]
+    _assert_later_turns_read_earlier_ones(radix, 0.7)
 
 
-def test_grpo_lora_equals_stock_and_drops_each_trained_adapters_kv():
+def test_grpo_with_an_environment_equals_stock_and_reads_each_turns_history(model_dir):
+    radix = RadixRollouts()
+    stock = _train(None, model_dir, environment_factory=Pinger, completion=48)
+    ours = _train(radix, model_dir, environment_factory=Pinger, completion=48, record=True)
+    _assert_same_run(stock, ours)
+    _assert_replays(model_dir, ours[4])
+    assert radix.stats["calls"] > STEPS
+    _assert_later_turns_read_earlier_ones(radix, 0.7)
+
+
+def test_grpo_lora_with_a_tool_equals_stock_and_drops_each_trained_adapters_kv(model_dir):
     """PEFT: the optimizer trains the adapter only; every step changes its digest, so the next
     round misses the last one's prefixes, and a kept pool drops them at the round's start."""
     from peft import LoraConfig
@@ -185,12 +311,14 @@ def test_grpo_lora_equals_stock_and_drops_each_trained_adapters_kv():
         return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
     radix = RadixRollouts(release=False)
-    stock = _train(None, peft_config=lora())
-    ours = _train(radix, peft_config=lora())
+    stock = _train(None, model_dir, peft_config=lora(), tools=[ping], completion=48)
+    ours = _train(radix, model_dir, peft_config=lora(), tools=[ping], completion=48, record=True)
     _assert_same_run(stock, ours)
+    _assert_replays(model_dir, ours[4], lora())
     assert radix.stats["rounds"] == STEPS
     assert radix.stats["leftover_blocks"] == 0
     assert radix.stats["cached_tokens"] > 0
+    _assert_later_turns_read_earlier_ones(radix, 0.7)
 
 
 # -- memory and attaching, without a trainer ----------------------------------------------------
