@@ -117,6 +117,9 @@ class RadixRollouts(TrainerCallback):
             self.attach(model)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        for option in ("use_vllm", "use_transformers_continuous_batching"):
+            if getattr(args, option, False):
+                logger.warning("RadixRollouts: %s=True, so the rollouts do not go through generate()", option)
         if model is not None:
             self.attach(model)
 
