@@ -58,8 +58,9 @@ def tool_bias(tok, start: float = 3.0) -> dict[tuple[int, ...], float]:
     }
 
 
-def tiny_llama(tok, *, seed: int = 0, hidden: int = 32, layers: int = 2):
-    """A seeded random Llama over ``tok``'s vocabulary (fp32, CPU)."""
+def tiny_llama(tok, *, seed: int = 0, hidden: int = 32, layers: int = 2, heads: int = 2, kv_heads: int = 1):
+    """A seeded random Llama over ``tok``'s vocabulary (fp32, CPU; benchmarks/bench_rl.py builds
+    a wider one)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -67,8 +68,8 @@ def tiny_llama(tok, *, seed: int = 0, hidden: int = 32, layers: int = 2):
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
