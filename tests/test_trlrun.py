@@ -397,3 +397,18 @@ def test_attach_wraps_only_uncached_calls_and_detach_restores_generate():
     radix.detach()
     assert "generate" not in vars(model) and radix.store is None
     assert torch.equal(_generate(model, tok), reference)
+
+
+def test_the_tested_trl_release_is_the_extras_and_the_installed_one():
+    import configparser
+    from pathlib import Path
+
+    from trlrun.rollouts import TESTED_TRL, check_trl
+
+    low, high = TESTED_TRL
+    config = configparser.ConfigParser()
+    config.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    extras = config["options.extras_require"]
+    for extra in ("trl", "dev"):
+        assert f"trl>={low},<{high}" in extras[extra].split(), extra
+    assert check_trl() == trl.__version__ and trl.__version__.startswith(f"{low}.")

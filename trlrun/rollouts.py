@@ -49,6 +49,28 @@ from trlrun.budget import DEFAULT_MAX_TOKENS, pool_bytes
 logger = logging.getLogger(__name__)
 
 _MARK = "_radixkv_rollouts"
+# The trl releases the callback is tested with, [from, to): setup.cfg's trl extra and
+# tests/test_trlrun.py hold the same range. How TRL calls generate() moves between releases.
+TESTED_TRL = ("1.16", "1.17")
+
+
+def check_trl() -> str | None:
+    """The installed trl's version (None without trl); a warning when it is outside TESTED_TRL."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("trl")
+    except PackageNotFoundError:
+        return None
+    from hf_patch.patch import _in_range
+
+    low, high = TESTED_TRL
+    if not _in_range(found, low, high):
+        logger.warning(
+            "trl %s is outside the range RadixRollouts is tested with (>=%s,<%s): pip install 'trl>=%s,<%s'",
+            found, low, high, low, high,
+        )  # fmt: skip
+    return found
 
 
 class RadixRollouts(TrainerCallback):
@@ -113,6 +135,7 @@ class RadixRollouts(TrainerCallback):
 
     # -- TrainerCallback events ------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, **kwargs):
+        check_trl()
         if model is not None:
             self.attach(model)
 
