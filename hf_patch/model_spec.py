@@ -27,6 +27,7 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
+from hf_patch.keys.model_walk import DATA_PTR, walk
 from radixkv import KVStore, LayerSpec, StateSpec
 
 logger = logging.getLogger(__name__)
@@ -239,8 +240,17 @@ def cache_arg(model) -> str:
 
 
 def _placement(model) -> tuple:
-    """The (dtype, device) pairs of the model's parameters: what ``.to()``/``.half()`` change."""
-    return tuple(sorted({(str(p.dtype), str(p.device)) for p in model.parameters()}))
+    """The (dtype, device) pairs of the model's parameters: what ``.to()``/``.half()`` change.
+    Memoised on the model's walk while no parameter's address changed (``.to()`` gives every
+    converted parameter new storage): one read per parameter, no ``str`` of each."""
+    w = walk(model)
+    addresses = tuple(map(DATA_PTR, w.params))
+    memo = w.memo.get("placement")
+    if memo is not None and memo[0] == addresses:
+        return memo[1]
+    placement = tuple(sorted({(str(p.dtype), str(p.device)) for p in w.params}))
+    w.memo["placement"] = (addresses, placement)
+    return placement
 
 
 class _ProbeCache(DynamicCache):
@@ -265,8 +275,8 @@ def model_layout(model) -> ModelLayout:
     A probe is exact for every family (GQA, explicit head_dim, K/V dims that differ, layers
     dispatched to several devices, conv kernels and state sizes) where reading config fields
     would need a case per family. Memoised per model and per parameter placement, so a model
-    moved to another dtype or device after its first call is probed again (one pass over the
-    parameters per call).
+    moved to another dtype or device after its first call is probed again (one read of each
+    parameter's address per call).
     """
     placement = _placement(model)
     with _lock:

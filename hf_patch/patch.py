@@ -37,6 +37,7 @@ from hf_patch.call import key_parts, open_request, sharing
 from hf_patch.keys import image_features
 from hf_patch.keys.encoder_outputs import feed_features, remember_features
 from hf_patch.keys.inputs import unkeyed_inputs
+from hf_patch.keys.model_walk import watch_structure
 from hf_patch.keys.multimodal import UnkeyableImages, drop_pixels, has_images, image_keys, keyed_inputs
 from hf_patch.keys.weights import watch_fused_optimizers
 from hf_patch.model_spec import cache_arg
@@ -304,6 +305,7 @@ def install() -> None:
     ImportError when this transformers lacks what they hook (``check_transformers``)."""
     check_transformers(transformers.__version__)
     watch_fused_optimizers()
+    watch_structure()
     with _install_lock:
         if not getattr(GenerationMixin.generate, _MARK, False):
             GenerationMixin.generate = _wrap_generate(GenerationMixin.generate)

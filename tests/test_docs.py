@@ -53,7 +53,7 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-CODE_DIRS = ("radixkv", "hf_patch", "cuda_ext", "demo", "batchrun", "evalrun", "scripts")
+CODE_DIRS = ("radixkv", "hf_patch", "cuda_ext", "demo", "batchrun", "evalrun", "trlrun", "scripts")
 
 
 def _code() -> dict[Path, str]:

@@ -10,7 +10,8 @@ transformers model itself; generate() runs on that model, so the wrapper sees th
 - each adapter's **weights digest**: sha256 over its parameters' bytes and its plain settings
   (rank, alpha, scaling, dora...), layer by layer. An adapter deleted and re-created under the
   same name with other weights gets another digest. Digests are cached per parameter object and
-  autograd version, so a call costs a walk over the tuner layers, not a pass over the weights.
+  autograd version, and per adapter on the model's walk (hf_patch.keys.model_walk) until one of its
+  tensors (version, address) or settings changes: a call reads flat lists, walks no modules.
 
 Merging (``merge_adapter``) writes the adapter into the base weights through ``.data``, which no
 version counter sees: the merged adapter lists are part of the weights fingerprint
@@ -26,37 +27,22 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import sys
+import operator
 import threading
 import weakref
 
 import torch
 
+from hf_patch.keys.model_walk import Walk, tensor_state, walk
+from hf_patch.keys.peft_layers import (  # noqa: F401  (re-exported: their home before peft_layers)
+    _base_part,
+    _tuner_type,
+    adapter_tensors,
+    is_adapter_holder,
+    is_tuner_layer,
+)
+
 BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
-
-
-@functools.cache
-def _peft_types() -> tuple[type | None, type | None]:
-    """(BaseTunerLayer, AuxiliaryTrainingWrapper) of peft, imported once, the first time a model is
-    asked about while peft is loaded. Before that no module can be one of them (a tuner layer is
-    made by peft), so hf_patch does not import peft (6 s of a subprocess's start here)."""
-    try:  # peft is optional: without it no model has tuner layers
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # pragma: no cover - exercised only where peft is absent
-        BaseTunerLayer = None
-    try:  # modules_to_save / trainable tokens: per-adapter copies beside the tuner layers
-        from peft.utils.other import AuxiliaryTrainingWrapper
-    except ImportError:  # pragma: no cover - peft absent, or older than these wrappers
-        AuxiliaryTrainingWrapper = None
-    return BaseTunerLayer, AuxiliaryTrainingWrapper
-
-
-def _tuner_type():
-    return _peft_types()[0] if "peft" in sys.modules else None
-
-
-def _wrapper_type():
-    return _peft_types()[1] if "peft" in sys.modules else None
 
 
 _PLAIN = (int, float, str, bool, type(None))
@@ -68,47 +54,16 @@ _lock = threading.Lock()
 
 def tuner_layers(model) -> list[tuple[str, torch.nn.Module]]:
     """``(qualified name, layer)`` of every PEFT tuner layer in ``model``, in module order."""
-    tuner = _tuner_type()
-    if tuner is None:
+    if _tuner_type() is None:
         return []
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, tuner)]
-
-
-def _base_part(layer: torch.nn.Module) -> str:
-    """The attribute under which a wrapping layer keeps the model's own module."""
-    return (
-        "original_module"
-        if (wrapper := _wrapper_type()) is not None and isinstance(layer, wrapper)
-        else "base_layer"
-    )
-
-
-def is_tuner_layer(module: torch.nn.Module) -> bool:
-    tuner = _tuner_type()
-    return tuner is not None and isinstance(module, tuner)
-
-
-def is_adapter_holder(module: torch.nn.Module) -> bool:
-    """A tuner layer or one of PEFT's auxiliary wrappers (``modules_to_save`` copies, trainable
-    tokens): a module holding adapter weights beside the model's own module."""
-    wrapper = _wrapper_type()
-    return is_tuner_layer(module) or (wrapper is not None and isinstance(module, wrapper))
+    return list(walk(model).tuners)
 
 
 def adapter_holders(model) -> list[tuple[str, torch.nn.Module]]:
     """Every adapter holder (``is_adapter_holder``) in ``model``, in module order."""
     if _tuner_type() is None:
         return []
-    return [(name, m) for name, m in model.named_modules() if is_adapter_holder(m)]
-
-
-def adapter_tensors(layer: torch.nn.Module):
-    """``(name, tensor)`` of a tuner layer's or wrapper's own adapter parameters and buffers (not
-    those of the model's module it wraps)."""
-    own = _base_part(layer)
-    for tname, t in (*layer.named_parameters(), *layer.named_buffers()):
-        if tname.split(".")[0] != own:
-            yield tname, t
+    return list(walk(model).holders)
 
 
 def base_named_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
@@ -149,8 +104,8 @@ def adapter_names(model) -> list[str]:
 def adapter_digests(model) -> dict[str, str]:
     """``{adapter name: weights digest}`` for every adapter ``model`` holds now (the digests its
     rows are keyed by)."""
-    holders = adapter_holders(model)
-    return {name: _adapter_digest(holders, name) for name in adapter_names(model)}
+    w = walk(model)
+    return {name: adapter_digest(w, name) for name in adapter_names(model)}
 
 
 def unwrap_peft(model):
@@ -204,6 +159,44 @@ def _adapter_digest(layers: list[tuple[str, torch.nn.Module]], adapter: str) -> 
     return h.hexdigest()[:32]
 
 
+def adapter_digest(w: Walk, adapter: str) -> str:
+    """``_adapter_digest(w.holders, adapter)``, memoised on the walk while the adapter's tensors
+    (versions, addresses) and settings (the same dict objects holding the same value objects, no
+    attribute added to a holder) are unchanged. O(its tensors + settings), C-level loops."""
+    slots = w.memo.get(("settings", adapter))
+    if slots is None:
+        found = [
+            (vars(layer), attr, value)
+            for _, layer in w.holders
+            for attr, value in sorted(vars(layer).items())
+            if isinstance(value, dict) and adapter in value
+        ]
+        lens = tuple(len(vars(layer)) for _, layer in w.holders)
+        slots = w.memo[("settings", adapter)] = (
+            (*(tuple(col) for col in zip(*found)), lens) if found else ((), (), (), lens)
+        )
+    owners, attrs, dicts, lens = slots
+    if tuple(len(vars(layer)) for _, layer in w.holders) != lens or not all(
+        map(operator.is_, map(dict.get, owners, attrs), dicts)
+    ):
+        del w.memo[("settings", adapter)]  # an attribute added or replaced: find the settings again
+        w.memo.pop(("digest", adapter), None)
+        return adapter_digest(w, adapter)
+    try:
+        values = tuple(map(operator.itemgetter(adapter), dicts))
+    except KeyError:  # a setting of the adapter removed
+        del w.memo[("settings", adapter)]
+        w.memo.pop(("digest", adapter), None)
+        return adapter_digest(w, adapter)
+    tensors = tensor_state(w.adapter_tensors.get(adapter, ()))
+    cached = w.memo.get(("digest", adapter))
+    if cached is not None and cached[0] == tensors and all(map(operator.is_, cached[1], values)):
+        return cached[2]
+    digest = _adapter_digest(w.holders, adapter)
+    w.memo[("digest", adapter)] = (tensors, values, digest)
+    return digest
+
+
 def _hook_adapter_names(layers) -> list[str] | None:
     """The ``adapter_names`` PEFT's generate handed its tuner layers through a pre-hook, or None."""
     for _, layer in layers:
@@ -237,13 +230,15 @@ def row_adapters(model, num_rows: int, rows_per_prompt: int = 1) -> list[tuple]:
 
     Raises ValueError when ``adapter_names`` has neither one entry per row nor per prompt.
     """
-    layers = tuner_layers(model)
+    if _tuner_type() is None:
+        return [()] * num_rows
+    w = walk(model)
+    layers = w.tuners
     if not layers:
         return [()] * num_rows
     if any(layer.disable_adapters for _, layer in layers):
         return [()] * num_rows
     digests: dict[str, str] = {}
-    holders = adapter_holders(model)
 
     def key(names) -> tuple:
         names = [n for n in names if n != BASE]
@@ -251,7 +246,7 @@ def row_adapters(model, num_rows: int, rows_per_prompt: int = 1) -> list[tuple]:
             return ()
         for n in names:
             if n not in digests:
-                digests[n] = _adapter_digest(holders, n)
+                digests[n] = adapter_digest(w, n)
         return ("adapter", *(part for n in names for part in (n, digests[n])))
 
     per_row = _hook_adapter_names(layers)

@@ -12,8 +12,11 @@ its last call on a store flushes that store. Fused optimizer kernels (``AdamW(fu
 the Trainer's ``adamw_torch_fused``) write parameters without bumping their version: a global
 optimizer post-step hook bumps it for them (``watch_fused_optimizers``). Writes through
 ``param.data`` bypass the version counter and are NOT seen: call ``store.flush()`` after such
-surgery. Cost: one pass over the parameter list (microseconds for hundreds of tensors), no
-device sync.
+surgery. Cost: the versions and addresses of the parameter list, read off a walk of the model
+kept until its structure changes (hf_patch.keys.model_walk): tens of microseconds for hundreds of
+tensors, no device sync. No cheaper signal is complete: an in-place write under ``no_grad``
+(``copy_``, ``add_``) is seen only by that tensor's own version counter, so every parameter's is
+read on every call.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from hf_patch.keys.adapters import adapter_digests, adapter_tensors, is_adapter_holder, is_tuner_layer
+from hf_patch.keys.adapters import adapter_digests
+from hf_patch.keys.model_walk import tensor_state, walk
 from radixkv import KeyedNamespace, KVStore
 
 logger = logging.getLogger(__name__)
@@ -53,22 +57,13 @@ def fingerprint(model) -> int:
     adapter's KV is keyed by its own weights digest (hf_patch.keys.adapters), so loading, deleting or
     training an adapter changes that adapter's key, not every prefix's.
 
-    One walk over the module tree (it runs on every generate() call, twice: the walks of
-    ``model.parameters()``, the adapter holders and the tuner layers were three); parameters in
-    ``model.parameters()``'s order, each once."""
-    modules = list(model.modules())
-    holders = [m for m in modules if is_adapter_holder(m)]
-    adapter = {id(p) for layer in holders for _, p in adapter_tensors(layer)}
-    merged = tuple(tuple(m.merged_adapters) for m in holders if is_tuner_layer(m) and m.merged_adapters)
-    seen: set[int] = set()
-    versions = []
-    for module in modules:
-        for p in module._parameters.values():
-            if p is None or id(p) in seen or id(p) in adapter:
-                continue
-            seen.add(id(p))
-            versions.append((p.data_ptr(), p._version))
-    return hash((tuple(versions), merged))
+    Reads the model's walk (hf_patch.keys.model_walk: rebuilt only when the module structure
+    changed), then every base parameter's version and address: no walk over the modules.
+    Measured on a 24-layer model on this project's 2-core machine: ~50 us for 219 parameters,
+    ~100 us with LoRA on every linear layer (the walk each call took 1.2 ms / 13 ms)."""
+    w = walk(model)
+    merged = tuple(tuple(m.merged_adapters) for _, m in w.tuners if m.merged_adapters)
+    return hash((tensor_state(w.base), merged))
 
 
 def flush_if_weights_changed(store: KVStore, model, current: int | None = None) -> bool:
