@@ -363,7 +363,9 @@ class Request:
         hints = self.cache.snapshot_at
         if hints and isinstance(hints[0], list):
             prompts = len(hints)
-            hints = hints[i // self.rows_per_prompt] if len(self.pads) == prompts * self.rows_per_prompt else []
+            hints = (
+                hints[i // self.rows_per_prompt] if len(self.pads) == prompts * self.rows_per_prompt else []
+            )
         for h in hints or ():
             h -= h % grain
             # (a model stepping a token at a time after a snapshot pays every cut past the first)

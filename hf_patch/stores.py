@@ -178,7 +178,9 @@ def build_store(
         )
     store = KVStore(pool, host, remote=remote, states=states, host_states=host_states)
     if layout.stateful:
-        interval = snapshot_interval or _env_int("RADIXKV_SNAPSHOT_INTERVAL") or default_snapshot_interval(layout)
+        interval = (
+            snapshot_interval or _env_int("RADIXKV_SNAPSHOT_INTERVAL") or default_snapshot_interval(layout)
+        )
         store.snapshot_interval = -(-interval // block_size) * block_size
         if states.num_slots < MIN_SNAPSHOTS:
             logger.warning(
