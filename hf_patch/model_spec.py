@@ -27,7 +27,7 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from hf_patch.keys.model_walk import DATA_PTR, walk
+from hf_patch.keys.model_walk import DATA_PTR, DTYPE, walk
 from radixkv import KVStore, LayerSpec, StateSpec
 
 logger = logging.getLogger(__name__)
@@ -241,10 +241,11 @@ def cache_arg(model) -> str:
 
 def _placement(model) -> tuple:
     """The (dtype, device) pairs of the model's parameters: what ``.to()``/``.half()`` change.
-    Memoised on the model's walk while no parameter's address changed (``.to()`` gives every
-    converted parameter new storage): one read per parameter, no ``str`` of each."""
+    Memoised on the model's walk while no parameter's address or dtype changed (``.to()`` gives
+    every converted parameter new storage, which an allocator may place where the old storage
+    was: the dtype tells those apart): one read per parameter, no ``str`` of each."""
     w = walk(model)
-    addresses = tuple(map(DATA_PTR, w.params))
+    addresses = (tuple(map(DATA_PTR, w.params)), tuple(map(DTYPE, w.params)))
     memo = w.memo.get("placement")
     if memo is not None and memo[0] == addresses:
         return memo[1]

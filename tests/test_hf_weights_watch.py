@@ -227,3 +227,18 @@ def test_the_walk_is_rebuilt_after_any_structural_change():
     assert {id(p) for p in walked.base}.isdisjoint(id(t) for t in walked.adapter_tensors["default"])
     lora.delete_adapter("default")  # removes modules from ModuleDicts: children shrink
     assert model_walk.walk(base) is not walked
+
+
+def test_new_data_of_another_dtype_at_the_old_address_is_seen():
+    """``param.data = x`` keeps the version; a caching allocator (CUDA's) may place ``x`` where
+    the old data was (``.half()`` then ``.bfloat16()``: same sizes). Here the new data is a view of
+    the old storage as another dtype: same address, same version, only the dtype differs."""
+    from hf_patch.keys.weights import fingerprint
+    from hf_patch.model_spec import _placement
+
+    model = build("llama-sdpa", seed=3).half()
+    before, placement = fingerprint(model), _placement(model)
+    for p in model.parameters():
+        p.data = p.data.view(torch.bfloat16)
+    assert fingerprint(model) != before
+    assert placement == (("torch.float16", "cpu"),) and _placement(model) == (("torch.bfloat16", "cpu"),)

@@ -53,6 +53,7 @@ _hooks: list = []
 
 VERSION = operator.attrgetter("_version")
 DATA_PTR = torch.Tensor.data_ptr
+DTYPE = operator.attrgetter("dtype")
 
 
 def _bump(module, _name, _value) -> None:
@@ -166,6 +167,9 @@ def _build(model) -> Walk:
 
 
 def tensor_state(tensors) -> tuple:
-    """Versions and storage addresses of ``tensors``: what any write or replacement of their
-    data changes (``param.data = x`` changes the address, not the version)."""
-    return tuple(map(VERSION, tensors)), tuple(map(DATA_PTR, tensors))
+    """Versions, storage addresses and dtypes of ``tensors``: what any write or replacement of
+    their data changes. ``param.data = x`` (what ``.to()`` / ``.half()`` do) keeps the version
+    and usually changes the address, but an allocator may hand the new data the address the old
+    data just freed (CUDA's caching allocator, same sizes: ``.half()`` then ``.bfloat16()``): the
+    dtype tells those apart."""
+    return tuple(map(VERSION, tensors)), tuple(map(DATA_PTR, tensors)), tuple(map(DTYPE, tensors))
