@@ -399,6 +399,54 @@ def test_attach_wraps_only_uncached_calls_and_detach_restores_generate():
     assert torch.equal(_generate(model, tok), reference)
 
 
+def test_detach_puts_back_a_generate_another_library_set_on_the_instance():
+    model, tok = _model()
+    theirs = model.generate  # e.g. a patching library's own wrapper, as an instance attribute
+    model.generate = lambda *a, **k: theirs(*a, **k)
+    mine = model.generate
+    radix = RadixRollouts()
+    radix.attach(model)
+    assert model.generate is not mine
+    _generate(model, tok)
+    radix.detach()
+    assert vars(model)["generate"] is mine
+
+
+def test_rollouts_in_train_mode_with_dropout_run_without_the_cache(caplog):
+    """Stock gives each row's prompt its own dropout noise in train mode; a shared prefix would
+    give all of a prompt's rows one: such calls run as stock's, with one warning."""
+    tok = tool_tokenizer()
+    model = tiny_llama(tok)
+    model.config.attention_dropout = 0.3
+    model.train()
+    radix = RadixRollouts()
+    radix.attach(model)
+    with caplog.at_level("WARNING", logger="trlrun.rollouts"):
+        _generate(model, tok)
+        _generate(model, tok)
+    assert radix.stats["calls"] == 0 and radix.store is None
+    assert sum("dropout on" in r.getMessage() for r in caplog.records) == 1
+    model.eval()  # no dropout drawn: the cache again
+    _generate(model, tok)
+    assert radix.stats["calls"] == 1
+    radix.detach()
+
+
+def test_a_kept_pool_is_released_anyway_where_the_weights_cannot_be_watched(caplog):
+    model, tok = _model()
+    for p in model.parameters():
+        p.ds_id = 0  # how DeepSpeed ZeRO-3 marks its parameters (their data swapped every step)
+    radix = RadixRollouts(release=False)
+    with caplog.at_level("WARNING", logger="trlrun.rollouts"):
+        radix.attach(model)
+    assert any("ZeRO-3" in r.getMessage() for r in caplog.records)
+    _generate(model, tok)
+    assert radix.store is not None
+    model(**tok(["x"], return_tensors="pt"))  # a training forward
+    assert radix.store is None
+    radix.detach()
+
+
 def test_the_tested_trl_release_is_the_extras_and_the_installed_one():
     import configparser
     from pathlib import Path

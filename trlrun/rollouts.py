@@ -110,6 +110,9 @@ class RadixRollouts(TrainerCallback):
         self._round_open = False
         self._generating = 0  # generate() calls of the target running now
         self._hook = None
+        self._previous = _NONE  # the target's own instance attribute "generate" before attach
+        self._unwatchable: str | None = None  # why the weights cannot be watched across steps
+        self._dropout_warned = False
         self._lock = threading.RLock()
         self.stats = {
             "rounds": 0,
@@ -164,6 +167,7 @@ class RadixRollouts(TrainerCallback):
                     f"{type(target).__name__}.generate is already wrapped by another RadixRollouts"
                 )
             original = target.generate  # bound: the class's, or an instance attribute already there
+            self._previous = target.__dict__.get("generate", _NONE)  # what detach puts back
 
             @functools.wraps(original)
             def generate(*args, **kwargs):
@@ -172,13 +176,24 @@ class RadixRollouts(TrainerCallback):
             setattr(generate, _MARK, self)
             target.generate = generate
             self.model, self.target = model, target
+            self._unwatchable = _sharded_reason(model)
+            if self._unwatchable is not None and not self.release_after_rollout:
+                logger.warning(
+                    "RadixRollouts(release=False): %s, so a kept pool could not tell one step's "
+                    "weights from the next; the pool is released after every round instead",
+                    self._unwatchable,
+                )
             self._hook = model.register_forward_pre_hook(self._before_forward)
 
     def detach(self) -> None:
         """Undo ``attach``: the model's generate() is stock again, the pool dropped."""
         with self._lock:
             if self.target is not None and getattr(self.target.__dict__.get("generate"), _MARK, None) is self:
-                del self.target.generate
+                if self._previous is _NONE:
+                    del self.target.generate
+                else:  # an instance attribute that was there before attach (another library's wrapper)
+                    self.target.generate = self._previous
+            self._previous = _NONE
             if self._hook is not None:
                 self._hook.remove()
             self.release()
@@ -197,7 +212,7 @@ class RadixRollouts(TrainerCallback):
         if self._generating:
             return  # a forward of a rollout (PEFT's wrapper never sees these; a plain model does)
         self._round_open = False  # a training forward ends the round
-        if self.release_after_rollout and self.store is not None:
+        if (self.release_after_rollout or self._unwatchable is not None) and self.store is not None:
             self.release()
 
     def _reusable(self, kwargs: dict) -> bool:
@@ -238,6 +253,18 @@ class RadixRollouts(TrainerCallback):
     def _generate(self, original, args: tuple, kwargs: dict):
         if not self._reusable(kwargs):
             return original(*args, **kwargs)
+        if self.target.training and _active_dropout(self.target):
+            # TRL generates in train mode (GRPOConfig.disable_dropout defaults to False): stock
+            # gives each row's prompt its own dropout noise, a shared prefix would give all G rows
+            # one; so these calls run as stock's
+            if not self._dropout_warned:
+                self._dropout_warned = True
+                logger.warning(
+                    "RadixRollouts: the model generates in train mode with dropout on, where a "
+                    "shared prompt would get one dropout mask for all its rows: the rollouts run "
+                    "without the cache (set disable_dropout=True in the trainer's config, or eval())"
+                )
+            return original(*args, **kwargs)
         store = self._pool()
         cache = hf_patch.RadixCache(store=store, namespace=self.namespace)
         with self._lock:
@@ -275,3 +302,31 @@ class RadixRollouts(TrainerCallback):
                     "used_blocks": used,
                 }
             )
+
+
+_NONE = object()  # no instance attribute "generate" before attach
+
+
+def _active_dropout(model) -> bool:
+    """Whether a forward of ``model`` in train mode draws dropout noise (a Dropout module with
+    p > 0, or an attention dropout in its config)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+    config = getattr(model, "config", None)
+    return any(float(getattr(config, name, 0) or 0) > 0 for name in ("attention_dropout", "attn_pdrop"))
+
+
+def _sharded_reason(model) -> str | None:
+    """Why the trainer's parameters are not the tensors the optimizer updates, or None: under
+    DeepSpeed ZeRO-3 the gathered parameters get their data put back with ``param.data = ...``
+    every step (versions never move, addresses repeat), under FSDP the flat parameters."""
+    for module in model.modules():
+        if type(module).__name__ in ("FullyShardedDataParallel", "FSDPModule") or hasattr(
+            module, "_fsdp_wrapped_module"
+        ):
+            return "the model is wrapped by FSDP"
+    for p in model.parameters():
+        if hasattr(p, "ds_id"):
+            return "its parameters are DeepSpeed ZeRO-3's"
+    return None
