@@ -686,10 +686,13 @@ def layer_pattern(model) -> str:
     return " ".join(_layer_letter(layer) for layer in cache.layers)
 
 
-def build_hybrid(name: str, seed: int = 0):
-    """A fresh model of family ``name`` with weights drawn from ``seed`` (callers may mutate it)."""
+def build_hybrid(name: str, seed: int = 0, configure=None):
+    """A fresh model of family ``name`` with weights drawn from ``seed`` (callers may mutate it);
+    ``configure(config)`` may change the config first."""
     make_config, attn = HYBRID_CONFIGS[name]
     config = make_config()
+    if configure is not None:
+        configure(config)
     if attn is not None:
         config._attn_implementation = attn
     torch.manual_seed(seed)
@@ -703,16 +706,14 @@ def save_hybrid(directory, name: str, seed: int = 0):
     from demo.model.loading import build_tokenizer
 
     tokenizer = build_tokenizer(512)
-    make_config, attn = HYBRID_CONFIGS[name]
-    config = make_config()
-    config.vocab_size = len(tokenizer)
-    for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
-        if hasattr(config, key):
-            setattr(config, key, getattr(tokenizer, key))
-    if attn is not None:
-        config._attn_implementation = attn
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).float().eval().save_pretrained(directory)
+
+    def for_tokenizer(config) -> None:
+        config.vocab_size = len(tokenizer)
+        for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
+            if hasattr(config, key):
+                setattr(config, key, getattr(tokenizer, key))
+
+    build_hybrid(name, seed, configure=for_tokenizer).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
