@@ -50,7 +50,7 @@ def open_request(model, cache: RadixCache, reason: str | None = None) -> Iterato
         store = default_store(model)
     else:
         store = cache.store
-        check_store_fits(store, model)
+        check_store_fits(store, model, layout)
     before = fingerprint(model)
     flush_if_weights_changed(store, model, before)
     if cache._request is not None:

@@ -7,7 +7,6 @@ reading one file.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import math
 import sys
@@ -27,6 +26,7 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
+from hf_patch.forward_args import forward_parameters
 from hf_patch.keys.model_walk import DATA_PTR, DTYPE, walk
 from radixkv import KVStore, LayerSpec, StateSpec
 
@@ -224,10 +224,9 @@ def _shares_through_update(text_config) -> bool:
 
 def accepts(model, name: str) -> bool:
     """Whether ``model.forward`` takes the argument ``name`` (generate() asks the same way)."""
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
+    return name in forward_parameters(model)
+
+
 
 
 def cache_arg(model) -> str:
@@ -452,9 +451,10 @@ def layer_specs(model) -> tuple[LayerSpec, ...]:
     return model_layout(model).specs
 
 
-def check_store_fits(store: KVStore, model) -> None:
-    """Refuse, naming the difference, a store shaped for another model."""
-    layout = model_layout(model)
+def check_store_fits(store: KVStore, model, layout: ModelLayout | None = None) -> None:
+    """Refuse, naming the difference, a store shaped for another model (``layout``: its
+    ``model_layout`` if the caller has it already)."""
+    layout = model_layout(model) if layout is None else layout
     specs = layout.specs
     if store.block_size % layout.snapshot_grain:
         raise ValueError(

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_patch.forward_args import forward_parameters
+
 LAYOUTS = ("items", "rows", "patches", "tiles")
 
 
@@ -159,7 +161,7 @@ FAMILIES: dict[str, Family] = {
 def family_of(model) -> Family | None:
     """``model``'s family, None when the key does not know it (or the model takes no
     pre-encoded features, which hf_patch needs to skip or feed encoded images)."""
-    if not model._supports_mm_encoder_outputs():
+    if "mm_encoder_outputs" not in forward_parameters(model):  # GenerationMixin._supports_mm_encoder_outputs
         return None
     return FAMILIES.get(getattr(model.config, "model_type", None))
 
