@@ -1,24 +1,31 @@
-"""Two demo replicas behind the SGLang Model Gateway: hit rate and req/s, cache_aware vs round_robin.
+"""Two demo replicas behind a router: hit rate and req/s, per routing policy.
 
-Starts two `python -m demo` replicas (built-in-tiny model, `--cache-tokens` each) and the
-gateway in front of them, once per policy, and sends questions about documents whose prompts
+Policies: the SGLang Model Gateway's `round_robin` and `cache_aware` (which guesses what each
+replica holds from the requests it routed), and `kv_events`: examples/kv_router.py, which
+routes by what the replicas' KV events say they hold (docs/kv-events.md).
+
+Starts two `python -m demo` replicas (built-in-tiny model, `--cache-tokens` each; with KV events
+on IPC sockets for `kv_events`) and the router in front of them, once per policy, and sends questions about documents whose prompts
 together are about twice what one replica's pool holds (so only a split of the documents
 between the replicas keeps them all cached): `--clients` clients, each question about a random
 document. Prints the hit rate (cached / prompt tokens) and req/s per policy.
 
     python -m benchmarks.bench_gateway                # ~2 minutes
     python -m benchmarks.bench_gateway --requests 400 --cache-tokens 8192
+    python -m benchmarks.bench_gateway --policies cache_aware,kv_events
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import select
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,8 +40,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def replica(cache_tokens: int) -> tuple[subprocess.Popen, str]:
+def replica(cache_tokens: int, events: dict | None = None) -> tuple[subprocess.Popen, str]:
     args = ["--model", "builtin-tiny", "--cache-tokens", str(cache_tokens), "--port", "0"]
+    if events is not None:
+        args += ["--kv-events-config", json.dumps(events)]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "demo", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
@@ -45,6 +54,31 @@ def replica(cache_tokens: int) -> tuple[subprocess.Popen, str]:
         if not line:
             break
     raise RuntimeError(f"replica exited with {proc.wait()}")
+
+
+def kv_router(replicas: list[tuple[str, dict]]) -> tuple[subprocess.Popen, str]:
+    """examples/kv_router.py in front of ``(url, events config)`` replicas."""
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "examples", "kv_router.py"),
+        "--port",
+        "0",
+        "--tokenizer",
+        "builtin-tiny",
+    ]
+    for url, events in replicas:
+        cmd += ["--replica", f"{url}={events['endpoint']},{events['replay_endpoint']}"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    while select.select([proc.stdout], [], [], 120)[0]:
+        line = proc.stdout.readline()
+        if "serving on " in line:
+            return proc, line.split("serving on ", 1)[1].strip()
+        if not line:
+            break
+    raise RuntimeError(f"kv_router exited with {proc.wait()}")
 
 
 def router(urls: list[str], policy: str) -> tuple[subprocess.Popen, str]:
@@ -70,11 +104,19 @@ def document(d: int, lines: int) -> str:
     )
 
 
-def run(policy: str, args) -> tuple[float, float]:
-    procs = [replica(args.cache_tokens) for _ in range(2)]
+def run(policy: str, args, tmp: str) -> tuple[float, float]:
+    events = [
+        {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp}/{policy}{i}.pub",
+         "replay_endpoint": f"ipc://{tmp}/{policy}{i}.replay"}
+        for i in range(2)
+    ] if policy == "kv_events" else [None, None]  # fmt: skip
+    procs = [replica(args.cache_tokens, e) for e in events]
     gate = None
     try:
-        gate, url = router([u for _, u in procs], policy)
+        if policy == "kv_events":
+            gate, url = kv_router([(u, e) for (_, u), e in zip(procs, events)])
+        else:
+            gate, url = router([u for _, u in procs], policy)
         rng = random.Random(0)
         plan = [(rng.randrange(args.docs), i) for i in range(args.requests)]
 
@@ -105,6 +147,7 @@ def main() -> None:
     p.add_argument("--lines", type=int, default=40, help="table lines per document")
     p.add_argument("--requests", type=int, default=240)
     p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--policies", default="round_robin,cache_aware,kv_events")
     args = p.parse_args()
     from demo.model.loading import build_builtin
 
@@ -112,12 +155,15 @@ def main() -> None:
     per_doc = len(tokenizer(document(0, args.lines))["input_ids"])
     print(f"{args.docs} documents x ~{per_doc} tokens = {args.docs * per_doc} tokens; "
           f"each replica holds {args.cache_tokens} ({args.docs * per_doc / args.cache_tokens:.1f}x)")  # fmt: skip
-    rows = {policy: run(policy, args) for policy in ("round_robin", "cache_aware")}
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = {policy: run(policy, args, tmp) for policy in args.policies.split(",")}
     print(f"\n{'policy':<12} {'hit rate':>8} {'req/s':>7}")
     for policy, (hit, rate) in rows.items():
         print(f"{policy:<12} {hit:>8.2f} {rate:>7.2f}")
-    ratio = rows["cache_aware"][0] / max(rows["round_robin"][0], 1e-9)
-    print(f"\nhit rate, cache_aware / round_robin: {ratio:.2f}x")
+    base = rows.get("round_robin")
+    for policy, (hit, _) in rows.items():
+        if base is not None and policy != "round_robin":
+            print(f"hit rate, {policy} / round_robin: {hit / max(base[0], 1e-9):.2f}x")
 
 
 if __name__ == "__main__":
