@@ -77,3 +77,50 @@ def test_a_router_rebuilds_what_the_server_caches_from_its_events(tmp_path):
         ctx.term()
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
+
+
+def test_a_real_sidecar_publishes_what_its_clients_share(tmp_path):
+    """``python -m radixkv.sidecar --kv-events-config``: a client's prompt reaches the sidecar's
+    shared tier, and the sidecar's replayed events (medium CPU) hold its whole blocks; a second
+    store reading them shows the same prefix was served from the sidecar."""
+    import hf_patch
+    from tests.hf_models import assert_same_as_stock, build, ids, tokens
+    from tests.sidecar_process import start_sidecar
+
+    config = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"ipc://{tmp_path}/side.pub",
+        "replay_endpoint": f"ipc://{tmp_path}/side.replay",
+    }
+    path = tmp_path / "s.sock"
+    proc = start_sidecar(path, "16M", "--kv-events-config", json.dumps(config))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(config["replay_endpoint"])
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    try:
+        model = build("llama-sdpa")
+        writer = hf_patch.build_store(model, block_size=4, budget_tokens=512, sidecar=path)
+        doc = tokens(22, 901)
+        assert_same_as_stock(model, ids(doc + tokens(3, 902)), writer, max_new_tokens=2, do_sample=False)
+        assert writer.remote.flush(30)
+        for _ in range(600):
+            rebuilt = Rebuilt()
+            for payload in replay_all(sock):
+                rebuilt.apply(payload)
+            held = {tokens for medium, _, tokens in rebuilt.prefixes() if medium == "CPU"}
+            if tuple(doc[:20]) in held:
+                break
+            time.sleep(0.05)
+        assert tuple(doc[:20]) in held and all(len(t) % 4 == 0 for t in held)
+        assert {medium for medium, _, _ in rebuilt.prefixes()} == {"CPU"}
+        reader = hf_patch.build_store(model, block_size=4, budget_tokens=512, sidecar=path)
+        cache, _ = assert_same_as_stock(
+            model, ids(doc + tokens(3, 903)), reader, max_new_tokens=2, do_sample=False
+        )
+        assert cache.cached_tokens == [20]
+    finally:
+        sock.close(0)
+        ctx.term()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
