@@ -5,6 +5,7 @@
     radixkv batch [FLAGS]          an OpenAI batch file (python -m batchrun)
     radixkv eval [FLAGS]           lm-eval with prefix reuse (python -m evalrun)
     radixkv save-builtin DIR       the built-in model as a checkpoint folder
+    radixkv cache inspect FILE     what a cache file holds, and whether it is intact (--verify)
 
 ``radixkv SUBCOMMAND --help`` lists that program's flags. The ``python -m`` forms stay. Under a
 launcher, ``torchrun --no-python radixkv batch ...`` or ``accelerate launch --no_python radixkv
@@ -45,6 +46,12 @@ def _eval(argv: list[str]) -> int:
     return main(argv)
 
 
+def _cache(argv: list[str]) -> int:
+    from radixkv_cli.cache import main
+
+    return main(argv)
+
+
 def _save_builtin(argv: list[str]) -> int:
     from demo.save_builtin import main
 
@@ -62,6 +69,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str, str]] = {
         "python -m demo save-builtin",
         "the built-in model as a checkpoint folder",
     ),
+    "cache": (_cache, "radixkv cache inspect FILE", "what a cache file holds, and whether it is intact"),
 }
 
 

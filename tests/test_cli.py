@@ -55,3 +55,44 @@ def test_the_module_form_runs_where_no_script_is_installed():
         [sys.executable, "-m", "radixkv_cli", "--help"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0 and all(name in proc.stdout for name in COMMANDS)
+
+
+def _saved_cache(path) -> tuple[str, dict]:
+    import hf_patch
+    from tests.hf_models import build, ids, tokens
+
+    model = build("llama-sdpa")
+    store = hf_patch.build_store(model, block_size=4, budget_tokens=256)
+    cache = hf_patch.RadixCache(store=store, namespace="tenant-a")
+    model.generate(ids(tokens(30, 1)), past_key_values=cache, max_new_tokens=2, do_sample=False)
+    hf_patch.save_cache(model, path, store)
+    return str(path), store.stats()
+
+
+def test_cache_inspect_tells_what_a_file_holds_and_finds_a_flipped_byte(tmp_path, capsys):
+    import json
+
+    path, _ = _saved_cache(tmp_path / "c.radixkv")
+    assert main(["cache", "inspect", path, "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM" in out and "2 x (2 KV heads, head dim 16/16, float32)" in out
+    assert "28 tokens in 7 blocks" in out and "'tenant-a'" in out and "every tensor matches" in out
+    assert main(["cache", "inspect", path, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["tokens"] == 28 and info["block_size"] == 4 and "verified" not in info
+    data = bytearray(open(path, "rb").read())
+    data[-5] ^= 0x40  # a bit of the last tensor's KV
+    open(path, "wb").write(bytes(data))
+    assert main(["cache", "inspect", path]) == 0  # the header alone is intact
+    capsys.readouterr()
+    assert main(["cache", "inspect", path, "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH in kv." in out and out.count("kv.") == 1, out  # the one tensor holding that byte
+    open(path, "wb").write(bytes(data[:-100]))  # cut short
+    assert main(["cache", "inspect", path]) == 2
+    assert "truncated" in capsys.readouterr().err
+    (tmp_path / "x").write_bytes(b"not a cache file at all")
+    assert main(["cache", "inspect", str(tmp_path / "x")]) == 2
+    assert "not a safetensors file" in capsys.readouterr().err
+    assert main(["cache", "inspect", str(tmp_path / "missing")]) == 2
+    assert "No such file" in capsys.readouterr().err
