@@ -40,6 +40,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serving_url(proc: subprocess.Popen, what: str) -> str:
+    """The URL ``proc`` prints once it listens ("serving on URL"); RuntimeError if it exits."""
+    while select.select([proc.stdout], [], [], 120)[0]:
+        line = proc.stdout.readline()
+        if "serving on " in line:
+            return line.split("serving on ", 1)[1].strip()
+        if not line:
+            break
+    raise RuntimeError(f"{what} exited with {proc.wait()}")
+
+
 def replica(cache_tokens: int, events: dict | None = None) -> tuple[subprocess.Popen, str]:
     args = ["--model", "builtin-tiny", "--cache-tokens", str(cache_tokens), "--port", "0"]
     if events is not None:
@@ -47,13 +58,7 @@ def replica(cache_tokens: int, events: dict | None = None) -> tuple[subprocess.P
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "demo", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
-    while select.select([proc.stdout], [], [], 120)[0]:
-        line = proc.stdout.readline()
-        if "serving on " in line:
-            return proc, line.split("serving on ", 1)[1].strip()
-        if not line:
-            break
-    raise RuntimeError(f"replica exited with {proc.wait()}")
+    return proc, serving_url(proc, "replica")
 
 
 def kv_router(replicas: list[tuple[str, dict]]) -> tuple[subprocess.Popen, str]:
@@ -72,13 +77,7 @@ def kv_router(replicas: list[tuple[str, dict]]) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
-    while select.select([proc.stdout], [], [], 120)[0]:
-        line = proc.stdout.readline()
-        if "serving on " in line:
-            return proc, line.split("serving on ", 1)[1].strip()
-        if not line:
-            break
-    raise RuntimeError(f"kv_router exited with {proc.wait()}")
+    return proc, serving_url(proc, "kv_router")
 
 
 def router(urls: list[str], policy: str) -> tuple[subprocess.Popen, str]:

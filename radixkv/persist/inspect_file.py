@@ -22,10 +22,8 @@ import torch
 from radixkv.persist.cache_file import _checked_entry, _read_header
 from radixkv.persist.checksum import algorithm_of, new_hasher
 from radixkv.persist.manifest import (
-    FORMAT,
-    READABLE_VERSIONS,
-    CacheFileMismatch,
     CorruptCacheFile,
+    check_format,
     count_field,
     decode_namespaces,
     expected_tensors,
@@ -47,14 +45,7 @@ def describe(path: str | os.PathLike, verify: bool = False) -> dict:
         header = _read_header(f, size, path)
         data_start = f.tell()
         manifest = from_metadata(header.pop("__metadata__", None))
-        if manifest.get("format") != FORMAT:
-            raise CorruptCacheFile(f"not a radixkv cache file (format {manifest.get('format')!r})")
-        version = manifest.get("version")
-        if version not in READABLE_VERSIONS:
-            raise CacheFileMismatch(
-                f"cache file format version {version!r}; this radixkv reads versions "
-                f"{', '.join(map(str, READABLE_VERSIONS))}"
-            )
+        version = check_format(manifest)
         algorithm = algorithm_of(manifest)
         layout, counts = manifest.get("layout"), manifest.get("counts")
         if not isinstance(layout, dict) or not isinstance(layout.get("layers"), list):

@@ -171,11 +171,9 @@ def _differences(what: str, have: object, want: object) -> list[str]:
     return []
 
 
-def check_compatible(manifest: Mapping, pool, identity: object, states=None) -> None:
-    """Raise CacheFileMismatch naming every difference of format, identity or layout.
-
-    ``states``: the store's StatePool (None: a store without recurrent state). A file with
-    snapshots is refused by a store without a state pool and vice versa, saying so first."""
+def check_format(manifest: Mapping) -> int:
+    """The manifest's format version: CorruptCacheFile unless it is a radixkv cache file,
+    CacheFileMismatch for a version this radixkv does not read."""
     if manifest.get("format") != FORMAT:
         raise CorruptCacheFile(f"not a radixkv cache file (format {manifest.get('format')!r})")
     version = manifest.get("version")
@@ -184,6 +182,15 @@ def check_compatible(manifest: Mapping, pool, identity: object, states=None) -> 
             f"cache file format version {version!r}; this radixkv reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
+    return version
+
+
+def check_compatible(manifest: Mapping, pool, identity: object, states=None) -> None:
+    """Raise CacheFileMismatch naming every difference of format, identity or layout.
+
+    ``states``: the store's StatePool (None: a store without recurrent state). A file with
+    snapshots is refused by a store without a state pool and vice versa, saying so first."""
+    version = check_format(manifest)
     layout = manifest.get("layout")
     has_states = isinstance(layout, Mapping) and "states" in layout
     if has_states and version < STATES_SINCE:
