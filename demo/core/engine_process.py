@@ -313,6 +313,7 @@ def bind(run_dir: str):
     sock_out = ctx.socket(zmq.ROUTER)
     sock_out.setsockopt(zmq.LINGER, 0)
     sock_out.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown front end raises, never blocks
+    sock_out.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted front end takes its id back at once
     sock_out.setsockopt(zmq.SNDHWM, 0)
     sock_out.bind(wire.endpoint(run_dir, "out"))
     return ctx, sock_in, sock_out

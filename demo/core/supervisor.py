@@ -69,23 +69,27 @@ class Supervisor:
         self.engine = proc
         return status[1]
 
-    def start_front_end(self, index: int) -> str:
+    def start_front_ends(self, indices: list[int]) -> None:
+        """Start these front ends together and wait until each listens."""
         from demo.core import front_end
 
-        parent, child = self.ctx.Pipe(duplex=False)
-        proc = self.ctx.Process(
-            target=front_end.main,
-            args=(self.config, self.run_dir, index, self.port, child),
-            name=f"radixkv-api-{index}",
-        )
-        proc.start()
-        child.close()
-        status = _answer(parent, proc, FRONT_END_TIMEOUT)
-        if status[0] != "ready":
-            raise RuntimeError(f"front end {index} did not start: {status[1]}")
-        self.front_ends[index] = proc
-        log.info("front end %d: pid %d, HTTP on %s", index, proc.pid, status[2])
-        return status[2]
+        started = []
+        for index in indices:
+            parent, child = self.ctx.Pipe(duplex=False)
+            proc = self.ctx.Process(
+                target=front_end.main,
+                args=(self.config, self.run_dir, index, self.port, child),
+                name=f"radixkv-api-{index}",
+            )
+            proc.start()
+            child.close()
+            started.append((index, proc, parent))
+        for index, proc, parent in started:
+            status = _answer(parent, proc, FRONT_END_TIMEOUT)
+            if status[0] != "ready":
+                raise RuntimeError(f"front end {index} did not start: {status[1]}")
+            self.front_ends[index] = proc
+            log.info("front end %d: pid %d, HTTP on %s", index, proc.pid, status[2])
 
     def watch(self) -> None:
         """Until SIGTERM / Ctrl-C: restart whichever child exits."""
@@ -110,7 +114,7 @@ class Supervisor:
                     log.error(
                         "front end %d (pid %d) exited (%s); starting it again", index, proc.pid, proc.exitcode
                     )
-                    self.start_front_end(index)
+                    self.start_front_ends([index])
 
     def stop(self) -> None:
         """Front ends first (SIGTERM: their requests cut), then the engine (its cache save)."""
@@ -159,11 +163,16 @@ def run(config) -> int:
         held = sup.reserve_port()
         pid = sup.start_engine()
         log.info("engine process: pid %d, ipc in %s", pid, sup.run_dir)
-        for index in range(config.api_server_count):
-            sup.start_front_end(index)
+        sup.start_front_ends(list(range(config.api_server_count)))
         url = f"http://{config.host}:{sup.port}"
-        print(f"radixkv demo: engine process pid {pid}; {config.api_server_count} front ends", flush=True)
-        # A fixed line on stdout that scripts (benchmarks/bench_http.py) wait for.
+        log.info(
+            "supervisor %d: engine process %d, %d front ends on %s",
+            os.getpid(),
+            pid,
+            config.api_server_count,
+            url,
+        )
+        # A fixed line on stdout that scripts (benchmarks/bench_http.py) wait for: the only one.
         print(f"radixkv demo: serving on {url}", flush=True)
         sup.watch()
     except KeyboardInterrupt:
