@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 import uuid
@@ -393,8 +392,3 @@ class RemoteEngine(Prompts):
                 target.deliver(error)
                 target.cancel()
         self.client.pending.clear()
-
-
-def in_front_end() -> bool:
-    """Whether this process is a front end (demo.core.front_end sets it)."""
-    return os.environ.get("RADIXKV_ROLE") == "front-end"

@@ -35,7 +35,6 @@ def main(config, run_dir: str, index: int, port: int, ready) -> None:
 
     log_format.configure()
     startup.exit_with_parent()
-    os.environ["RADIXKV_ROLE"] = "front-end"
     from transformers import AutoTokenizer
 
     from demo.api.app import create_app

@@ -156,6 +156,9 @@ def _end(proc, timeout: float) -> None:
 
 def run(config) -> int:
     """``python -m demo`` with --api-server-count >= 1; returns the exit status."""
+    from radixkv.wait_policy import quiet_threads
+
+    quiet_threads()  # the children load torch: passive OpenMP threads unless the user chose
     sup = Supervisor(config)
     signal.signal(signal.SIGTERM, startup.interrupt)
     held = None
