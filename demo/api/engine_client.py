@@ -36,6 +36,7 @@ from demo.errors import ApiError
 log = logging.getLogger(__name__)
 HELLO_EVERY = 0.2  # seconds between Hellos while the engine does not answer
 CALL_TIMEOUT = 10.0  # seconds an RPC (metrics, load) may take
+ACCEPT_TIMEOUT = 30.0  # seconds the engine may take to queue a request (it only reserves a slot)
 RETRY_AFTER_S = 1
 
 
@@ -373,7 +374,10 @@ class RemoteEngine(Prompts):
             client.pending.pop(rid, None)
             raise unavailable(client.down_reason)
         client.send(wire.Submit(rid, prompt_ids, params, namespace, snapshot_at))
-        gen.accepted.wait()
+        if not gen.accepted.wait(ACCEPT_TIMEOUT):  # an engine alive but not answering
+            client.pending.pop(rid, None)
+            gen.cancel()
+            raise unavailable(f"it did not queue the request within {ACCEPT_TIMEOUT:.0f}s")
         if gen.refusal is not None:
             raise gen.refusal
         return gen

@@ -33,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from demo.core import wire
 
 log = logging.getLogger(__name__)
-HTTP_THREADS = 16  # forwarded requests answered at once (admin, adapters, images)
 
 
 class _Out:
@@ -104,7 +103,10 @@ class EngineServer:
         self._in, self.out = sock_in, _Out(sock_out)
         self.live: dict[str, tuple] = {}  # rid -> (Generation, identity)
         self._incarnations: dict[int, str] = {}  # front end index -> its current incarnation
-        self._http = ThreadPoolExecutor(HTTP_THREADS, thread_name_prefix="radixkv-forwarded")
+        # Forwarded requests answered at once (admin, adapters, images): as many as waitress's
+        # threads in one process (demo.api.server.Limits.for_engine)
+        threads = self.config.max_queue + self.config.max_batch_size + 8
+        self._http = ThreadPoolExecutor(threads, thread_name_prefix="radixkv-forwarded")
         self._http_cancelled: dict[str, threading.Event] = {}
         self._codec = wire.Codec()
         self._stopping = False
