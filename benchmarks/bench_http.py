@@ -329,9 +329,9 @@ def mixed_main(args) -> None:
     print(
         f"{'decode chunk':>12} {'done':>5} {'req/s':>6} {'short TTFT p50':>15} {'p99':>7} {'steady p50':>11} "
         f"{'p99':>7} {'idle TTFT':>10} {'503':>4} {'long ITL p50':>12} {'p99':>7} {'long-prompt TTFT':>16} "
-        f"{'load':>5}"
+        f"{'forward':>8} {'load':>5}"
     )
-    for label, (results, wall, idle, _) in rows.items():
+    for label, (results, wall, idle, metrics) in rows.items():
         ok = [r for r in results if r["status"] == 200]
         short = [r["ttft"] for r in ok if r["max_tokens"] == 16 and r["ttft"] is not None]
         steady = [
@@ -347,8 +347,21 @@ def mixed_main(args) -> None:
             f"{pct(steady, 0.5) * 1e3:>8.0f} ms {pct(steady, 0.99) * 1e3:>4.0f} ms "
             f"{statistics.median(idle) * 1e3:>7.0f} ms {sum(r['status'] == 503 for r in results):>4} "
             f"{pct(gaps, 0.5) * 1e3:>9.0f} ms {pct(gaps, 0.99) * 1e3:>4.0f} ms "
-            f"{(statistics.median(docs) * 1e3 if docs else float('nan')):>13.0f} ms {loads[label]:>5.1f}"
+            f"{(statistics.median(docs) * 1e3 if docs else float('nan')):>13.0f} ms "
+            f"{mean_forward(metrics) * 1e3:>5.1f} ms {loads[label]:>5.1f}"
         )
+    print("forward: the mean step-loop forward (radixkv_forward_seconds); load: after the row")
+
+
+def mean_forward(metrics: str) -> float:
+    """The server's mean step-loop forward, from its /metrics (nan for a server without it)."""
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith(("radixkv_forward_seconds_sum", "radixkv_forward_seconds_count"))
+    }
+    count = values.get("radixkv_forward_seconds_count", 0)
+    return values["radixkv_forward_seconds_sum"] / count if count else float("nan")
 
 
 def pct(values: list[float], q: float) -> float:

@@ -12,6 +12,8 @@ from collections import defaultdict
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# A step-loop forward (a decode step: ~5-50 ms on a CPU): fine around a step's usual length
+FORWARD_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 
 # stats() key -> (metric name, type, help)
 _STORE = [

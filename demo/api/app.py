@@ -458,6 +458,11 @@ def engine_metrics(engine: Engine) -> str:
                 engine.scheduler.resume_waits,
             ),
             (
+                "radixkv_forward_seconds",
+                "Wall time of a step-loop forward (one decode step, seated prompts included).",
+                engine.scheduler.forward_seconds,
+            ),
+            (
                 "radixkv_rows_per_step",
                 "Rows making a token, per decoding step.",
                 engine.scheduler.rows_per_step,
