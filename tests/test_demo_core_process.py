@@ -26,14 +26,16 @@ from tests.demo_process import start_demo
 pytest.importorskip("zmq")
 BLOCK = 16
 ARGS = ["--model", "builtin-tiny", "--block-size", str(BLOCK), "--cache-tokens", "16384", "--port", "0"]
-ARGS += ["--api-server-count", "2", "--max-batch-size", "8"]
+ARGS += ["--api-server-count", "2", "--max-batch-size", "8", "--admin-token", "adm"]
+ADMIN = {"X-Admin-Token": "adm"}
 DOC = "A staff list:\n" + "\n".join(f"| Greta {i} | {20 + i} | Porto | nurse |" for i in range(12)) + "\n"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = str(tmp_path_factory.mktemp("core") / "server.log")
-    proc, url = start_demo(ARGS, log)
+    folder = tmp_path_factory.mktemp("core")
+    log = str(folder / "server.log")
+    proc, url = start_demo([*ARGS, "--cache-file", str(folder / "cache.rkv")], log)
     yield proc, url, log
     if proc.poll() is None:
         proc.kill()
@@ -125,7 +127,8 @@ def test_metrics_forwarded_routes_and_bad_input(server):
     load = requests.get(url + "/get_load", timeout=30)  # the gateway's route: the engine's app
     assert load.status_code == 200 and load.json()[0]["num_reqs"] == 0
     flush = requests.post(url + "/v1/cache/flush", timeout=30)  # no admin token: refused by name
-    assert flush.status_code == 403 and flush.json()["error"]["code"] == "admin_disabled"
+    assert flush.status_code == 401 and flush.json()["error"]["code"] == "invalid_admin_token"
+    assert requests.post(url + "/v1/cache/flush", headers=ADMIN, timeout=30).json()["flushed"] is True
     bad = requests.post(url + "/v1/chat/completions", json={"messages": "x"}, timeout=30)
     assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
     unknown = requests.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=30)
@@ -188,9 +191,13 @@ def test_a_front_end_killed_loses_only_its_own_connections(server, no_eos):
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
-def test_an_engine_killed_gives_503_at_once_then_restarts(server, no_eos):
+def test_an_engine_killed_gives_503_at_once_then_restarts_from_the_cache_file(server, no_eos):
     _, url, log = server
     engine, _ = pids(log)
+    question = {"prompt": DOC + "Greta 11 is", "max_tokens": 6, "temperature": 0}
+    first = requests.post(url + "/v1/completions", json=question, timeout=60).json()
+    saved = requests.post(url + "/v1/cache/save", headers=ADMIN, timeout=60)
+    assert saved.status_code == 200 and saved.json()["saved"], saved.text
     body = {"prompt": "q r", "max_tokens": 900, "stream": True, "temperature": 0, "logit_bias": no_eos}
     with requests.post(url + "/v1/completions", json=body, stream=True, timeout=30) as r:
         lines = r.iter_lines()
@@ -211,6 +218,9 @@ def test_an_engine_killed_gives_503_at_once_then_restarts(server, no_eos):
         assert r.status_code == 503
         time.sleep(0.3)
     assert r.status_code == 200 and pids(log)[0] != engine
+    again = requests.post(url + "/v1/completions", json=question, timeout=60).json()
+    assert again["choices"] == first["choices"]  # the restarted engine answers alike, from the file
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK * (len(DOC) // 80)
 
 
 def test_sigterm_stops_every_process(server):
