@@ -258,10 +258,13 @@ def client_options(c: int, mode: str) -> dict:
     return MIXED_OPTIONS[(c // 2) % len(MIXED_OPTIONS)]
 
 
-def run_mixed(decode_chunk: int, args) -> tuple[list[dict], float, list[float], str]:
+def run_mixed(
+    decode_chunk: int, args, api_servers: int | None = None
+) -> tuple[list[dict], float, list[float], str]:
     """Mixed lengths under load; returns (results tagged with max_tokens, wall, idle TTFTs,
-    /metrics text)."""
+    /metrics text). ``api_servers``: the server's --api-server-count (None: not passed)."""
     extra = ["--max-queue", str(args.max_queue), "--decode-chunk", str(decode_chunk)]
+    extra += ["--api-server-count", str(api_servers)] if api_servers is not None else []
     extra += ["--max-batch-size", str(args.max_batch_size)] + args.server_args.split()
     proc, url = start_server(True, args.model, args.threads, extra, args.server_root or ROOT)
     try:
@@ -307,7 +310,15 @@ def run_mixed(decode_chunk: int, args) -> tuple[list[dict], float, list[float], 
 
 def mixed_main(args) -> None:
     chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else [0, args.decode_chunk]
-    rows = {chunk: run_mixed(chunk, args) for chunk in chunks}
+    counts = [int(n) for n in args.api_server_counts.split(",")] if args.api_server_counts else [None]
+    rows, loads = {}, {}
+    for _ in range(args.repeat):
+        for n in counts:  # alternating, so that a change in the machine's load hits every row
+            for chunk in chunks:
+                label = f"{chunk if chunk else 'off (0)'}" + (f" api {n}" if n is not None else "")
+                label += f" #{_ + 1}" if args.repeat > 1 else ""
+                rows[label] = run_mixed(chunk, args, n)
+                loads[label] = os.getloadavg()[0]
     print(
         f"\nmixed: {args.clients} streaming clients for {args.seconds:.0f} s each, --max-batch-size "
         f"{args.max_batch_size}; half ask for 16 tokens, a quarter 256, a quarter 1,024; options "
@@ -317,9 +328,10 @@ def mixed_main(args) -> None:
     )
     print(
         f"{'decode chunk':>12} {'done':>5} {'req/s':>6} {'short TTFT p50':>15} {'p99':>7} {'steady p50':>11} "
-        f"{'p99':>7} {'idle TTFT':>10} {'503':>4} {'long ITL p50':>12} {'p99':>7} {'long-prompt TTFT':>16}"
+        f"{'p99':>7} {'idle TTFT':>10} {'503':>4} {'long ITL p50':>12} {'p99':>7} {'long-prompt TTFT':>16} "
+        f"{'forward':>8} {'load':>5}"
     )
-    for chunk, (results, wall, idle, _) in rows.items():
+    for label, (results, wall, idle, metrics) in rows.items():
         ok = [r for r in results if r["status"] == 200]
         short = [r["ttft"] for r in ok if r["max_tokens"] == 16 and r["ttft"] is not None]
         steady = [
@@ -330,13 +342,26 @@ def mixed_main(args) -> None:
         gaps = [g for r in ok if r["max_tokens"] in (256, 1024) for g in r["gaps"]]
         docs = [r["ttft"] for r in ok if r["max_tokens"] == "long prompt" and r["ttft"] is not None]
         print(
-            f"{chunk if chunk else 'off (0)':>12} {len(ok):>5} {len(ok) / wall:>6.2f} "
+            f"{label:>12} {len(ok):>5} {len(ok) / wall:>6.2f} "
             f"{pct(short, 0.5) * 1e3:>12.0f} ms {pct(short, 0.99) * 1e3:>4.0f} ms "
             f"{pct(steady, 0.5) * 1e3:>8.0f} ms {pct(steady, 0.99) * 1e3:>4.0f} ms "
             f"{statistics.median(idle) * 1e3:>7.0f} ms {sum(r['status'] == 503 for r in results):>4} "
             f"{pct(gaps, 0.5) * 1e3:>9.0f} ms {pct(gaps, 0.99) * 1e3:>4.0f} ms "
-            f"{(statistics.median(docs) * 1e3 if docs else float('nan')):>13.0f} ms"
+            f"{(statistics.median(docs) * 1e3 if docs else float('nan')):>13.0f} ms "
+            f"{mean_forward(metrics) * 1e3:>5.1f} ms {loads[label]:>5.1f}"
         )
+    print("forward: the mean step-loop forward (radixkv_forward_seconds); load: after the row")
+
+
+def mean_forward(metrics: str) -> float:
+    """The server's mean step-loop forward, from its /metrics (nan for a server without it)."""
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith(("radixkv_forward_seconds_sum", "radixkv_forward_seconds_count"))
+    }
+    count = values.get("radixkv_forward_seconds_count", 0)
+    return values["radixkv_forward_seconds_sum"] / count if count else float("nan")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -419,6 +444,13 @@ def main() -> None:
         type=float,
         default=5.0,
         help="mixed mode: the steady columns leave out requests sent in the first S seconds",
+    )
+    p.add_argument(
+        "--api-server-counts",
+        help="mixed mode: --api-server-count values to run, comma-separated (e.g. 0,1,2; default: not passed)",
+    )
+    p.add_argument(
+        "--repeat", type=int, default=1, help="mixed mode: run every row this many times, alternating"
     )
     p.add_argument("--server-root", help="mixed mode: start the server from this checkout (e.g. /work/main)")
     p.add_argument("--server-args", default="", help="mixed mode: more flags for each server")

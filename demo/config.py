@@ -45,6 +45,8 @@ class Config:
     admin_token: str | None = None  # required by POST /v1/cache/flush; None = flush refused
     default_max_tokens: int = 256  # when a request gives no max_tokens (clamped to the context)
     max_queue: int = 32  # requests waiting for the generation worker before 503
+    # HTTP front-end processes beside one engine process (demo.core); 0: all in this process
+    api_server_count: int = 0
     max_batch_size: int = 32  # rows decoding together (step loop) or in one generate() call
     max_batch_tokens: int = 16384  # cap on rows x padded prompt length of one batch
     # decode steps after which a running batch pauses for a waiting request that can join it
@@ -124,6 +126,11 @@ class Config:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.device != "auto" and self.device.split(":")[0] not in _DEVICES:
             raise ValueError(f"device must be auto, cpu, cuda[:N], mps or xpu, got {self.device!r}")
+        if not 0 <= self.api_server_count <= 64:
+            raise ValueError(
+                f"api_server_count must be in 0..64 (0: the engine in the HTTP server's process), "
+                f"got {self.api_server_count}"
+            )
         if self.default_max_tokens < 1 or self.max_queue < 1:
             raise ValueError("default_max_tokens and max_queue must be >= 1")
         if self.max_batch_size < 1 or self.max_batch_tokens < 1:
@@ -280,6 +287,7 @@ _ENV = {
     "admin_token": ("RADIXKV_ADMIN_TOKEN", str),
     "default_max_tokens": ("RADIXKV_MAX_TOKENS", int),
     "max_queue": ("RADIXKV_MAX_QUEUE", int),
+    "api_server_count": ("RADIXKV_API_SERVER_COUNT", int),
     "cache_file": ("RADIXKV_CACHE_FILE", str),
     "cache_dir": ("RADIXKV_CACHE_DIR", str),
     "cache_save_every": ("RADIXKV_CACHE_SAVE_EVERY", float),
@@ -369,6 +377,14 @@ def parser() -> argparse.ArgumentParser:
         dest="default_max_tokens",
         type=int,
         help="completion length when a request sets none (default 256; env RADIXKV_MAX_TOKENS)",
+    )
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        metavar="N",
+        help="HTTP front-end processes; N >= 1 runs the engine core (scheduler, model, store) in "
+        "a process of its own, the HTTP work in N others (default 0: one process; "
+        "docs/design.md#processes; env RADIXKV_API_SERVER_COUNT)",
     )
     p.add_argument(
         "--max-queue", type=int, help="waiting requests before 503 (default 32; env RADIXKV_MAX_QUEUE)"

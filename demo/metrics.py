@@ -12,6 +12,8 @@ from collections import defaultdict
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# A step-loop forward (a decode step: ~5-50 ms on a CPU): fine around a step's usual length
+FORWARD_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 
 # stats() key -> (metric name, type, help)
 _STORE = [
@@ -183,8 +185,23 @@ class Metrics:
     def render(
         self, stats: dict, *, reuse: bool, queued: int, engine_histograms=(), engine_counters=()
     ) -> str:
+        """The engine's lines (`render_engine`), then the requests' (`render_requests`)."""
+        engine = self.render_engine(
+            stats,
+            reuse=reuse,
+            queued=queued,
+            engine_histograms=engine_histograms,
+            engine_counters=engine_counters,
+        )
+        return engine + self.render_requests()
+
+    @staticmethod
+    def render_engine(
+        stats: dict, *, reuse: bool, queued: int, engine_histograms=(), engine_counters=()
+    ) -> str:
         """`engine_histograms`: (name, help, Histogram) of the engine (batch size, queue wait);
-        `engine_counters`: (name, help, value) of the engine (pauses, resumes)."""
+        `engine_counters`: (name, help, value) of the engine (pauses, resumes). Rendered where
+        the engine runs (with --api-server-count, in the engine process)."""
         out = [
             "# HELP radixkv_prefix_reuse_enabled 1 if prefix reuse is on.",
             "# TYPE radixkv_prefix_reuse_enabled gauge",
@@ -198,6 +215,15 @@ class Metrics:
         out += ["# HELP radixkv_pool_blocks KV pool blocks by state.", "# TYPE radixkv_pool_blocks gauge"]
         out += [f'radixkv_pool_blocks{{state="{s}"}} {int(stats.get(k, 0))}' for k, s in _POOL_STATES]
         out += _tier_lines(stats)
+        for name, help_, h in engine_histograms:
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *h.lines(name)]
+        for name, help_, value in engine_counters:
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {number(value)}"]
+        return "\n".join(out) + "\n"
+
+    def render_requests(self) -> str:
+        """This process's request counters, latencies and token totals."""
+        out: list[str] = []
         with self._lock:
             out += [
                 "# HELP radixkv_requests_total Requests by endpoint and HTTP status.",
@@ -219,8 +245,4 @@ class Metrics:
                 out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
                 for endpoint, h in sorted(hists.items()):
                     out += h.lines(name, f'endpoint="{endpoint}"')
-        for name, help_, h in engine_histograms:
-            out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *h.lines(name)]
-        for name, help_, value in engine_counters:
-            out += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {number(value)}"]
         return "\n".join(out) + "\n"

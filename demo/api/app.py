@@ -31,6 +31,8 @@ from demo import cache_files
 from demo.api import (
     agent_options,
     conventions,
+    engine_client,
+    forwarding,
     gateway,
     images,
     options,
@@ -123,6 +125,10 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     takes_videos = media is not None and vision.video_refusal(engine.processor) is None
     body_media = media if takes_videos or media is None else dataclasses.replace(media, max_videos=0)
     max_body = max(MAX_BODY_BYTES, body_media.body_bytes) if media is not None else MAX_BODY_BYTES
+    # A front end's process (demo.api.engine_client.RemoteEngine): the engine is another process
+    remote = getattr(engine, "remote", False)
+    if remote and engine.remote_only:  # a VLM's requests (images, videos) are all forwarded
+        max_body = max(MAX_BODY_BYTES, config.media_policy.body_bytes)
     # One byte over the limit: werkzeug refuses a too-long Content-Length itself, but silently
     # truncates a chunked body at the limit; reading one byte more lets body() tell (413).
     app.config["MAX_CONTENT_LENGTH"] = max_body + 1
@@ -133,11 +139,12 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         "max_body_bytes": max_body,
     }
     conventions.install(app, config.allowed_origins)  # X-Request-Id, access log, CORS
+    if remote:  # what this process does not answer goes to the engine process's app
+        forwarding.install(app, engine, {config.model_id, config.model})
     model_id = config.model_id
     served_names = {model_id, config.model}  # the reported id, and the name it was started with
-    vocab_size = engine.model.get_input_embeddings().num_embeddings
     # logit_bias indexes the logits: never past the output layer (rarely narrower than the input's)
-    logits_size = min(vocab_size, getattr(engine.model.get_output_embeddings(), "out_features", vocab_size))
+    vocab_size, logits_size = engine.vocab_size, engine.logits_size
 
     @app.errorhandler(ApiError)
     def api_error(e: ApiError):
@@ -255,6 +262,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
 
     @app.get("/health")
     def health():
+        if remote and not engine.client.up.is_set():
+            raise engine_client.unavailable(engine.client.down_reason)
         return jsonify({"status": "ok"})
 
     @app.get("/v1/models")
@@ -392,7 +401,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         return jsonify({"flushed": True, "reuse": engine.store is not None})
 
     # /v1/cache/save|restore|files, --cache-file; admin checks under the same throttle as flush
-    cache_files.install(app, engine, config, lambda: authenticated(auth.check_admin))
+    if not remote:  # (a front end forwards them: demo.api.forwarding)
+        cache_files.install(app, engine, config, lambda: authenticated(auth.check_admin))
 
     def gateway_key() -> None:
         """The metadata routes: a tenant key, or the request of a trusted gateway itself (its
@@ -404,63 +414,17 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         ):
             tenant()
 
-    gateway.install(app, engine, config, gateway_key)  # /server_info, /model_info, /get_load (SGLang gateway)
+    if not remote:  # /server_info, /model_info, /get_load (SGLang gateway)
+        gateway.install(app, engine, config, gateway_key)
     if engine.adapters is not None:  # /v1/load_lora_adapter, /v1/unload_lora_adapter
         adapters.install(app, engine, lambda: authenticated(auth.check_admin))
 
     @app.get("/metrics")
     def prometheus():
-        text = metrics.render(
-            engine.stats(),
-            reuse=engine.store is not None,
-            queued=engine.queued,
-            engine_histograms=(
-                (
-                    "radixkv_batch_size",
-                    "Requests per generate() call (in the step loop: per admission).",
-                    engine.scheduler.batch_sizes,
-                ),
-                (
-                    "radixkv_queue_wait_seconds",
-                    "Admission wait: submit to the request's first batch.",
-                    engine.scheduler.queue_waits,
-                ),
-                (
-                    "radixkv_resume_wait_seconds",
-                    "A paused request's wait: pause to its next batch.",
-                    engine.scheduler.resume_waits,
-                ),
-                (
-                    "radixkv_rows_per_step",
-                    "Rows making a token, per decoding step.",
-                    engine.scheduler.rows_per_step,
-                ),
-            ),
-            engine_counters=(
-                ("radixkv_pauses_total", "Requests paused between decode chunks.", engine.scheduler.pauses),
-                (
-                    "radixkv_resumes_total",
-                    "Paused requests taken into a batch again.",
-                    engine.scheduler.resumes,
-                ),
-                (
-                    "radixkv_prefill_slices_total",
-                    "Slices of long prompts computed between decode chunks.",
-                    engine.scheduler.prefill_slices,
-                ),
-                (
-                    "radixkv_admissions_total",
-                    "Requests admitted into the running step loop between decode steps.",
-                    engine.scheduler.admissions,
-                ),
-                (
-                    "radixkv_aside_chunks_total",
-                    "Decode chunks of requests too wide to join the step loop, run between its steps.",
-                    engine.scheduler.asides,
-                ),
-            ),
-        )
-        return Response(text, mimetype="text/plain; version=0.0.4")
+        # The engine's lines (in a front end's process: asked of the engine process), then this
+        # process's request counters (each front end counts its own: docs/design.md#processes)
+        text = engine.metrics_text() if remote else engine_metrics(engine)
+        return Response(text + metrics.render_requests(), mimetype="text/plain; version=0.0.4")
 
     @app.after_request
     def count_errors(resp):
@@ -469,3 +433,62 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
         return resp
 
     return app
+
+
+def engine_metrics(engine: Engine) -> str:
+    """The Prometheus lines of the engine: its store, queue and scheduler (not the requests')."""
+    return Metrics.render_engine(
+        engine.stats(),
+        reuse=engine.store is not None,
+        queued=engine.queued,
+        engine_histograms=(
+            (
+                "radixkv_batch_size",
+                "Requests per generate() call (in the step loop: per admission).",
+                engine.scheduler.batch_sizes,
+            ),
+            (
+                "radixkv_queue_wait_seconds",
+                "Admission wait: submit to the request's first batch.",
+                engine.scheduler.queue_waits,
+            ),
+            (
+                "radixkv_resume_wait_seconds",
+                "A paused request's wait: pause to its next batch.",
+                engine.scheduler.resume_waits,
+            ),
+            (
+                "radixkv_forward_seconds",
+                "Wall time of a step-loop forward (one decode step, seated prompts included).",
+                engine.scheduler.forward_seconds,
+            ),
+            (
+                "radixkv_rows_per_step",
+                "Rows making a token, per decoding step.",
+                engine.scheduler.rows_per_step,
+            ),
+        ),
+        engine_counters=(
+            ("radixkv_pauses_total", "Requests paused between decode chunks.", engine.scheduler.pauses),
+            (
+                "radixkv_resumes_total",
+                "Paused requests taken into a batch again.",
+                engine.scheduler.resumes,
+            ),
+            (
+                "radixkv_prefill_slices_total",
+                "Slices of long prompts computed between decode chunks.",
+                engine.scheduler.prefill_slices,
+            ),
+            (
+                "radixkv_admissions_total",
+                "Requests admitted into the running step loop between decode steps.",
+                engine.scheduler.admissions,
+            ),
+            (
+                "radixkv_aside_chunks_total",
+                "Decode chunks of requests too wide to join the step loop, run between its steps.",
+                engine.scheduler.asides,
+            ),
+        ),
+    )

@@ -82,8 +82,8 @@ class Limits:
         )
 
 
-def _server(app, host: str, port: int, limits: Limits):
-    server = _create_server(app, host, port, limits)
+def _server(app, host: str, port: int, limits: Limits, sock: socket.socket | None = None):
+    server = _create_server(app, host, port, limits, sock)
     listeners = [server] if isinstance(server, BaseWSGIServer) else list(server.map.values())
     connections.install(  # one count and one idle order over every listener
         [listener for listener in listeners if isinstance(listener, BaseWSGIServer)],
@@ -92,11 +92,12 @@ def _server(app, host: str, port: int, limits: Limits):
     return server
 
 
-def _create_server(app, host: str, port: int, limits: Limits):
+def _create_server(app, host: str, port: int, limits: Limits, sock: socket.socket | None = None):
+    # ``sock``: a bound socket (front ends share one port: demo.core.front_end); else host:port
+    where = {"sockets": [sock]} if sock is not None else {"host": host, "port": port}
     return create_server(
         app,
-        host=host,
-        port=port,
+        **where,
         threads=limits.threads,
         connection_limit=limits.connections,
         channel_timeout=limits.idle_timeout,
@@ -193,13 +194,15 @@ def serve_forever(
     announce=None,
     limits: Limits | None = None,
     stopping: Callable[[], None] | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
     """Foreground server until Ctrl-C (or SIGTERM raised as KeyboardInterrupt); `announce(url)`
     is called once the port is bound. Then: the listeners are closed (nothing more is taken),
     `stopping()` cuts the requests in flight (demo.engine.engine.Engine.shutdown), worker
     threads get `STOP_WAIT` seconds to finish their answers, and every connection is closed:
-    what time is left of a shutdown budget is the caller's (the cache save), not theirs."""
-    server = _server(app, host, port, limits or Limits())
+    what time is left of a shutdown budget is the caller's (the cache save), not theirs.
+    ``sock``: a socket bound already (then host and port only name it)."""
+    server = _server(app, host, port, limits or Limits(), sock)
     if announce is not None:
         announce(f"http://{host}:{server.effective_port}")
     single = isinstance(server, BaseWSGIServer)

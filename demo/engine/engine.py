@@ -22,23 +22,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 
 from demo.engine.generation import Disconnected, Generation, Params, Result
+from demo.engine.prompts import Prompts
 from demo.engine.runner import Runner
 from demo.engine.scheduler import Busy, Scheduler, Slot
 from demo.engine.step_loop import StepLoop, step_loop_reason
-from demo.model import chat_tokens, vision
-from demo.model.loading import CHAT_TEMPLATE
 
 __all__ = ["Busy", "Disconnected", "Engine", "Generation", "Params", "Result"]
 
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(Prompts):
     """Owns the model, the tokenizer, the KV store (None with reuse off), the scheduler, the
-    runner and the worker thread."""
+    runner and the worker thread. Its prompt side (chat templates, tokenising, decoding) is
+    demo.engine.prompts.Prompts, which a front end's RemoteEngine shares."""
 
     def __init__(
         self,
@@ -64,10 +64,7 @@ class Engine:
         # demo.model.adapters.Adapters over ``model`` (None: this engine serves the base model only), and
         # a vision-language model's processor (demo.model.vision; None: text only).
         self.adapters, self.processor = adapters, processor
-        # Special tokens decoding drops, and the markers of them kept (keep_special)
-        self._special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-        self._special |= set(tokenizer.all_special_ids)
-        self._keep: set[int] = set()
+        Prompts.__init__(self, tokenizer, processor)
         # Prefill slices need the store (a slice commits its KV for the next to read).
         self.scheduler = Scheduler(
             max_queue,
@@ -87,6 +84,8 @@ class Engine:
         if adapters is not None:
             adapters.store = self.store  # an unloaded adapter's KV is dropped from it
         self.runner = Runner(model, tokenizer, self.store, adapters, processor)
+        # The input vocabulary, and the logits' width (logit_bias and grammars index it)
+        self.vocab_size, self.logits_size = self.runner.vocab_size, self.runner.grammars.vocab_size
         # Decoding: a step loop over forward() with newcomers admitted between steps
         # (demo.engine.step_loop), or, where the model or the engine's setup does not allow it,
         # generate() calls paused every decode_chunk steps. Decided here, once.
@@ -110,60 +109,10 @@ class Engine:
         self._worker = threading.Thread(target=self._serve, name="radixkv-generate", daemon=True)
         self._worker.start()
 
-    # -- prompts ---------------------------------------------------------------------------
-    def chat_ids(
-        self,
-        messages: Sequence[dict],
-        tools: Sequence[dict] | None = None,
-        template_kwargs: dict | None = None,
-    ) -> list[int]:
-        """Token ids of a chat prompt ending with the assistant's turn; control tokens inside
-        message contents are plain text (demo.model.chat_tokens). ``tools`` and
-        ``template_kwargs`` go to the chat template. Raises ValueError. A vision-language
-        model's chats are rendered by its processor (demo.model.vision), images or not."""
-        if self.processor is not None:
-            if tools or template_kwargs:
-                raise ValueError(
-                    "tools and chat_template_kwargs are not supported with a vision-language model"
-                )
-            return vision.render(self.processor, list(messages), []).ids
-        return chat_tokens.chat_ids(self.tokenizer, list(messages), self.template(), tools, template_kwargs)
-
-    def message_ends(
-        self,
-        messages: Sequence[dict],
-        ids: Sequence[int],
-        tools: Sequence[dict] | None = None,
-        template_kwargs: dict | None = None,
-    ) -> list[int] | None:
-        """Snapshot hints for a chat prompt (``chat_tokens.message_ends``): only for a text model
-        whose store keeps recurrent-state snapshots (its cache reuses a prompt only where one was
-        taken), else None."""
-        if self.store is None or self.store.states is None or self.processor is not None:
-            return None
-        messages = list(messages)
-        return chat_tokens.message_ends(
-            self.tokenizer, messages, self.template(), ids, tools, template_kwargs
-        )
-
-    def template(self) -> str | None:
-        """The chat template passed to apply_chat_template: None for the tokenizer's own, the
-        demo's CHAT_TEMPLATE for a tokenizer without one."""
-        return None if getattr(self.tokenizer, "chat_template", None) else CHAT_TEMPLATE
-
-    def keep_special(self, markers: Sequence[str]) -> None:
-        """Keep these marker tokens (reasoning and tool-call tags) in decoded replies even when
-        the tokenizer counts them as special tokens, which decoding otherwise drops."""
-        self._keep = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.content in markers}
-
-    def text_ids(self, prompt: str) -> list[int]:
-        return self.tokenizer(prompt)["input_ids"]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        if not self._keep:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
-        kept = [i for i in ids if i in self._keep or i not in self._special]
-        return self.tokenizer.decode(kept, skip_special_tokens=False)
+    @property
+    def snapshots(self) -> bool:
+        """Whether the store keeps recurrent-state snapshots (chat prompts then carry hints)."""
+        return self.store is not None and self.store.states is not None
 
     # -- requests ----------------------------------------------------------------------------
     def reserve(self) -> Slot:
@@ -179,6 +128,7 @@ class Engine:
         inputs: dict | None = None,
         hooks=None,
         snapshot_at: list[int] | None = None,
+        events=None,
     ) -> Generation:
         """Queue a request in `slot` (default: reserve one now; raises Busy if the queue is
         full). ``inputs``: model inputs beside the ids (a VLM's processor outputs for this
@@ -187,8 +137,10 @@ class Engine:
         demo.engine.sampling.RowHook (or None) per row of the request (``params.rows``),
         applied to that row's logits only; a ``params.grammar`` makes them (one matcher per
         row). ``snapshot_at``: prompt positions where a later prompt is likely to part from this
-        one (``message_ends``), for a store with recurrent-state snapshots. Iterate the result for
-        text."""
+        one (``message_ends``), for a store with recurrent-state snapshots. ``events``: where the
+        worker puts the request's events (anything with ``put``: demo.core.engine_process sends
+        them to a front end's process); default the Generation's own queue. Iterate the result
+        for text (unless ``events`` took them)."""
         if params.grammar is not None:
             if hooks is not None:
                 raise ValueError("a request with a grammar takes no other hooks")
@@ -198,6 +150,8 @@ class Engine:
         gen = Generation(prompt_ids, params, namespace, self.decode, self.runner.eos, inputs, group, hooks)
         gen.alone = self.runner.runs_alone(prompt_ids, inputs)
         gen.snapshot_at = snapshot_at
+        if events is not None:
+            gen._events = events
         self.scheduler.submit(gen, slot)
         return gen
 

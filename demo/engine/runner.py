@@ -45,7 +45,7 @@ class Runner:
         # Held while a batch runs: adapters load and unload between generate() calls.
         self.lock = adapters.lock if adapters is not None else threading.RLock()
         self.eos = self._eos_ids()
-        vocab = model.get_input_embeddings().num_embeddings
+        self.vocab_size = vocab = model.get_input_embeddings().num_embeddings
         logits = min(vocab, getattr(model.get_output_embeddings(), "out_features", vocab))
         self.grammars = Grammars(tokenizer, logits, self.eos)  # constrained decoding
         # How the rows' image inputs merge into one call's (None: image requests run alone)

@@ -40,7 +40,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from demo.engine import batching
 from demo.engine.generation import Generation
-from demo.metrics import BATCH_SIZE_BUCKETS, Histogram
+from demo.metrics import BATCH_SIZE_BUCKETS, FORWARD_BUCKETS, Histogram
 
 __all__ = ["Busy", "Scheduler", "Slot"]
 
@@ -97,6 +97,7 @@ class Scheduler:
         self.queue_waits = Histogram()  # submit -> first admitted to a batch (seconds)
         self.resume_waits = Histogram()  # a paused request: pause -> its next batch (seconds)
         self.rows_per_step = Histogram(BATCH_SIZE_BUCKETS)  # rows making a token, per step
+        self.forward_seconds = Histogram(FORWARD_BUCKETS)  # a step-loop forward's wall time
         self.pauses = 0  # requests paused between decode chunks
         self.resumes = 0  # paused requests taken into a batch again
         self.prefill_slices = 0  # slices of long prompts computed between decode chunks

@@ -365,6 +365,7 @@ class StepLoop:
         from hf_patch.running_batch import JoinFailed
 
         with self._base():
+            started = time.perf_counter()
             try:
                 logits = self.batch.step()
             except JoinFailed as e:  # the newcomers' prompts failed (memory, say): they get the
@@ -373,6 +374,8 @@ class StepLoop:
                 if not self._live():
                     return
                 logits = self.batch.step()
+            # (on CUDA the launch and what waits for it; on a CPU the whole forward)
+            self.scheduler.forward_seconds.observe(time.perf_counter() - started)
         if self.sampler is None:
             pads = self.batch.pads
             self.sampled = self._live()  # the slots the sampler's rows are, in order
