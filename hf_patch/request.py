@@ -290,7 +290,7 @@ class Request:
                 self.cache.cached_tokens = served
                 return blocks
             reason = "a prefix lies partly in the host or remote tier"
-        if reason != "paged attention is off":
+        if reason != paged_attention.OFF:
             paged_attention.log_copy_path(reason)
         return None
 
