@@ -76,6 +76,11 @@ class RadixCache(Cache):
             block size), so the next request that shares exactly that much reuses all of it.
             A list of ints for every row, or a list of such lists, one per row. Ignored by
             attention-only models (their KV is usable at every block).
+        paged: whether attention reads the cached prefix from the pool in place
+            (hf_patch.paged_attention: one copy of a shared prefix whatever the batch, ~1e-7
+            from stock's logits in fp32) rather than from a per-row copy (bit-exact with stock
+            on the CPU). None (default): ``RADIXKV_PAGED_ATTENTION`` (``1``: in place where it
+            applies; unset: the copy); True / False: this call's choice.
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class RadixCache(Cache):
         extra_ids=None,
         shared_prefix: SharedPrefix | list[SharedPrefix | None] | None = None,
         snapshot_at: list[int] | list[list[int]] | None = None,
+        paged: bool | None = None,
     ) -> None:
         super().__init__(layer_class_to_replicate=AppendLayer)
         if store is not None and not isinstance(store, KVStore):
@@ -100,6 +106,10 @@ class RadixCache(Cache):
         self.extra_ids = None if extra_ids is None else _extra_ids_tensor(extra_ids)
         self.shared_prefix = shared_prefix
         self.snapshot_at = _snapshot_hints(snapshot_at)
+        if paged is not None and not isinstance(paged, bool):
+            raise TypeError(f"paged must be None, True or False, got {paged!r}")
+        self.paged = paged
+        self.paged_plan = None  # hf_patch.paged_attention.PagedPlan while a paged call runs
         self.cached_tokens: list[int] = []
         self._request = None  # hf_patch.request.Request while a generate() call runs
         self.consumed = 0  # tokens the layers hold, for a model without attention layers
@@ -110,6 +120,23 @@ class RadixCache(Cache):
         self.layers = make_layers(layout)
         self.cached_tokens = []
         self.consumed = 0
+        self.paged_plan = None
+
+    # Rows move: a paged call's block table moves with its layers' computed columns.
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.paged_plan is not None:
+            self.paged_plan.select(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.paged_plan is not None:
+            self.paged_plan.repeat(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.paged_plan is not None:
+            self.paged_plan.select(torch.arange(len(self.paged_plan.row_group))[indices])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if self.layers and not any(isinstance(layer, CacheLayerMixin) for layer in self.layers):

@@ -140,6 +140,30 @@ class AppendLayer(DynamicLayer):
             self._map_batch(lambda t: t.to(self.device, non_blocking=True))
 
 
+class PagedLayer(AppendLayer):
+    """Full-attention KV of a call whose cached prefix stays in the block pool (issue 41,
+    hf_patch.paged_attention): the first ``offset`` columns of every row are virtual (a row's
+    prefix, read in place through the call's block table, and its left pads), the buffers hold
+    the columns the call computes from there on. ``keys`` / ``values`` (and what ``update``
+    returns) are those computed columns ``[B, H, length, D]``; ``get_seq_length`` counts all."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.offset = 0
+
+    def get_seq_length(self) -> int:
+        return self.offset + self.length if self.is_initialized else self.offset
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove < 0 and self.length + tokens_to_remove < 0:
+            raise ValueError("a paged layer cannot be cropped into the prefix it reads from the pool")
+        super().crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        super().reset()
+        self.offset = 0
+
+
 def allocate_stacked(layers, batch: int, specs, capacity: int) -> None:
     """Give every layer empty buffers of ``capacity`` tokens, per ``specs`` (radixkv.LayerSpec).
 

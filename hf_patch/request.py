@@ -18,6 +18,7 @@ the last two columns (docs/models.md#deepseek-v4).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Hashable
@@ -27,10 +28,19 @@ import numpy as np
 import torch
 
 from cuda_ext.stacking import chunks, interleave, stacked
+from hf_patch import paged_attention
 from hf_patch.cache import RadixCache
 from hf_patch.keys import RowKey, SharedPrefix, row_key
 from hf_patch.keys.inputs import log_once
-from hf_patch.layer import CompressedLayer, StateLayer, allocate_layers, pool_buffers, pool_tensors, row_view
+from hf_patch.layer import (
+    CompressedLayer,
+    PagedLayer,
+    StateLayer,
+    allocate_layers,
+    pool_buffers,
+    pool_tensors,
+    row_view,
+)
 from hf_patch.model_spec import ModelLayout
 from hf_patch.recurrent import (
     DEFAULT_INTERVAL,
@@ -139,6 +149,10 @@ class Request:
         # Snapshots only at multiples of this (the block size, or a coarser model grain: DeepSeek-V4)
         self.grain = math.lcm(store.block_size, layout.snapshot_grain)
         self.stock_rows: set[int] = set()  # rows computed with their pads (_catch_up_rows as_stock)
+        # A paged call (hf_patch.paged_attention): its block table, and the model's attention
+        # switched to the paged function until ``close``; the leases stay pinned until then.
+        self.plan: paged_attention.PagedPlan | None = None
+        self._paged_exit = contextlib.ExitStack()
 
     @property
     def kv_layers(self) -> list:
@@ -237,13 +251,17 @@ class Request:
         self.rows_per_prompt = rows_per_prompt
         batch, length = input_ids.shape
         capacity = initial_capacity(length, max_length)
-        allocate_layers(self.cache.layers, self.layout, batch, capacity)
         self.cache.cached_tokens = [0] * batch
         as_stock = self._as_stock(attention_mask, batch, length, score)
         if as_stock:
             keep = [max(2, k) for k in keep] if keep is not None else [2] * batch
         try:
             self.match(input_ids, attention_mask, keys, reuse, share, keep)
+            blocks = self._paged_blocks() if self.common > 0 and not self.layout.stateful else None
+            if blocks is not None:
+                self._page_prefix(batch, capacity, blocks)
+                return
+            allocate_layers(self.cache.layers, self.layout, batch, capacity)
             if self.layout.stateful and self.pads is not None and (reuse or score):
                 # (reuse=False: per-token outputs of the whole prompt are wanted, so generate()
                 # computes it in one forward, as stock; nothing is committed then)
@@ -253,7 +271,44 @@ class Request:
             if self.layout.index_positions is not None and self.pads is not None and self.common:
                 self._set_index_positions(self.common)
         finally:
-            self.release()  # the copy is done: blocks need not stay pinned through decode
+            if self.plan is None:
+                self.release()  # the copy is done: blocks need not stay pinned through decode
+
+    # -- paged calls (hf_patch.paged_attention) ---------------------------------------------------
+    def _paged_blocks(self) -> list[list[int]] | None:
+        """Each row's device-pool blocks holding its ``common - pad`` prefix tokens when this call
+        reads them in place (counted as served then), else None: the copy path (the reason
+        logged once, unless paged attention is off)."""
+        if self.model is None or self.pads is None or not self.leases:
+            return None
+        reason = paged_attention.unusable_reason(self.model, self.layout, self.cache.paged)
+        if reason is None:
+            tokens = [max(0, self.common - pad) for pad in self.pads]
+            served = [max(0, n - self.computed.get(i, 0)) for i, n in enumerate(tokens)]
+            blocks = self.store.read_in_place(self.leases, tokens, served=served)
+            if blocks is not None:
+                self.cache.cached_tokens = served
+                return blocks
+            reason = "a prefix lies partly in the host or remote tier"
+        if reason != paged_attention.OFF:
+            paged_attention.log_copy_path(reason)
+        return None
+
+    def _page_prefix(self, batch: int, capacity: int, blocks: list[list[int]]) -> None:
+        """Layers that hold only the columns from ``common`` on, the call's block table, and the
+        model's attention switched to the paged function until ``close``."""
+        layers = self.cache.layers
+        for i in self.layout.kv_layers:
+            layers[i] = PagedLayer()
+        allocate_layers(layers, self.layout, batch, max(1, capacity - self.common))
+        for i in self.layout.kv_layers:
+            layers[i].offset = self.common
+        pool = self.store.pool
+        self.plan = paged_attention.build_plan(
+            self.layout, self.cache, pool.k, pool.v, pool.block_size, blocks, self.pads, self.common
+        )
+        self.cache.paged_plan = self.plan
+        self._paged_exit.enter_context(paged_attention.activate(self.model, self.plan))
 
     def _set_index_positions(self, common: int) -> None:
         """The indexer's position history of the preloaded columns (Qwen4-Exp keeps it on a cache
@@ -414,6 +469,8 @@ class Request:
 
     def close(self) -> None:
         """Release every pin and stop the decode's snapshots (end of the call)."""
+        self._paged_exit.close()
+        self.cache.paged_plan = None
         self.release()
         if self.decode is not None:
             self.decode.close()
@@ -523,13 +580,18 @@ class Request:
             if key.tokens.num_tokens < self.store.block_size or (key.namespace, key.tokens) in seen:
                 continue
             seen.add((key.namespace, key.tokens))
+            offset, first = 0, pad
+            if self.plan is not None:  # the layers hold the columns from common on, the pool the rest
+                offset, first = max(0, self.common - pad), max(0, pad - self.common)
+                end -= self.common
             added += self.store.commit(
                 key.tokens,
-                [k[i : i + 1, :, pad:end] for k in ks],
-                [v[i : i + 1, :, pad:end] for v in vs],
+                [k[i : i + 1, :, first:end] for k in ks],
+                [v[i : i + 1, :, first:end] for v in vs],
                 key.namespace,
                 epoch=self.epoch,
                 snapshots=self._row_snapshots(i, pad, end - pad, kv_length) if stateful else None,
+                **({"offset": offset} if offset else {}),
             )
         return added
 

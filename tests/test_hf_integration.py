@@ -207,19 +207,26 @@ def test_beam_search_commits_the_prompt_only():
 
 # -- eviction while a request runs ------------------------------------------------------------------
 def test_eviction_while_a_request_reads_its_match(monkeypatch):
-    """Another request fills a tiny pool between this request's match and its copy: the pinned
-    match must survive (the other request caches less instead), and the output stays exact."""
+    """Another request fills a tiny pool between this request's match and its read (a copy, or
+    paged attention's read in place): the pinned match must survive (the other request caches
+    less instead), and the output stays exact."""
     model = shared("llama-sdpa")
     store = store_for(model, BS, budget_tokens=64)  # 16 blocks
     assert_same_as_stock(model, ids(PROMPT), store, max_new_tokens=3)  # caches 44 tokens: 11 blocks
-    real_read, others = store.read, [tokens(40, seed=92), tokens(40, seed=93)]
+    others = [tokens(40, seed=92), tokens(40, seed=93)]
 
-    def read_after_others_committed(*args, **kwargs):
-        while others:  # the nested requests read nothing (their prompts are new), no recursion
-            assert_same_as_stock(model, ids(others.pop()), store, max_new_tokens=3, check_invariants=False)
-        return real_read(*args, **kwargs)
+    def after_others_committed(real_read):
+        def read(*args, **kwargs):
+            while others:  # the nested requests read nothing (their prompts are new), no recursion
+                assert_same_as_stock(
+                    model, ids(others.pop()), store, max_new_tokens=3, check_invariants=False
+                )
+            return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(store, "read", read_after_others_committed)
+        return read
+
+    for name in ("read", "read_in_place"):
+        monkeypatch.setattr(store, name, after_others_committed(getattr(store, name)))
     cache, _ = assert_same_as_stock(model, ids(PROMPT), store, max_new_tokens=3)
     assert not others
     assert cache.cached_tokens == [block_floor(len(PROMPT) - 1, BS)]
@@ -228,8 +235,10 @@ def test_eviction_while_a_request_reads_its_match(monkeypatch):
     store.check_invariants()
 
 
-def test_eviction_during_decode():
-    """A request's match is unpinned once copied: other requests may evict it while it decodes."""
+@pytest.mark.parametrize("paged", [False, True])
+def test_eviction_during_decode(paged):
+    """A request's match is unpinned once copied: other requests may evict it while it decodes.
+    Read in place (paged attention), it stays pinned to the end of the call instead."""
     model = shared("llama-sdpa")
     store = store_for(model, BS, budget_tokens=64)
     assert_same_as_stock(model, ids(PROMPT), store, max_new_tokens=3)
@@ -250,11 +259,15 @@ def test_eviction_during_decode():
     ref = stock(model, ids(PROMPT), max_new_tokens=6)  # without the criterion: it evicts once only
     stop = StoppingCriteriaList([EvictMidway()])
     cache, out = assert_same_as_stock(
-        model, ids(PROMPT), store, reference=ref, stopping_criteria=stop, max_new_tokens=6
-    )
+        model, ids(PROMPT), store, reference=ref, stopping_criteria=stop, max_new_tokens=6,
+        cache=hf_patch.RadixCache(store=store, paged=paged),
+    )  # fmt: skip
     assert not others
     assert cache.cached_tokens == [block_floor(len(PROMPT) - 1, BS)]
-    assert left[-1] < block_floor(len(PROMPT) - 1, BS), f"its match was not evicted mid-request: {left}"
+    if paged:
+        assert left[-1] == block_floor(len(PROMPT) - 1, BS), f"its match was evicted mid-request: {left}"
+    else:
+        assert left[-1] < block_floor(len(PROMPT) - 1, BS), f"its match was not evicted mid-request: {left}"
     store.check_invariants()
     # It committed after the eviction: its whole sequence is cached again.
     turn = out.sequences

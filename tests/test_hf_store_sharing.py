@@ -267,7 +267,8 @@ class FailingStreamer(TextStreamer):
         pass
 
 
-def test_pins_released_when_the_copy_fails(monkeypatch):
+@pytest.mark.parametrize("read", ["read", "read_in_place"])  # the copy path's, paged attention's
+def test_pins_released_when_the_copy_fails(monkeypatch, read):
     """An error between match and preload (here: the read from the pool) must not leak the pin."""
     model = shared("llama-sdpa")
     store = store_for(model, BS)
@@ -277,8 +278,8 @@ def test_pins_released_when_the_copy_fails(monkeypatch):
         assert store.stats()["pinned_blocks"] > 0  # the match is pinned while it is read
         raise Boom("device lost")
 
-    monkeypatch.setattr(store, "read", broken_read)
-    cache = hf_patch.RadixCache(store=store)
+    monkeypatch.setattr(store, read, broken_read)
+    cache = hf_patch.RadixCache(store=store, paged=read == "read_in_place")
     with pytest.raises(Boom):
         model.generate(ids(PROMPT), max_new_tokens=4, past_key_values=cache)
     monkeypatch.undo()

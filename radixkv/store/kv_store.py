@@ -207,6 +207,33 @@ class KVStore:
             self.counters.bytes_from_host += host_tokens * self.pool.bytes_per_token  # moved either way
             self.counters.bytes_from_remote += remote_tokens * self.pool.bytes_per_token
 
+    def read_in_place(
+        self, leases: Sequence[Lease], num_tokens: Sequence[int], *, served: Sequence[int] | None = None
+    ) -> list[list[int]] | None:
+        """The device pool's block ids holding each lease's first ``num_tokens[i]`` tokens, for a
+        caller that reads them where they lie (``pool.k`` / ``pool.v``) while it holds the leases
+        (pinned blocks are neither evicted, demoted nor rewritten): hf_patch.paged_attention.
+        Counted as ``read`` counts (``served``); None, counting nothing, when some of those tokens
+        are not all in the device pool (host tier, remote tier): the caller copies them instead.
+        Raises as ``read`` does for a lease of another store, a released one or too few tokens."""
+        if len(num_tokens) != len(leases):
+            raise ValueError(f"read_in_place: {len(num_tokens)} token counts for {len(leases)} leases")
+        rows = []
+        for lease, n in zip(leases, num_tokens):
+            if lease._store is not self:
+                raise ValueError("read_in_place() of a lease acquired from another KVStore")
+            if not lease.active:
+                raise RuntimeError("read_in_place() from a released lease")
+            if not 0 <= n <= lease.num_tokens:
+                raise ValueError(f"lease holds {lease.num_tokens} tokens, {n} requested")
+            nb = -(-n // self.block_size)
+            if lease.remote is not None or len(lease.block_ids) - lease.num_host_blocks < nb:
+                return None
+            rows.append(list(lease.block_ids[:nb]))
+        with self._lock:
+            self.counters.hit_tokens += sum(num_tokens) if served is None else sum(served)
+        return rows
+
     def read_state(self, lease: Lease, out: Sequence[torch.Tensor]) -> bool:
         """Copy the snapshot ``lease`` pins (the recurrent states after its ``num_tokens``) into one
         row's ``out`` tensors (``out[j]``: ``states.specs[j].shape``, any device). Returns False,
@@ -286,8 +313,13 @@ class KVStore:
         epoch: int | None = None,
         *,
         snapshots: Mapping[int, Sequence[torch.Tensor]] | None = None,
+        offset: int = 0,
     ) -> int:
         """Cache the whole blocks of ``tokens`` whose KV is ``k_src[l]``/``v_src[l]`` ``[1, H, >=len, D]``.
+
+        ``offset``: the sources begin at token ``offset`` (``[1, H, >= len - offset, D]``), whose
+        earlier tokens the store must hold already (a prefix the caller read in place under a
+        lease: hf_patch.paged_attention); when it holds fewer (flushed meanwhile), nothing is cached.
 
         Only blocks not already cached are copied. Returns the number of tokens newly cached.
         With ``epoch`` older than the store's (a flush happened since the KV was computed)
@@ -313,7 +345,9 @@ class KVStore:
                 return 0
         if whole:  # packed once: _commit_local and the remote push share it
             tokens = pack_tokens(head_of(tokens, whole))
-        added = self._commit_local(tokens, k_src, v_src, namespace, epoch)
+        if offset and (snapshots or self.states is not None):
+            raise ValueError("commit(offset=...) is for stores without recurrent state")
+        added = self._commit_local(tokens, k_src, v_src, namespace, epoch, offset)
         if snapshots:
             self._attach_snapshots(tokens, snapshots, namespace, epoch)
         if self.remote is not None and whole and (epoch is None or epoch == self.epoch):
@@ -401,6 +435,7 @@ class KVStore:
         v_src: Sequence[torch.Tensor],
         namespace: Hashable = None,
         epoch: int | None = None,
+        offset: int = 0,
     ) -> int:
         """``commit`` without the remote tier."""
         bs = self.block_size
@@ -413,10 +448,11 @@ class KVStore:
         self._check_layers("commit", k_src, v_src)
         for name, srcs in (("k_src", k_src), ("v_src", v_src)):
             for i, src in enumerate(srcs):
-                if src.dim() != 4 or src.shape[0] != 1 or src.shape[2] < num_blocks * bs:
+                if src.dim() != 4 or src.shape[0] != 1 or src.shape[2] < num_blocks * bs - offset:
                     raise ValueError(
                         f"commit: {name}[{i}] has shape {tuple(src.shape)}, expected "
-                        f"[1, kv_heads, >= {num_blocks * bs}, head_dim] (KV of every whole-block token)"
+                        f"[1, kv_heads, >= {num_blocks * bs - offset}, head_dim] (KV of every whole-block "
+                        f"token from token {offset})"
                     )
         with self._lock:
             if epoch is not None and epoch != self.epoch:
@@ -425,7 +461,7 @@ class KVStore:
             match = tree.match(tokens, namespace, kv=True)
             cached_blocks = match.num_tokens // bs
             need = num_blocks - cached_blocks
-            if need == 0:
+            if need == 0 or cached_blocks * bs < offset:  # (the sources lack tokens the store lost)
                 return 0
             tree.pin(match.node)  # the prefix we extend must outlive the copy
             # Below a demoted prefix the new blocks go to the host too (tiers never go back up).
@@ -448,8 +484,8 @@ class KVStore:
                 scatter_into(
                     pool,
                     torch.tensor([ids], dtype=torch.int64),
-                    [k[:, :, start:stop] for k in k_src],
-                    [v[:, :, start:stop] for v in v_src],
+                    [k[:, :, start - offset : stop - offset] for k in k_src],
+                    [v[:, :, start - offset : stop - offset] for v in v_src],
                 )
         except BaseException:
             with self._lock:
