@@ -135,6 +135,31 @@ def test_metrics_forwarded_routes_and_bad_input(server):
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
+def test_the_responses_store_is_one_for_every_front_end(server, local):
+    """A stored response is read, continued and deleted from whichever front end a new
+    connection lands on (the kernel spreads connections over the two: 12 tries reach both
+    with probability 1 - 2**-11), and answers as the in-process app does."""
+    _, url, _ = server
+    body = {"input": DOC + "Who is Greta 3?", "max_output_tokens": 8, "temperature": 0}
+    first = client(url).responses.create(model="builtin-tiny", **body)
+    ref = local.post("/v1/responses", json=body).get_json()
+    assert first.output_text == "".join(
+        c["text"] for i in ref["output"] if i["type"] == "message" for c in i["content"]
+    )
+    for _ in range(12):  # a fresh client each time: a new connection
+        got = client(url).responses.retrieve(first.id)
+        assert got.id == first.id and got.output_text == first.output_text
+    again = client(url).responses.create(
+        model="builtin-tiny", previous_response_id=first.id, input="And Greta 5?", max_output_tokens=4
+    )
+    assert again.previous_response_id == first.id
+    assert again.usage.input_tokens_details.cached_tokens >= BLOCK  # the stored conversation's prefix
+    assert client(url).responses.delete(first.id) is None
+    for _ in range(6):
+        with pytest.raises(openai.NotFoundError):
+            client(url).responses.retrieve(first.id)
+
+
 def _running(url: str) -> int:
     return requests.get(url + "/get_load", timeout=30).json()[0]["num_reqs"]
 

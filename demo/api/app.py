@@ -355,7 +355,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
                 snapshot_at=hints,
             )
 
-    # POST /v1/responses, GET|DELETE /v1/responses/<id> (stored per tenant, in memory)
+    # POST /v1/responses, GET|DELETE /v1/responses/<id> (stored per tenant, in memory; with
+    # front ends, in the engine process's app)
     app.extensions["radixkv"]["responses"] = responses_route.install(
         app,
         responses_route.Hooks(
@@ -371,6 +372,7 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
             pick_model,
             reply_spec,
         ),
+        engine.response_store() if remote else None,  # one store for every front end
     )
 
     @app.post("/v1/completions")

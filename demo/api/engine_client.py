@@ -20,6 +20,7 @@ Hello while it is down). A request is never sent twice.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -27,6 +28,7 @@ import time
 import uuid
 from collections.abc import Hashable
 
+from demo.api.conversations import StoredResponse
 from demo.core import wire
 from demo.engine.constrained import Grammars
 from demo.engine.generation import ALIVE_EVERY, WORKER_ALIVE_EVERY, Generation, Params
@@ -385,6 +387,10 @@ class RemoteEngine(Prompts):
     def metrics_text(self) -> str:
         return self.client.call("metrics")
 
+    def response_store(self) -> RemoteResponseStore:
+        """The Responses store, which the engine process holds for every front end."""
+        return RemoteResponseStore(self.client)
+
     def load(self) -> dict:
         return self.client.call("load")
 
@@ -396,3 +402,24 @@ class RemoteEngine(Prompts):
                 target.deliver(error)
                 target.cancel()
         self.client.pending.clear()
+
+
+class RemoteResponseStore:
+    """demo.api.conversations.ResponseStore's put / get / delete, answered by the engine
+    process's store (one for all front ends: with ``--api-server-count 2`` a
+    ``previous_response_id`` or a GET reaches it whichever front end the connection lands on).
+    The engine is down: put, get and delete answer 503 ``engine_unavailable``, as generation does;
+    the store lives and dies with the engine process (in memory, as in one-process mode)."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+
+    def put(self, tenant: Hashable, item: StoredResponse) -> None:
+        self.client.call("responses_put", tenant=tenant, item=dataclasses.asdict(item))
+
+    def get(self, tenant: Hashable, response_id: str) -> StoredResponse | None:
+        found = self.client.call("responses_get", tenant=tenant, response_id=response_id)
+        return None if found is None else StoredResponse(**{**found, "messages": tuple(found["messages"])})
+
+    def delete(self, tenant: Hashable, response_id: str) -> bool:
+        return bool(self.client.call("responses_delete", tenant=tenant, response_id=response_id))

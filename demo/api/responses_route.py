@@ -198,9 +198,12 @@ class _Output:
         return events
 
 
-def install(app: Flask, hooks: Hooks) -> ResponseStore:
+def install(app: Flask, hooks: Hooks, store=None) -> ResponseStore:
+    """``store``: where responses are kept (a front end passes the engine process's,
+    demo.api.engine_client.RemoteResponseStore); None: a ResponseStore of this app's own."""
     engine, config = hooks.engine, hooks.config
-    store = ResponseStore(config.responses_max_stored, config.responses_max_age)
+    if store is None:
+        store = ResponseStore(config.responses_max_stored, config.responses_max_age)
 
     def shape(rid, created, req, agent, status, items, result, previous) -> dict:
         def reasoning_tokens() -> int:

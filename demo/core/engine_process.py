@@ -10,7 +10,7 @@ messages of demo.core.wire:
   the Generation's queue, so the worker thread's token ids go straight onto the ``out`` socket
   (one msgpack frame per step and request). ``Cancel``/``StopChoice`` are what the in-process
   HTTP thread would have set on the Generation.
-- ``Call``: small synchronous questions (``CALLS``: the engine's metrics lines, its load).
+- ``Call``: small synchronous questions (``CALLS``: the engine's metrics lines, its load, the Responses store's put / get / delete).
 - ``HttpRequest``: a request the front end does not answer itself (admin, cache files,
   adapters, images...) runs through this process's own Flask app, in a thread of a bounded
   pool, streamed back as HttpStart / HttpChunk... / HttpEnd.
@@ -22,6 +22,7 @@ SIGTERM ends it as it ends ``python -m demo``: requests are cut (503), the cache
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -300,7 +301,34 @@ def _load(server: EngineServer) -> dict:
     return {"running": e.running, "queued": e.queued, "load_tokens": e.load_tokens}
 
 
-CALLS = {"metrics": _metrics, "load": _load}
+def _responses(server: EngineServer):
+    """The engine app's Responses store: the front ends' too (engine_client.RemoteResponseStore)."""
+    return server.app.extensions["radixkv"]["responses"]
+
+
+def _responses_put(server: EngineServer, tenant, item: dict) -> None:
+    from demo.api.conversations import StoredResponse
+
+    item = StoredResponse(**{**item, "messages": tuple(item["messages"])})
+    _responses(server).put(wire.hashable(tenant), item)
+
+
+def _responses_get(server: EngineServer, tenant, response_id: str) -> dict | None:
+    found = _responses(server).get(wire.hashable(tenant), response_id)
+    return None if found is None else dataclasses.asdict(found)
+
+
+def _responses_delete(server: EngineServer, tenant, response_id: str) -> bool:
+    return _responses(server).delete(wire.hashable(tenant), response_id)
+
+
+CALLS = {
+    "metrics": _metrics,
+    "load": _load,
+    "responses_put": _responses_put,
+    "responses_get": _responses_get,
+    "responses_delete": _responses_delete,
+}
 
 
 def bind(run_dir: str):
