@@ -219,6 +219,34 @@ def test_throttle_memory_is_bounded_and_refills():
     assert t.retry_after("a") == 0
 
 
+@pytest.mark.parametrize("front_ends", [1, 2, 3, 10, 16])
+def test_front_ends_together_allow_no_more_guesses_than_one_server(front_ends):
+    """--api-server-count n: a client's connections may land on every front end; the tries all
+    of them let through, at once and after a refill, are at most one server's (and >= 1 each)."""
+    from demo.api.auth_throttle import Throttle
+
+    now = [0.0]
+    one = Throttle(clock=lambda: now[0])
+    shares = [Throttle.shared_by(front_ends) for _ in range(front_ends)]
+    for t in shares:
+        t._clock = lambda: now[0]
+
+    def tries(throttles) -> int:
+        n = 0
+        for t in throttles:
+            while t.retry_after("a") == 0:
+                t.failed("a")
+                n += 1
+        return n
+
+    alone, together = tries([one]), tries(shares)
+    assert alone == 10 and front_ends <= together <= max(alone, front_ends)
+    now[0] += 50.0  # one server refills 10 tries in 50 s
+    assert tries(shares) <= max(tries([one]), front_ends)
+    with pytest.raises(ValueError, match="front_ends"):
+        Throttle.shared_by(0)
+
+
 def _raw(url: str) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     return socket.create_connection((host, int(port)), timeout=10)

@@ -111,7 +111,8 @@ def build_engine(config: Config) -> Engine:
 def create_app(config: Config, engine: Engine | None = None) -> Flask:
     engine = engine or build_engine(config)
     auth = Auth(config.api_keys, config.admin_token, tenant_secret(config))
-    throttle = Throttle()  # failed authentications per client address
+    # failed authentications per client address (a front end's share of them: demo.core)
+    throttle = Throttle.shared_by(config.api_server_count) if getattr(engine, "remote", False) else Throttle()
     proxies = config.proxies  # whose X-Forwarded-For names the client
     metrics = Metrics()
     tasks = TaskPrompts(load_task_prompts(config.task_prompts, config.task_prompts_json))

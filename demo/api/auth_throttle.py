@@ -10,6 +10,12 @@ bounded memory; a dropped address starts again with a full bucket.
     throttle = Throttle()
     wait = throttle.retry_after(addr)   # 0: go ahead; else seconds to answer in Retry-After
     throttle.failed(addr)               # after a 401
+    throttle = Throttle.shared_by(n)    # one of n front ends' (--api-server-count n)
+
+With n front ends on one port (demo.core) the kernel spreads a client's connections over
+them, and each keeps its own buckets: ``shared_by(n)`` gives each 1/n of the burst (at least
+one try) and of the refill, so all of them together allow a client no more guesses than the
+one-process server does.
 """
 
 from __future__ import annotations
@@ -34,6 +40,14 @@ class Throttle:
         self.burst, self.per_second, self.max_clients, self._clock = burst, per_second, max_clients, clock
         self._lock = threading.Lock()
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # addr -> (tokens, at)
+
+    @classmethod
+    def shared_by(cls, front_ends: int, burst: int = 10, per_second: float = 0.2) -> Throttle:
+        """One of ``front_ends`` throttles that together allow what ``Throttle(burst,
+        per_second)`` allows alone."""
+        if front_ends < 1:
+            raise ValueError(f"front_ends must be >= 1, got {front_ends}")
+        return cls(max(1, burst // front_ends), per_second / front_ends)
 
     def __len__(self) -> int:
         return len(self._buckets)
