@@ -72,12 +72,15 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
 REQUESTS = [
     ("chat", {"messages": [{"role": "user", "content": DOC + "How old is Greta 4?"}], "max_tokens": 12, "temperature": 0}),
     ("chat", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 10, "n": 3, "temperature": 1, "seed": 7}),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "logprobs": True, "top_logprobs": 3, "temperature": 0}),
     ("completions", {"prompt": DOC + "Greta 7 is", "max_tokens": 10, "temperature": 0, "logprobs": 2}),
     ("completions", {"prompt": "abc", "max_tokens": 16, "n": 2, "temperature": 0.8, "seed": 3, "stop": [" the", "a"]}),
+    ("chat", {"messages": [{"role": "user", "content": "JSON"}], "max_tokens": 40, "temperature": 0, "n": 2,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": OBJECT}}}),
 ]  # fmt: skip
 
 
