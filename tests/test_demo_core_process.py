@@ -72,7 +72,12 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+OBJECT = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
 REQUESTS = [
     ("chat", {"messages": [{"role": "user", "content": DOC + "How old is Greta 4?"}], "max_tokens": 12, "temperature": 0}),
     ("chat", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 10, "n": 3, "temperature": 1, "seed": 7}),
