@@ -184,8 +184,8 @@ def allocate_stacked(layers, batch: int, specs, capacity: int) -> None:
             len(specs), 2, batch, first.num_kv_heads, capacity, first.k_head_dim,
             dtype=first.dtype, device=first.device,
         )  # fmt: skip
-        for i, layer in enumerate(layers[: len(specs)]):
-            layer.adopt(both[i, 0], both[i, 1])
+        for layer, pair in zip(layers[: len(specs)], both.unbind(0)):  # 1 view op a layer, not 4
+            layer.adopt(*pair.unbind(0))
         return
     for layer, s in zip(layers, specs):
         layer.allocate(batch, s.num_kv_heads, s.k_head_dim, s.v_head_dim, capacity, s.dtype, s.device)
