@@ -21,6 +21,21 @@ row has position j (as generate() numbers a left-padded row), so KV computed for
 poisons attention) and are masked. ``last[i]``: the token sampled for row i and not yet fed
 (it has no KV); ``step()`` feeds it.
 
+Prefixes read from the pool in place (``pools``: on by default where ``pool_reason`` is None;
+``RADIXKV_STEP_POOL=0`` or ``RunningBatch(pooled=False)`` turns it off): a row whose cached
+prefix is in the device pool keeps the lease pinning it until it leaves, and ``prefix[i]`` of
+its tokens are read from the pool through its block table at every step
+(``ragged_attention.PoolTables`` -> ``cuda_ext.ragged_decode.ragged_pooled``: those tokens, then
+its own columns, one softmax; bit for bit the sums of the same prefix copied into its columns).
+Its slot holds only its own columns: the KV layers are ``kv_width`` columns wide, ids and mask
+``width`` (every token: positions, penalties and commit keys see the whole row), both
+right-aligned, so slot i's own KV columns start at ``kv_start(i)``; 32 rows over one cached
+document hold it once. ``commit`` then copies only the own columns (``KVStore.commit(offset=)``).
+A pinned block is never evicted, demoted or rewritten; a flush frees it when the row leaves. A
+prefix on the host or remote tier, a model with recurrent state, no store, or no ragged kernel:
+the prefix is copied into the slot (as before); a kernel that stops applying mid-run (the model
+moved or trains) copies every row's prefix in first (``unpool``), logged once.
+
 A row's store key is fixed at admission (``prefill_keys``: the prefill call's namespace,
 shared prefix and adapter key parts, hf_patch.keys); a row admitted without one (cache_prompt
 off, reuse off, an unkeyable call) is never committed. ``commit`` stores a row's fed tokens
