@@ -95,6 +95,7 @@ logger = logging.getLogger(__name__)
 HEADROOM = 64  # columns allocated beyond the width at each re-layout (steps append in place)
 _POOL_ENV = "RADIXKV_STEP_POOL"
 POOL_OFF = "reading prefixes from the pool in place is off"  # (not logged: chosen)
+NO_STORE = "no store"  # (not logged: nothing is read)
 _logged: set[str] = set()
 
 
@@ -119,7 +120,7 @@ def pool_reason(model, store, choice: bool | None = None) -> str | None:
     if not (pool_setting() if choice is None else choice):
         return POOL_OFF
     if store is None:
-        return "no store"
+        return NO_STORE
     if model_layout(model).stateful:
         return "a model with recurrent state (its rows commit their whole KV with their snapshots)"
     if not ragged_attention.verify(model):
@@ -430,7 +431,7 @@ class RunningBatch:
         asked once per batch; logged once when it does not apply, unless switched off)."""
         if self._pools is None:
             reason = pool_reason(self.model, self.store, self._choice)
-            if reason is not None and reason != POOL_OFF:
+            if reason not in (None, POOL_OFF, NO_STORE):
                 _log_once(f"running rows copy their cached prefixes into their slots: {reason}")
             self._pools = reason is None
         # the kernel's conditions hold per call (dtype, device, eval mode, the setting)

@@ -267,3 +267,44 @@ def test_a_recurrent_model_and_a_failing_probe_keep_the_copy(monkeypatch, caplog
         assert "probe" in pool_reason(model, store_for(model))
         assert "probe" in pool_reason(model, store_for(model))  # (asked once per model)
     assert caplog.text.count("running rows copy their cached prefixes: simulated") == 1
+
+
+def test_the_demo_runs_many_requests_over_one_cached_document_at_once_holding_it_once(monkeypatch):
+    """The engine's step loop: four requests over one cached document join together under a
+    --max-batch-tokens that holds four rows' own columns but not four copies of the document
+    (the budget counts what each row holds: its uncached part); their rows read the document
+    from the pool in place; every reply equals stock generate() alone, the document is
+    reported cached, and no pin outlives them."""
+    from demo.api.app import build_engine
+    from demo.config import Config
+    from demo.engine.engine import Params
+    from tests.test_step_loop import engine_stock, settle, spy_steps, wait_for
+
+    engine = build_engine(
+        Config(model="builtin-tiny", cache_tokens=1 << 14, max_batch_size=8, max_batch_tokens=256)
+    )
+    cfg = engine.model.generation_config
+    cfg.suppress_tokens = [*(cfg.suppress_tokens or []), *engine.runner.eos]  # rows end only where we say
+    assert engine.loop.batch.pools
+    doc = engine.text_ids(" ".join(f"the harbour of town {i} has {i + 3} boats" for i in range(6)))
+    assert 100 < len(doc) < 256 < 4 * len(doc)
+    engine.submit(doc, Params(1, temperature=0.0)).collect()  # cached now
+    steps = spy_steps(engine, monkeypatch)
+    prompts = [doc + engine.text_ids(f" question {i}: how many boats?") for i in range(4)]
+    params = Params(12, temperature=0.0)
+    seen = []
+    gens = [engine.submit(p, params) for p in prompts]
+    wait_for(lambda: any(g.generated >= 2 for g in gens))
+    seen.append((list(engine.loop.batch.prefix), engine.loop.batch.kv_width))
+    results = [g.collect() for g in gens]
+    assert any(all(id(g) in s for g in gens) for s in steps)  # a step of all four
+    held = len(doc) // engine.store.block_size * engine.store.block_size
+    prefixes, kv_width = seen[0]
+    assert held in prefixes and kv_width < len(doc)
+    for p, r in zip(prompts, results):
+        assert r.text == engine_stock(engine, p, params)
+        assert r.cached_tokens >= held
+    settle(engine)
+    engine.check_invariants()
+    assert engine.stats()["pinned_blocks"] == 0
+    engine.shutdown(0.5)

@@ -178,7 +178,7 @@ class StepLoop:
                     if self.scheduler.queued:
                         due = steps % self.slice_every == 0
                         newcomers, slice_, aside = self.scheduler.take_newcomers(
-                            len(self._live()), self.batch.width, due, self.takes, self.batch.size
+                            len(self._live()), self.batch.kv_width, due, self.takes, self.batch.size
                         )
                         if slice_ is not None:
                             self.scheduler.requeue(self.runner.prefill(slice_))
