@@ -94,13 +94,15 @@ def _jit(cache: bool):
                 for d in range(dim):
                     qs[r, d] = q[t, g * rep + r, d] * scale
             scores = np.empty((rep, n), dtype=np.float32)
-            for c in range(p):
-                kc = pk[tables[b, c // bs], c % bs, g]
-                for r in range(rep):
-                    s = np.float32(0.0)
-                    for d in range(dim):
-                        s += qs[r, d] * kc[d]
-                    scores[r, c] = s
+            for j in range((p + bs - 1) // bs):  # the pool tokens, a block at a time
+                block = tables[b, j]
+                for o in range(min(bs, p - j * bs)):
+                    kc = pk[block, o, g]
+                    for r in range(rep):
+                        s = np.float32(0.0)
+                        for d in range(dim):
+                            s += qs[r, d] * kc[d]
+                        scores[r, j * bs + o] = s
             for c in range(own):
                 kc = k[b, g, start + c]
                 for r in range(rep):
@@ -118,12 +120,14 @@ def _jit(cache: bool):
                 for c in range(n):
                     scores[r, c] /= total
             acc = np.zeros((rep, dv), dtype=np.float32)
-            for c in range(p):
-                vc = pv[tables[b, c // bs], c % bs, g]
-                for r in range(rep):
-                    w = scores[r, c]
-                    for d in range(dv):
-                        acc[r, d] += w * vc[d]
+            for j in range((p + bs - 1) // bs):
+                block = tables[b, j]
+                for o in range(min(bs, p - j * bs)):
+                    vc = pv[block, o, g]
+                    for r in range(rep):
+                        w = scores[r, j * bs + o]
+                        for d in range(dv):
+                            acc[r, d] += w * vc[d]
             for c in range(own):
                 vc = v[b, g, start + c]
                 for r in range(rep):
