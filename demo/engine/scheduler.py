@@ -237,22 +237,24 @@ class Scheduler:
             blocked = False
             while self._waiting:
                 gen = self._waiting.popleft()
-                new_rows = rows + len(gen.open_rows)
-                columns = self.columns(gen)
-                new_width, new_slots = max(width, columns), max(slots, new_rows)
-                free = new_width == width and new_slots == slots  # into free slots: no new KV
-                wide = not free and new_width * new_rows > self.max_batch_tokens
                 if blocked or not takes(gen):
                     blocked = True
                     rest.append(gen)
-                elif self._long(gen):  # its slices first, whenever one is due
+                    continue
+                if self._long(gen):  # its slices first, whenever one is due
                     if slice_due and sliced is None:
                         gen.slice_to = min(gen.prefilled + self.prefill_chunk, len(gen.prompt_ids) - 1)
                         sliced = gen
                     else:
                         rest.append(gen)
-                elif gen.started is None and new_rows <= self.max_batch_size and not wide:
-                    cost = self.prefill_cost(gen)
+                    continue
+                new_rows = rows + len(gen.open_rows)
+                columns = self.columns(gen)  # (a store lookup where the engine sets it: asked once)
+                new_width, new_slots = max(width, columns), max(slots, new_rows)
+                free = new_width == width and new_slots == slots  # into free slots: no new KV
+                wide = not free and new_width * new_rows > self.max_batch_tokens
+                if gen.started is None and new_rows <= self.max_batch_size and not wide:
+                    cost = columns if self.prefill_cost == self.columns else self.prefill_cost(gen)
                     if admitted and self.max_prefill_tokens and prefill + cost > self.max_prefill_tokens:
                         blocked = True  # over this step's budget: first in line at the next
                         rest.append(gen)
