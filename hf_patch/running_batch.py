@@ -137,11 +137,13 @@ def pool_reason(model, store, choice: bool | None = None) -> str | None:
 @dataclass(frozen=True)
 class RowKeys:
     """A prefill call's key parts (``keys``: one entry per row of that call) and the store epoch
-    and weights fingerprint when its KV was computed."""
+    and weights fingerprint when its KV was computed; ``cached``: per row, its tokens that call
+    read from the store (its KV of those is the pool's: ``admit`` reads no more in place)."""
 
     keys: KeyParts
     epoch: int
     weights: int
+    cached: tuple[int, ...] = ()
 
 
 def prefill_keys(model, cache, rows: int) -> RowKeys | None:
@@ -151,7 +153,7 @@ def prefill_keys(model, cache, rows: int) -> RowKeys | None:
     if not isinstance(cache, RadixCache) or cache.store is None or unkeyable_reason(model) is not None:
         return None
     keys = key_parts(model, cache, torch.Size((rows, 0)), 1)
-    return RowKeys(keys, cache.store.epoch, fingerprint(model))
+    return RowKeys(keys, cache.store.epoch, fingerprint(model), tuple(cache.cached_tokens or ()))
 
 
 class JoinFailed(RuntimeError):
@@ -343,6 +345,7 @@ def _probe_pool(model) -> tuple[bool, str | None]:
     kv = [(cache.layers[i].keys, cache.layers[i].values) for i in layout.kv_layers]
     key = keys.keys.row(0, ids[0, :8], 0)  # its first 8 tokens cached, as a finished row leaves them
     store.commit(key.tokens, [k[:, :, :8] for k, _ in kv], [v[:, :, :8] for _, v in kv], key.namespace)
+    keys = RowKeys(keys.keys, keys.epoch, keys.weights, (8,))  # (as if its prefill had read them)
     got = []
     for pooled in (False, True):
         batch = RunningBatch(model, store, pooled=pooled)
@@ -486,18 +489,25 @@ class RunningBatch:
         if not torch.equal(mask.bool(), expected):
             raise ValueError("admit: the mask is not plain left padding")
         ids = torch.where(mask.bool(), ids.to("cpu", torch.long), self.pad_id)
-        # a row whose prompt the prefill committed reads it from the pool in place (leased now)
-        reads = keys is not None and self.store is not None and keys.epoch == self.store.epoch and self.pools
+        # a row reads in place the prefix its prefill read from the store (leased again now: its
+        # KV of those tokens is the pool's; what the prefill computed stays the row's own, as a
+        # copy would keep it, though another row of the call may have committed the same tokens)
+        reads = (
+            keys is not None
+            and self.store is not None
+            and keys.epoch == self.store.epoch
+            and len(keys.cached) == rows
+            and self.pools
+        )
         held: list[tuple] = []
         try:
             for r in range(rows):
                 n = int(real[r])
-                held.append(self._lease(keys, r, ids[r, length - n :], n, 0) if reads else (None, None))
+                most = min(n, keys.cached[r]) if reads else 0
+                held.append(self._lease(keys, r, ids[r, length - n :], most, 0) if most else (None, None))
             own = [int(real[r]) - (lease.num_tokens if lease else 0) for r, (lease, _) in enumerate(held)]
             free = [i for i, alive in enumerate(self.live) if not alive]
-            need = max(
-                (length - int(real[r]) + n for r, n in enumerate(own)), default=0
-            )  # (length when no pool)
+            need = max(own, default=0)  # (the widest real row when none reads the pool)
             if self.cache is None or length > self.width or need > self.kv_width or len(free) < rows:
                 # one re-layout: wide enough for the newcomers, a slot for each
                 grow = max(0, rows - len(free))

@@ -107,7 +107,7 @@ def drive(model, store, schedule, steps: int, pooled: bool, join: str = "seat", 
 def questions():
     """Three rows over the document (two join together, one later) and a row of its own."""
     a, b, c = DOC + tokens(5, 2), DOC + tokens(3, 3), DOC[:21] + tokens(6, 4)
-    plain = tokens(30, 5)
+    plain = tokens(20, 5)
     return {0: [(a, 7), (plain, 4)], 2: [(b, 9), (c, 5)]}
 
 
@@ -308,3 +308,55 @@ def test_the_demo_runs_many_requests_over_one_cached_document_at_once_holding_it
     engine.check_invariants()
     assert engine.stats()["pinned_blocks"] == 0
     engine.shutdown(0.5)
+
+
+def _random_run(model, seed: int, pooled: bool) -> tuple[list, int]:
+    """A seeded sequence over a small store (evictions) holding three documents: rows of random
+    cuts of them plus random tails join by seat or by admission prefill at random steps, leave
+    at random lengths, the batch compacted; store invariants after every step. Returns each
+    step's (prompt, logits) per row and the pool tokens read over all steps."""
+    import random
+
+    rnd = random.Random(seed)
+    store = store_for(model, budget_tokens=512)
+    docs = [tokens(rnd.randint(5, 70), 100 + i) for i in range(3)]
+    for doc in docs:
+        with torch.no_grad():
+            model.generate(torch.tensor([doc]), past_key_values=hf_patch.RadixCache(store=store),
+                           max_new_tokens=1, do_sample=False, pad_token_id=PAD)  # fmt: skip
+    schedule, k = {}, 0
+    for k in range(30):
+        if rnd.random() < 0.35:
+            rows = [rnd.choice(docs) for _ in range(rnd.randint(1, 3))]
+            rows = [
+                (
+                    d[: rnd.randint(1, len(d))] + tokens(rnd.randint(1, 12), rnd.randrange(10**6)),
+                    rnd.randint(1, 12),
+                )
+                for d in rows
+            ]
+            schedule[k] = rows
+    join = "seat" if seed % 2 else "admit"
+    read = []
+    done, seen, _, _ = drive(
+        model,
+        store,
+        schedule,
+        40,
+        pooled,
+        join,
+        between=lambda b: (read.append(sum(b.prefix)), store.check_invariants()),
+    )
+    assert store.stats()["pinned_blocks"] == 0
+    return sorted(done.items()), seen, sum(read)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_joins_leaves_and_evictions_give_the_copys_logits(seed):
+    model = shared(MODEL)
+    copy_done, copy_seen, _ = _random_run(model, seed, False)
+    pool_done, pool_seen, read = _random_run(model, seed, True)
+    assert read > 0 and pool_done == copy_done
+    assert len(pool_seen) == len(copy_seen)
+    for a, b in zip(pool_seen, copy_seen):
+        assert a.keys() == b.keys() and all(torch.equal(a[p], b[p]) for p in a)
