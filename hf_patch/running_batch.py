@@ -71,7 +71,6 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from transformers.cache_utils import Cache, DummyLayer
 
@@ -83,6 +82,7 @@ from hf_patch.keys.weights import fingerprint, flush_if_weights_changed
 from hf_patch.layer import AppendLayer, StateAppendLayer, StateLayer
 from hf_patch.model_spec import ModelLayout, layer_specs, model_layout
 from hf_patch.request import KeyParts
+from hf_patch.slot_prefixes import SlotPrefixes
 from hf_patch.slot_states import SlotStates
 
 __all__ = [
@@ -382,12 +382,9 @@ class RunningBatch:
         self.model, self.store, self.pad_id, self.eos = model, store, pad_id, set(eos)
         self.cache: Cache | None = None
         self.kv_width = 0  # KV columns of every layer (``width`` counts the rows' pool tokens too)
-        # per slot: the row's first tokens read from the pool in place (0: none; its KV columns
-        # hold the rest), the lease pinning them until the row leaves, and their blocks
-        self.prefix: list[int] = []
-        self._leases: list = []
-        self._blocks: list[list[int]] = []
-        self._tables: ragged_attention.PoolTables | None = None  # built from those when a step needs it
+        # per slot: the row's first tokens read from the pool in place (its KV columns hold the
+        # rest), the lease pinning them until the row leaves, their blocks (hf_patch.slot_prefixes)
+        self.prefixes = SlotPrefixes()
         self._choice = pooled
         self._pools: bool | None = None  # pool_reason() is None, asked once
         self.ids = torch.zeros((0, 0), dtype=torch.long)
@@ -427,6 +424,11 @@ class RunningBatch:
     def width(self) -> int:
         """Columns of ``ids`` / ``mask``: a row's tokens, its pool tokens included."""
         return self.ids.shape[1]
+
+    @property
+    def prefix(self) -> list[int]:
+        """Per slot: the row's first tokens read from the pool in place (0: none)."""
+        return self.prefixes.tokens
 
     @property
     def pools(self) -> bool:
@@ -504,7 +506,7 @@ class RunningBatch:
             for r in range(rows):
                 n = int(real[r])
                 most = min(n, keys.cached[r]) if reads else 0
-                held.append(self._lease(keys, r, ids[r, length - n :], most, 0) if most else (None, None))
+                held.append(self._lease(keys, r, ids[r, length - n :], most) if most else (None, None))
             own = [int(real[r]) - (lease.num_tokens if lease else 0) for r, (lease, _) in enumerate(held)]
             free = [i for i, alive in enumerate(self.live) if not alive]
             need = max(own, default=0)  # (the widest real row when none reads the pool)
@@ -528,7 +530,7 @@ class RunningBatch:
                 for buf, src in zip(layer.buffers(), (k, v)):
                     buf[slot, :, :start] = 0  # padding: finite zeros, masked
                     buf[slot, :, start:kv_width] = src[r, :, length - own[r] :]
-            self._hold(slot, *held[r])
+            self.prefixes.hold(slot, *held[r])
             if self.states is not None:
                 self.states.admit(self.cache.layers, slot, states, r)
             self.ids[slot] = self.pad_id
@@ -540,31 +542,15 @@ class RunningBatch:
             self._keys[slot] = (keys, r) if keys is not None else None
         return slots
 
-    def _lease(self, keys: RowKeys, r: int, tokens: torch.Tensor, most: int, served: int):
-        """``keys``' row r's longest cached prefix of ``tokens`` (at most ``most`` tokens), pinned,
-        and its blocks in the device pool: ``(lease, blocks)``, or ``(None, None)`` when nothing is
-        cached or some of it is not in the device pool (host or remote tier: copied instead).
-        ``served``: the hit tokens counted (0: the prefill that computed them counted its own)."""
-        key = keys.keys.row(r, tokens, 0)
-        lease = self.store.acquire(
-            key.tokens, key.namespace, max_tokens=most, count=served > 0, remote=served > 0
-        )
-        try:
-            n = lease.num_tokens
-            blocks = self.store.read_in_place([lease], [n], served=[served]) if n else None
-        except BaseException:
-            lease.release()
-            raise
+    def _lease(self, keys: RowKeys, r: int, tokens: torch.Tensor, most: int) -> tuple:
+        """``keys``' row r's longest cached prefix of ``tokens`` (at most ``most`` tokens) pinned,
+        and its blocks in the device pool, for a row admitted after its prefill (which counted
+        the hits): ``(lease, blocks)``, or ``(None, None)`` where it is not all in the device pool."""
+        lease, blocks = SlotPrefixes.lease(self.store, keys.keys.row(r, tokens, 0), most, 0)
         if blocks is None:
             lease.release()
             return None, None
-        return lease, blocks[0]
-
-    def _hold(self, slot: int, lease, blocks) -> None:
-        """Slot ``slot``'s row reads ``lease``'s tokens at ``blocks`` in place until it leaves (None: none)."""
-        self.prefix[slot] = lease.num_tokens if lease is not None else 0
-        self._leases[slot], self._blocks[slot] = lease, (blocks or [])
-        self._tables = None
+        return lease, blocks
 
     def seat(
         self,
@@ -652,14 +638,9 @@ class RunningBatch:
         if store is None:
             return None, None
         key = keys.keys.row(r, torch.tensor(context, dtype=torch.long), 0)
-        lease = store.acquire(key.tokens, key.namespace, max_tokens=len(context) - 1)
-        try:
-            n = lease.num_tokens
-            blocks = store.read_in_place([lease], [n]) if n and self.pools else None
-        except BaseException:
-            lease.release()
-            raise
-        return lease, (blocks[0] if blocks is not None else None)
+        if self.pools:
+            return SlotPrefixes.lease(store, key, len(context) - 1, None)
+        return store.acquire(key.tokens, key.namespace, max_tokens=len(context) - 1), None
 
     def _seat_one(
         self, slot: int, context: Sequence[int], keys: RowKeys | None, r: int, lease, blocks
@@ -691,7 +672,7 @@ class RunningBatch:
             raise
         if lease is not None and not inplace:
             lease.release()
-        self._hold(slot, lease if inplace else None, blocks)
+        self.prefixes.hold(slot, lease if inplace else None, blocks)
         self.ids[slot] = self.pad_id
         self.ids[slot, pad:] = ids[:-1]
         self.mask[slot] = 0
@@ -721,9 +702,7 @@ class RunningBatch:
                 raise ValueError(f"remove: slot {i} holds no row")
             if commit:
                 added += self._commit_or_log(i)
-            if self._leases[i] is not None:  # (after its commit: that extends the prefix it pins)
-                self._leases[i].release()
-            self._hold(i, None, None)
+            self.prefixes.release(i)  # (after its commit: that extends the prefix it pins)
             self.live[i], self.last[i], self._keys[i] = False, self.pad_id, None
             self.pending[i] = 0
             if self.states is not None:
@@ -951,19 +930,7 @@ class RunningBatch:
             )
             self.unpool()
             return None
-        if self._tables is None:
-            tables = np.zeros((self.size, max(1, max(len(b) for b in self._blocks))), dtype=np.int64)
-            for i, blocks in enumerate(self._blocks):
-                tables[i, : len(blocks)] = blocks
-            pool = self.store.pool
-            self._tables = ragged_attention.PoolTables(
-                pool.k,
-                pool.v,
-                {layer: j for j, layer in enumerate(self.layout.kv_layers)},
-                tables,
-                np.asarray(self.prefix, dtype=np.int64),
-            )
-        return self._tables
+        return self.prefixes.tables(self.store.pool, self.layout)
 
     def unpool(self) -> None:
         """Copy every row's prefix from the pool into its slot and release its lease: the batch
@@ -977,7 +944,7 @@ class RunningBatch:
         self._relayout(list(range(self.size)), self.width, max(self.kv_width, longest), self.size, None)
         layers = self._kv_layers()
         for i in pooled:
-            lease, n = self._leases[i], self.prefix[i]
+            lease, n = self.prefixes.leases[i], self.prefix[i]
             start = self.kv_start(i) - n  # (its pool tokens go right before its own columns)
             self.store.read(
                 [lease],
@@ -986,8 +953,7 @@ class RunningBatch:
                 [layer.buffers()[1][i : i + 1, :, start : start + n] for layer in layers],
                 count=False,
             )
-            lease.release()
-            self._hold(i, None, None)
+            self.prefixes.release(i)
 
     # -- layout -----------------------------------------------------------------------------
     def _kv_layers(self) -> list:
@@ -1018,10 +984,7 @@ class RunningBatch:
 
     def clear(self) -> None:
         """Drop every row and the KV (nothing committed; the rows' leases released)."""
-        for lease in self._leases:
-            if lease is not None:
-                lease.release()
-        self.prefix, self._leases, self._blocks, self._tables = [], [], [], None
+        self.prefixes.clear()
         self.kv_width = 0
         self.cache = None
         self.ids = torch.zeros((0, 0), dtype=torch.long)
@@ -1071,9 +1034,6 @@ class RunningBatch:
         self.prompt_lengths = [self.prompt_lengths[i] for i in keep] + [0] * free
         self._keys = [self._keys[i] for i in keep] + [None] * free
         self.pending = [self.pending[i] for i in keep] + [0] * free
-        self.prefix = [self.prefix[i] for i in keep] + [0] * free
-        self._leases = [self._leases[i] for i in keep] + [None] * free
-        self._blocks = [self._blocks[i] for i in keep] + [[] for _ in range(free)]
-        self._tables = None
+        self.prefixes.relayout(keep, free)
         where = {old: new for new, old in enumerate(keep)}
         self._seated = [where[i] for i in self._seated if i in where]
