@@ -18,7 +18,7 @@ KV per token, 62.5 MiB for the document), the document cached in the store befor
   not sliced): RSS peak and when
   the most rows ran together.
 - ``speed``: the decode step of 16 such rows (median interval over 32 steps after the first),
-  both paths in one process, rounds interleaved, medians; and the largest logit difference
+  both paths in one process, rounds interleaved (each path first in turn), medians; and the largest logit difference
   between the paths at every step (the pool path sums as the copy does: 0 expected).
 
     python -m benchmarks.bench_step_pool                     # both parts
@@ -200,7 +200,8 @@ def speed(rounds: int) -> None:
     store = warm_store(model, doc_tokens())
     steps: dict[str, list[float]] = {p: [] for p in PATHS}
     for r in range(rounds):
-        for k, path in enumerate(PATHS):  # new questions each time: only the document is cached
+        for k, path in enumerate(PATHS if r % 2 == 0 else PATHS[::-1]):  # (each first in turn)
+            # new questions each time: only the document is cached
             batch, _ = seat(model, store, 16, path == "pool", 5000 + 100 * r + 50 * k)
             times: list[float] = []
             decode(batch, 34, times)
