@@ -2,6 +2,7 @@
 
     out = ragged_decode(query, key, value, starts, end, scale)
     out = ragged_packed(query, key, value, slots, starts, ends, scale)
+    out = ragged_pooled(query, key, value, slots, starts, ends, pool_k, pool_v, tables, lengths, scale)
 
 ``ragged_decode``: ``query`` ``[B, Hq, D]`` (one token per row), ``key`` / ``value``
 ``[B, Hkv, W, D]`` / ``[B, Hkv, W, Dv]`` float32 CPU tensors (views of bigger buffers are
@@ -14,6 +15,11 @@ softmax(q k^T * scale) v over those columns, as SDPA with a mask hiding the othe
 prompt tokens of rows joining the batch, hf_patch.running_batch): ``query`` ``[N, Hq, D]``,
 token t attends to columns ``starts[t]:ends[t]`` of KV row ``slots[t]``. A token of a prompt
 ends at its own column (causal); ``ragged_decode`` is the case ``slots = 0..B-1``, ``ends = end``.
+
+``ragged_pooled``: ``ragged_packed`` where each KV row's first tokens (a cached prefix shared
+by many rows) are read from a block pool in place through the row's block table, before its
+own columns, in one softmax (the step loop's rows over one cached document hold it once:
+hf_patch.running_batch).
 
 Why: an SDPA call reads every row's W columns, padding included; on a CPU a decode step's
 attention is bound by those reads, so for a batch of many short rows beside a long one most of
@@ -33,7 +39,7 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["available", "ragged_decode", "ragged_packed"]
+__all__ = ["available", "ragged_decode", "ragged_packed", "ragged_pooled"]
 
 try:  # optional (the demo extra); without it callers keep SDPA
     import numba
@@ -66,30 +72,44 @@ def _compile():
 def _jit(cache: bool):
     # reassoc/contract let LLVM vectorise the dot products; no nnan/ninf assumptions
     @numba.njit(parallel=True, fastmath={"reassoc", "contract"}, cache=cache, nogil=True)
-    def attend(q, k, v, slots, starts, ends, scale, out):  # pragma: no cover - compiled
+    def attend(
+        q, k, v, slots, starts, ends, pk, pv, tables, lengths, scale, out
+    ):  # pragma: no cover - compiled
         tokens, heads, dim = q.shape
         kv_heads = k.shape[1]
         rep = heads // kv_heads
         dv = v.shape[3]
+        bs = pk.shape[1]
         # one job per (query token, KV head): its rep query heads share each column read
         for job in numba.prange(tokens * kv_heads):
             t = job // kv_heads
             g = job % kv_heads
             b = slots[t]
             start = starts[t]
-            n = ends[t] - start
+            own = ends[t] - start
+            p = lengths[b]  # the row's prefix tokens in the pool: columns 0..p-1 of its softmax
+            n = p + own
             qs = np.empty((rep, dim), dtype=np.float32)
             for r in range(rep):
                 for d in range(dim):
                     qs[r, d] = q[t, g * rep + r, d] * scale
             scores = np.empty((rep, n), dtype=np.float32)
-            for c in range(n):
+            for j in range((p + bs - 1) // bs):  # the pool tokens, a block at a time
+                block = tables[b, j]
+                for o in range(min(bs, p - j * bs)):
+                    kc = pk[block, o, g]
+                    for r in range(rep):
+                        s = np.float32(0.0)
+                        for d in range(dim):
+                            s += qs[r, d] * kc[d]
+                        scores[r, j * bs + o] = s
+            for c in range(own):
                 kc = k[b, g, start + c]
                 for r in range(rep):
                     s = np.float32(0.0)
                     for d in range(dim):
                         s += qs[r, d] * kc[d]
-                    scores[r, c] = s
+                    scores[r, p + c] = s
             for r in range(rep):
                 best = scores[r].max()
                 total = np.float32(0.0)
@@ -100,12 +120,20 @@ def _jit(cache: bool):
                 for c in range(n):
                     scores[r, c] /= total
             acc = np.zeros((rep, dv), dtype=np.float32)
-            for c in range(n):
+            for j in range((p + bs - 1) // bs):
+                block = tables[b, j]
+                for o in range(min(bs, p - j * bs)):
+                    vc = pv[block, o, g]
+                    for r in range(rep):
+                        w = scores[r, j * bs + o]
+                        for d in range(dv):
+                            acc[r, d] += w * vc[d]
+            for c in range(own):
                 vc = v[b, g, start + c]
                 for r in range(rep):
-                    p = scores[r, c]
+                    w = scores[r, p + c]
                     for d in range(dv):
-                        acc[r, d] += p * vc[d]
+                        acc[r, d] += w * vc[d]
             for r in range(rep):
                 for d in range(dv):
                     out[t, g * rep + r, d] = acc[r, d]
@@ -153,6 +181,59 @@ def ragged_decode(query, key, value, starts, end: int, scale: float) -> torch.Te
 def ragged_packed(query, key, value, slots, starts, ends, scale: float) -> torch.Tensor:
     """See the module. Raises RuntimeError without numba, ValueError for shapes, dtypes,
     devices, slots or columns it does not take."""
+    return _run(query, key, value, slots, starts, ends, None, scale)
+
+
+def ragged_pooled(
+    query, key, value, slots, starts, ends, pool_k, pool_v, tables, lengths, scale: float
+) -> torch.Tensor:
+    """``ragged_packed`` where KV row b's first ``lengths[b]`` tokens lie in a block pool
+    (``pool_k`` / ``pool_v`` ``[num_blocks, block_size, Hkv, D]`` / ``[.., Dv]`` float32 CPU,
+    read in place) at blocks ``tables[b, :ceil(lengths[b] / block_size)]`` (``tables`` ``[B, M]``
+    int64): token t attends to those tokens, then to columns ``starts[t]:ends[t]`` of row
+    ``slots[t]``, one softmax over both. A row's pool tokens come before its columns in the
+    softmax as its own columns would: the same sums in the same order as ``ragged_packed`` over
+    a buffer holding the prefix in its columns. Raises as ``ragged_packed`` does, and for tables
+    or lengths that name no pool block."""
+    return _run(query, key, value, slots, starts, ends, (pool_k, pool_v, tables, lengths), scale)
+
+
+def _check_pool(key, value, pool) -> tuple:
+    """The pool arguments as the kernel takes them (views, never copies of the pool)."""
+    pool_k, pool_v, tables, lengths = pool
+    for name, t in (("pool_k", pool_k), ("pool_v", pool_v)):
+        if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 4:
+            raise ValueError(
+                f"ragged attention: {name} must be a float32 CPU [blocks, block_size, Hkv, D] tensor"
+            )
+    if (
+        pool_k.shape[:3] != pool_v.shape[:3]
+        or pool_k.shape[2:] != (key.shape[1], key.shape[3])
+        or pool_v.shape[3] != value.shape[3]
+    ):
+        raise ValueError(
+            f"ragged attention: pool {list(pool_k.shape)} / {list(pool_v.shape)} does not fit key "
+            f"{list(key.shape)} / value {list(value.shape)} (the same KV heads and head sizes)"
+        )
+    tables = np.ascontiguousarray(tables, dtype=np.int64)
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    rows = key.shape[0]
+    if tables.ndim != 2 or tables.shape[0] != rows or lengths.shape != (rows,):
+        raise ValueError(
+            f"ragged attention: tables [{rows}, M] and lengths [{rows}] for the KV's {rows} rows"
+        )
+    bs = pool_k.shape[1]
+    if lengths.min(initial=0) < 0 or lengths.max(initial=0) > tables.shape[1] * bs:
+        raise ValueError(
+            f"ragged attention: lengths must be within the tables' {tables.shape[1]} blocks of {bs}"
+        )
+    used = tables[np.arange(tables.shape[1]) < (-(-lengths // bs))[:, None]]  # the blocks read
+    if used.size and (used.min() < 0 or used.max() >= pool_k.shape[0]):
+        raise ValueError(f"ragged attention: a table names blocks outside the pool's {pool_k.shape[0]}")
+    return pool_k.numpy(), pool_v.numpy(), tables, lengths
+
+
+def _run(query, key, value, slots, starts, ends, pool, scale: float) -> torch.Tensor:
     global _kernel
     if numba is None:
         raise RuntimeError("ragged attention needs numba: pip install numba")
@@ -183,6 +264,13 @@ def ragged_packed(query, key, value, slots, starts, ends, scale: float) -> torch
         raise ValueError(
             f"ragged attention: each token's columns starts:ends must be non-empty within the KV's {key.shape[2]}"
         )
+    if pool is None:  # no row has pool tokens: an empty pool, every length 0
+        rows, kv_heads = key.shape[0], key.shape[1]
+        pk = np.empty((1, 1, kv_heads, dim), dtype=np.float32)
+        pv = np.empty((1, 1, kv_heads, value.shape[3]), dtype=np.float32)
+        tables, lengths = np.zeros((rows, 1), dtype=np.int64), np.zeros(rows, dtype=np.int64)
+    else:
+        pk, pv, tables, lengths = _check_pool(key, value, pool)
     out = torch.empty((tokens, heads, value.shape[3]), dtype=torch.float32)
     with _lock:
         if _kernel is None:
@@ -196,6 +284,10 @@ def ragged_packed(query, key, value, slots, starts, ends, scale: float) -> torch
             slots,
             starts,
             ends,
+            pk,
+            pv,
+            tables,
+            lengths,
             np.float32(scale),
             out.numpy(),
         )

@@ -31,6 +31,11 @@ hf_patch.running_batch): token t attends to columns ``starts[t]:ends[t]`` of the
 ``slots[t]`` (the cache scatters each token's KV to its row and column). It has no SDPA
 fallback (no rectangular mask expresses it): a call the kernel cannot compute raises. Callers
 use it only after ``verify(model)`` (and RunningBatch's own packed probe) passed.
+
+Both take ``pool=PoolTables(...)``: each KV row's first ``lengths[b]`` tokens (a cached prefix
+many rows share) lie in the store's block pool, read in place through the row's block table
+before its own columns, one softmax (``cuda_ext.ragged_decode.ragged_pooled``). Then no call
+may fall back to SDPA (it would not see the prefix): one the kernel cannot compute raises.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ import logging
 import math
 import os
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -48,7 +55,7 @@ from cuda_ext import ragged_decode
 from hf_patch.model_spec import model_layout
 from hf_patch.step_models import unsupported_reason
 
-__all__ = ["NAME", "PACKED", "available", "columns", "packed", "probed_once", "verify"]
+__all__ = ["NAME", "PACKED", "PoolTables", "available", "columns", "packed", "probed_once", "verify"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +65,20 @@ _ENV = "RADIXKV_RAGGED_ATTENTION"
 
 _state = threading.local()  # calls of the registered function during a forward (verify)
 _registered = False
+
+
+@dataclass(frozen=True)
+class PoolTables:
+    """Where each KV row's first tokens lie in a block pool (hf_patch.running_batch): row b's
+    first ``lengths[b]`` tokens at blocks ``tables[b]`` (``[B, M]`` int64, ``lengths`` ``[B]``;
+    0: none) of ``pool_k[pool_layer[layer_idx]]`` / ``pool_v[...]`` (``[blocks, block_size, Hkv,
+    D]``, the store's ``BlockPool.k`` / ``.v``), read in place."""
+
+    pool_k: Sequence[torch.Tensor]
+    pool_v: Sequence[torch.Tensor]
+    pool_layer: dict[int, int]  # model layer index -> pool layer index
+    tables: np.ndarray
+    lengths: np.ndarray
 
 
 def available() -> bool:
@@ -98,9 +119,10 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     calls = getattr(_state, "calls", None)
     if calls is not None:
         _state.calls = calls + 1
+    pool = kwargs.pop("radixkv_pool", None)
     packing = kwargs.pop("radixkv_packed", None)
     if packing is not None:
-        return _packed_attention(module, query, key, value, packing, dropout, scaling, kwargs)
+        return _packed_attention(module, query, key, value, packing, dropout, scaling, kwargs, pool)
     plan = kwargs.pop("radixkv_columns", None)
     usable = (
         plan is not None
@@ -112,6 +134,12 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
         and not (query.requires_grad or key.requires_grad or value.requires_grad)
         and _plain(module, kwargs)
     )
+    if not usable and pool is not None:
+        raise ValueError(
+            f"ragged attention: a call the kernel cannot compute over rows whose prefix is in the pool "
+            f"(query {list(query.shape)} {query.dtype} on {query.device}, dropout {dropout}, options "
+            f"{sorted(k for k, v in kwargs.items() if v is not None)}): SDPA would not see the prefix"
+        )
     if not usable:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -120,11 +148,27 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
         _state.kernel_calls += 1
     starts, end = plan
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    out = ragged_decode.ragged_decode(query[:, :, 0], key, value, starts, end, scale)
+    if pool is None:
+        out = ragged_decode.ragged_decode(query[:, :, 0], key, value, starts, end, scale)
+    else:
+        rows = len(starts)
+        slots, ends = np.arange(rows, dtype=np.int64), np.full(rows, end, dtype=np.int64)
+        out = _pooled(module, query[:, :, 0], key, value, slots, starts, ends, scale, pool)
     return out.unsqueeze(1), None  # [B, 1, heads, Dv], as sdpa_attention_forward returns
 
 
-def _packed_attention(module, query, key, value, packing, dropout, scaling, kwargs):
+def _pooled(module, query, key, value, slots, starts, ends, scale, pool: PoolTables) -> torch.Tensor:
+    """The kernel with ``pool``'s rows' prefixes read from the pool layer of ``module``."""
+    layer = pool.pool_layer.get(getattr(module, "layer_idx", None))
+    if layer is None:
+        raise ValueError(f"ragged attention: {type(module).__name__} has no layer_idx naming a pool layer")
+    return ragged_decode.ragged_pooled(
+        query, key, value, slots, starts, ends, pool.pool_k[layer], pool.pool_v[layer],
+        pool.tables, pool.lengths, scale,
+    )  # fmt: skip
+
+
+def _packed_attention(module, query, key, value, packing, dropout, scaling, kwargs, pool=None):
     """The kernel over ``query`` ``[1, Hq, N, D]`` (N packed tokens); no fallback: raises
     ValueError for a call it cannot compute."""
     if getattr(_state, "calls", None) is not None:
@@ -142,7 +186,10 @@ def _packed_attention(module, query, key, value, packing, dropout, scaling, kwar
         )
     slots, starts, ends = packing
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    out = ragged_decode.ragged_packed(query[0].transpose(0, 1), key, value, slots, starts, ends, scale)
+    if pool is None:
+        out = ragged_decode.ragged_packed(query[0].transpose(0, 1), key, value, slots, starts, ends, scale)
+    else:
+        out = _pooled(module, query[0].transpose(0, 1), key, value, slots, starts, ends, scale, pool)
     return out.unsqueeze(0), None  # [1, N, heads, Dv], as sdpa_attention_forward returns
 
 
@@ -166,11 +213,14 @@ def _fits(model) -> bool:
 
 
 @contextlib.contextmanager
-def columns(model, starts, end: int, probing: bool = False):
+def columns(model, starts, end: int, probing: bool = False, pool: PoolTables | None = None):
     """Within: the model's attention is the ragged kernel for a forward given ``**kwargs``
     (row b attends to its columns ``starts[b]:end`` of the cache after this step's append;
-    ``starts``: a sequence of ints); yields {} (and changes nothing) where it does not apply."""
+    ``starts``: a sequence of ints; ``pool``: rows' prefixes in the pool, first); yields {}
+    (and changes nothing) where it does not apply, or raises ValueError there with ``pool``."""
     if not (probing or verify(model)):
+        if pool is not None:
+            raise ValueError("ragged attention: the model did not pass ragged_attention.verify")
         yield {}
         return
     _ensure_registered()
@@ -178,13 +228,14 @@ def columns(model, starts, end: int, probing: bool = False):
     previous = config._attn_implementation
     config._attn_implementation = NAME
     try:
-        yield {"radixkv_columns": (np.asarray(starts, dtype=np.int64), int(end))}
+        kwargs = {"radixkv_columns": (np.asarray(starts, dtype=np.int64), int(end))}
+        yield kwargs if pool is None else {**kwargs, "radixkv_pool": pool}
     finally:
         config._attn_implementation = previous
 
 
 @contextlib.contextmanager
-def packed(model, slots, starts, ends):
+def packed(model, slots, starts, ends, pool: PoolTables | None = None):
     """Within: the model's attention is the packed kernel for a forward given ``**kwargs`` over
     one packed sequence (see the module; ``slots``, ``starts``, ``ends``: one int per token).
     Raises ValueError where ``verify(model)`` did not pass."""
@@ -195,7 +246,8 @@ def packed(model, slots, starts, ends):
     previous = config._attn_implementation
     config._attn_implementation = PACKED
     try:
-        yield {"radixkv_packed": tuple(np.asarray(a, dtype=np.int64) for a in (slots, starts, ends))}
+        kwargs = {"radixkv_packed": tuple(np.asarray(a, dtype=np.int64) for a in (slots, starts, ends))}
+        yield kwargs if pool is None else {**kwargs, "radixkv_pool": pool}
     finally:
         config._attn_implementation = previous
 

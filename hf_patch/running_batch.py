@@ -21,6 +21,21 @@ row has position j (as generate() numbers a left-padded row), so KV computed for
 poisons attention) and are masked. ``last[i]``: the token sampled for row i and not yet fed
 (it has no KV); ``step()`` feeds it.
 
+Prefixes read from the pool in place (``pools``: on by default where ``pool_reason`` is None;
+``RADIXKV_STEP_POOL=0`` or ``RunningBatch(pooled=False)`` turns it off): a row whose cached
+prefix is in the device pool keeps the lease pinning it until it leaves, and ``prefix[i]`` of
+its tokens are read from the pool through its block table at every step
+(``ragged_attention.PoolTables`` -> ``cuda_ext.ragged_decode.ragged_pooled``: those tokens, then
+its own columns, one softmax; bit for bit the sums of the same prefix copied into its columns).
+Its slot holds only its own columns: the KV layers are ``kv_width`` columns wide, ids and mask
+``width`` (every token: positions, penalties and commit keys see the whole row), both
+right-aligned, so slot i's own KV columns start at ``kv_start(i)``; 32 rows over one cached
+document hold it once. ``commit`` then copies only the own columns (``KVStore.commit(offset=)``).
+A pinned block is never evicted, demoted or rewritten; a flush frees it when the row leaves. A
+prefix on the host or remote tier, a model with recurrent state, no store, or no ragged kernel:
+the prefix is copied into the slot (as before); a kernel that stops applying mid-run (the model
+moved or trains) copies every row's prefix in first (``unpool``), logged once.
+
 A row's store key is fixed at admission (``prefill_keys``: the prefill call's namespace,
 shared prefix and adapter key parts, hf_patch.keys); a row admitted without one (cache_prompt
 off, reuse off, an unkeyable call) is never committed. ``commit`` stores a row's fed tokens
@@ -52,6 +67,7 @@ write one slot (see the class for when the whole batch is re-laid out).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,25 +82,68 @@ from hf_patch.keys.weights import fingerprint, flush_if_weights_changed
 from hf_patch.layer import AppendLayer, StateAppendLayer, StateLayer
 from hf_patch.model_spec import ModelLayout, layer_specs, model_layout
 from hf_patch.request import KeyParts
+from hf_patch.slot_prefixes import SlotPrefixes
 from hf_patch.slot_states import SlotStates
 
 __all__ = [
-    "JoinFailed", "RowKeys", "RunningBatch", "packs", "prefill_keys", "prefill_tensors", "unsupported_reason",
+    "JoinFailed", "RowKeys", "RunningBatch", "packs", "pool_reason", "prefill_keys", "prefill_tensors",
+    "unsupported_reason",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
 HEADROOM = 64  # columns allocated beyond the width at each re-layout (steps append in place)
+_POOL_ENV = "RADIXKV_STEP_POOL"
+POOL_OFF = "reading prefixes from the pool in place is off"  # (not logged: chosen)
+NO_STORE = "no store"  # (not logged: nothing is read)
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning("radixkv: %s", message)
+
+
+def pool_setting() -> bool:
+    """``RADIXKV_STEP_POOL``: ``1``, unset or ``auto`` (the default): on where it applies; ``0``: off."""
+    value = os.environ.get(_POOL_ENV, "").strip()
+    if value not in ("", "auto", "0", "1"):
+        raise ValueError(f"{_POOL_ENV} must be 0, 1 or auto, got {value!r}")
+    return value != "0"
+
+
+def pool_reason(model, store, choice: bool | None = None) -> str | None:
+    """Why ``model``'s RunningBatch over ``store`` copies each row's cached prefix into its slot,
+    or None: its rows read their prefixes from the pool in place (see the module). ``choice``:
+    ``RunningBatch(pooled=)``; the setting counts when it is None. Probed once per model."""
+    if not (pool_setting() if choice is None else choice):
+        return POOL_OFF
+    if store is None:
+        return NO_STORE
+    if model_layout(model).stateful:
+        return "a model with recurrent state (its rows commit their whole KV with their snapshots)"
+    if not ragged_attention.verify(model):
+        return "the step's ragged kernel does not apply (numba, a float32 CPU sdpa model: hf_patch.ragged_attention)"
+    pool = store.pool
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in (*pool.k, *pool.v)):
+        return "the store's pool is not float32 on the CPU"
+    ok = ragged_attention.probed_once(
+        model, "_radixkv_step_pool_ok", _probe_pool, logger, "running rows copy their cached prefixes"
+    )
+    return None if ok else "the model did not pass the step pool probe (logged)"
 
 
 @dataclass(frozen=True)
 class RowKeys:
     """A prefill call's key parts (``keys``: one entry per row of that call) and the store epoch
-    and weights fingerprint when its KV was computed."""
+    and weights fingerprint when its KV was computed; ``cached``: per row, its tokens that call
+    read from the store (its KV of those is the pool's: ``admit`` reads no more in place)."""
 
     keys: KeyParts
     epoch: int
     weights: int
+    cached: tuple[int, ...] = ()
 
 
 def prefill_keys(model, cache, rows: int) -> RowKeys | None:
@@ -94,7 +153,7 @@ def prefill_keys(model, cache, rows: int) -> RowKeys | None:
     if not isinstance(cache, RadixCache) or cache.store is None or unkeyable_reason(model) is not None:
         return None
     keys = key_parts(model, cache, torch.Size((rows, 0)), 1)
-    return RowKeys(keys, cache.store.epoch, fingerprint(model))
+    return RowKeys(keys, cache.store.epoch, fingerprint(model), tuple(cache.cached_tokens or ()))
 
 
 class JoinFailed(RuntimeError):
@@ -262,8 +321,54 @@ def _probe_packed(model) -> tuple[bool, str | None]:
     return True, None
 
 
+def _probe_pool(model) -> tuple[bool, str | None]:
+    """A row of 12 tokens whose first 8 are in a small store, admitted into a batch that copies
+    its prefix into its slot and one that reads it from the pool in place, decoded two steps:
+    the logits must agree (the pool's layers reached through every attention layer's kernel)."""
+    from transformers import DynamicCache
+
+    from radixkv.store import BlockPool, KVStore
+
+    layout = model_layout(model)
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, text.vocab_size, (1, 12), generator=g)
+    fed = torch.randint(3, text.vocab_size, (2,), generator=g).tolist()
+    store = KVStore(BlockPool(layer_specs(model), num_blocks=8, block_size=4))
+    keys = prefill_keys(model, RadixCache(store=store), 1)
+    if keys is None:
+        return False, "its calls are not keyable (nothing is read from the store)"
+    with torch.no_grad():
+        cache = DynamicCache(config=text)
+        model(input_ids=ids.to(model.device), use_cache=True, past_key_values=cache)
+    kv = [(cache.layers[i].keys, cache.layers[i].values) for i in layout.kv_layers]
+    key = keys.keys.row(0, ids[0, :8], 0)  # its first 8 tokens cached, as a finished row leaves them
+    store.commit(key.tokens, [k[:, :, :8] for k, _ in kv], [v[:, :, :8] for _, v in kv], key.namespace)
+    keys = RowKeys(keys.keys, keys.epoch, keys.weights, (8,))  # (as if its prefill had read them)
+    got = []
+    for pooled in (False, True):
+        batch = RunningBatch(model, store, pooled=pooled)
+        batch._pools = pooled  # (the probe itself decides nothing)
+        try:
+            batch.admit(kv, ids, torch.ones_like(ids), [fed[0]], keys)
+            if batch.prefix[0] != (8 if pooled else 0):
+                return False, f"the row's prefix read in place is {batch.prefix[0]} tokens, not 8"
+            first = batch.step()
+            batch.set_next([fed[1]])
+            got.append(torch.cat([first, batch.step()]))
+        finally:
+            batch.clear()  # (its lease released)
+    diff = (got[0] - got[1]).abs().max().item()
+    if not torch.allclose(got[0], got[1], rtol=1e-3, atol=1e-3):
+        return False, f"its logits reading the prefix in place differ by {diff:.3g} from a copy's"
+    return True, None
+
+
 class RunningBatch:
     """The rows decoding now (see the module). ``store``: where ``commit`` writes (None: never).
+    ``pooled``: whether rows read their cached prefixes from the pool in place (``pool_reason``;
+    None: ``RADIXKV_STEP_POOL``, on by default where it applies; False: every row copies).
 
     Rows live in slots (index i of every tensor): a removed row's slot is masked and reused by
     the next admission (its columns overwritten), so admitting and removing a row copies that
@@ -271,9 +376,17 @@ class RunningBatch:
     is wider than the batch, when every slot is taken, or in `compact` (many free slots, or
     many leading columns that are padding in every live row)."""
 
-    def __init__(self, model, store=None, pad_id: int = 0, eos: Sequence[int] = ()):
+    def __init__(
+        self, model, store=None, pad_id: int = 0, eos: Sequence[int] = (), pooled: bool | None = None
+    ):
         self.model, self.store, self.pad_id, self.eos = model, store, pad_id, set(eos)
         self.cache: Cache | None = None
+        self.kv_width = 0  # KV columns of every layer (``width`` counts the rows' pool tokens too)
+        # per slot: the row's first tokens read from the pool in place (its KV columns hold the
+        # rest), the lease pinning them until the row leaves, their blocks (hf_patch.slot_prefixes)
+        self.prefixes = SlotPrefixes()
+        self._choice = pooled
+        self._pools: bool | None = None  # pool_reason() is None, asked once
         self.ids = torch.zeros((0, 0), dtype=torch.long)
         self.mask = torch.zeros((0, 0), dtype=torch.long)
         self.live: list[bool] = []  # per slot: a row decodes there
@@ -309,7 +422,31 @@ class RunningBatch:
 
     @property
     def width(self) -> int:
+        """Columns of ``ids`` / ``mask``: a row's tokens, its pool tokens included."""
         return self.ids.shape[1]
+
+    @property
+    def prefix(self) -> list[int]:
+        """Per slot: the row's first tokens read from the pool in place (0: none)."""
+        return self.prefixes.tokens
+
+    @property
+    def pools(self) -> bool:
+        """Whether newcomers read their cached prefixes from the pool in place (``pool_reason``,
+        asked once per batch; logged once when it does not apply, unless switched off)."""
+        if self._pools is None:
+            reason = pool_reason(self.model, self.store, self._choice)
+            if reason not in (None, POOL_OFF, NO_STORE):
+                _log_once(f"running rows copy their cached prefixes into their slots: {reason}")
+            self._pools = reason is None
+        # the kernel's conditions hold per call (dtype, device, eval mode, the setting)
+        return self._pools and ragged_attention.verify(self.model)
+
+    def kv_start(self, i: int) -> int:
+        """Slot i's first KV column (its own tokens: those past its ``prefix``); ``kv_width`` when free."""
+        if not self.live[i]:
+            return self.kv_width
+        return self.kv_width - (self.width - self.pads[i] - self.prefix[i])
 
     def tokens(self, i: int) -> list[int]:
         """Slot i's fed tokens (prompt and reply so far, no padding; ``last[i]`` not included)."""
@@ -353,21 +490,47 @@ class RunningBatch:
         expected = torch.arange(length).unsqueeze(0) >= (length - real).unsqueeze(1)
         if not torch.equal(mask.bool(), expected):
             raise ValueError("admit: the mask is not plain left padding")
-        free = [i for i, alive in enumerate(self.live) if not alive]
-        if self.cache is None or length > self.width or len(free) < rows:
-            # one re-layout: wide enough for the newcomers, a slot for each
-            grow = max(0, rows - len(free))
-            self._relayout(list(range(self.size)), 0, max(self.width, length), self.size + grow, kv)
-            free = [i for i, alive in enumerate(self.live) if not alive]
-        width = self.width
-        slots = free[:rows]
         ids = torch.where(mask.bool(), ids.to("cpu", torch.long), self.pad_id)
+        # a row reads in place the prefix its prefill read from the store (leased again now: its
+        # KV of those tokens is the pool's; what the prefill computed stays the row's own, as a
+        # copy would keep it, though another row of the call may have committed the same tokens)
+        reads = (
+            keys is not None
+            and self.store is not None
+            and keys.epoch == self.store.epoch
+            and len(keys.cached) == rows
+            and self.pools
+        )
+        held: list[tuple] = []
+        try:
+            for r in range(rows):
+                n = int(real[r])
+                most = min(n, keys.cached[r]) if reads else 0
+                held.append(self._lease(keys, r, ids[r, length - n :], most) if most else (None, None))
+            own = [int(real[r]) - (lease.num_tokens if lease else 0) for r, (lease, _) in enumerate(held)]
+            free = [i for i, alive in enumerate(self.live) if not alive]
+            need = max(own, default=0)  # (the widest real row when none reads the pool)
+            if self.cache is None or length > self.width or need > self.kv_width or len(free) < rows:
+                # one re-layout: wide enough for the newcomers, a slot for each
+                grow = max(0, rows - len(free))
+                width, kv_width = max(self.width, length), max(self.kv_width, need)
+                self._relayout(list(range(self.size)), width, kv_width, self.size + grow, kv)
+                free = [i for i, alive in enumerate(self.live) if not alive]
+        except BaseException:
+            for lease, _ in held:
+                if lease is not None:
+                    lease.release()
+            raise
+        width, kv_width = self.width, self.kv_width
+        slots = free[:rows]
         for r, slot in enumerate(slots):
             pad = width - int(real[r])
+            start = kv_width - own[r]
             for layer, (k, v) in zip(self._kv_layers(), kv):
                 for buf, src in zip(layer.buffers(), (k, v)):
-                    buf[slot, :, :pad] = 0  # padding: finite zeros, masked
-                    buf[slot, :, pad:width] = src[r, :, length - int(real[r]) :]
+                    buf[slot, :, :start] = 0  # padding: finite zeros, masked
+                    buf[slot, :, start:kv_width] = src[r, :, length - own[r] :]
+            self.prefixes.hold(slot, *held[r])
             if self.states is not None:
                 self.states.admit(self.cache.layers, slot, states, r)
             self.ids[slot] = self.pad_id
@@ -378,6 +541,16 @@ class RunningBatch:
             self.prompt_lengths[slot] = int(real[r])
             self._keys[slot] = (keys, r) if keys is not None else None
         return slots
+
+    def _lease(self, keys: RowKeys, r: int, tokens: torch.Tensor, most: int) -> tuple:
+        """``keys``' row r's longest cached prefix of ``tokens`` (at most ``most`` tokens) pinned,
+        and its blocks in the device pool, for a row admitted after its prefill (which counted
+        the hits): ``(lease, blocks)``, or ``(None, None)`` where it is not all in the device pool."""
+        lease, blocks = SlotPrefixes.lease(self.store, keys.keys.row(r, tokens, 0), most, 0)
+        if blocks is None:
+            lease.release()
+            return None, None
+        return lease, blocks
 
     def seat(
         self,
@@ -397,66 +570,109 @@ class RunningBatch:
         if len(rows) != len(contexts) or any(len(c) == 0 for c in contexts):
             raise ValueError(f"seat: {len(contexts)} contexts (each non-empty) for {len(rows)} key rows")
         longest = max((len(c) for c in contexts), default=0)
-        free = [i for i, alive in enumerate(self.live) if not alive]
-        if self.cache is None or longest - 1 > self.width or len(free) < len(contexts):
-            grow = max(0, len(contexts) - len(free))
-            like = None
-            if self.cache is None:
-                like = [
-                    (
-                        torch.empty(
-                            (1, spec.num_kv_heads, 0, spec.k_head_dim), dtype=spec.dtype, device=spec.device
-                        ),
-                        torch.empty(
-                            (1, spec.num_kv_heads, 0, spec.v_head_dim), dtype=spec.dtype, device=spec.device
-                        ),
-                    )
-                    for spec in layer_specs(self.model)
-                ]
-            self._relayout(list(range(self.size)), 0, max(self.width, longest - 1), self.size + grow, like)
-            free = [i for i, alive in enumerate(self.live) if not alive]
         if keys is not None and self.store is not None:
             # as generate() does before reading: KV cached under other weights is dropped, and
             # these rows' KV belongs to the store's new epoch
             if flush_if_weights_changed(self.store, self.model, keys.weights):
                 keys = RowKeys(keys.keys, self.store.epoch, keys.weights)
-        width = self.width
-        slots, cached = [], []
+        store = self.store if keys is not None else None
+        # each row's cached prefix pinned first: one read in place needs no KV columns here
+        held: list[tuple] = []
         try:
             for context, r in zip(contexts, rows):
+                held.append(self._seat_lease(store, keys, r, context))
+            need = max(
+                len(c) - 1 - (lease.num_tokens if blocks is not None else 0) for c, (lease, blocks) in zip(contexts, held)
+            )  # fmt: skip
+            free = [i for i, alive in enumerate(self.live) if not alive]
+            if (
+                self.cache is None
+                or longest - 1 > self.width
+                or need > self.kv_width
+                or len(free) < len(contexts)
+            ):
+                grow = max(0, len(contexts) - len(free))
+                like = None
+                if self.cache is None:
+                    like = [
+                        (
+                            torch.empty(
+                                (1, spec.num_kv_heads, 0, spec.k_head_dim),
+                                dtype=spec.dtype,
+                                device=spec.device,
+                            ),
+                            torch.empty(
+                                (1, spec.num_kv_heads, 0, spec.v_head_dim),
+                                dtype=spec.dtype,
+                                device=spec.device,
+                            ),
+                        )
+                        for spec in layer_specs(self.model)
+                    ]
+                width, kv_width = max(self.width, longest - 1), max(self.kv_width, need)
+                self._relayout(list(range(self.size)), width, kv_width, self.size + grow, like)
+                free = [i for i, alive in enumerate(self.live) if not alive]
+        except BaseException:
+            for lease, _ in held:
+                if lease is not None:
+                    lease.release()
+            raise
+        slots, cached = [], []
+        try:
+            for (context, r), (lease, blocks) in zip(zip(contexts, rows), held):
                 slot = free.pop(0)
                 slots.append(slot)
-                cached.append(self._seat_one(slot, width, context, keys, r))
+                cached.append(self._seat_one(slot, context, keys, r, lease, blocks))
         except BaseException:  # a store read failed: the rows seated so far leave, uncommitted
+            for lease, _ in held[len(cached) + 1 :]:  # (the failing row's own: released by _seat_one)
+                if lease is not None:
+                    lease.release()
             self.remove(slots[: len(cached)], commit=False)
             raise
         return slots, cached
 
-    def _seat_one(self, slot: int, width: int, context: Sequence[int], keys: RowKeys | None, r: int) -> int:
-        """Seat one row in free ``slot`` (see ``seat``); returns its tokens read from the store."""
-        store = self.store if keys is not None else None
+    def _seat_lease(self, store, keys: RowKeys | None, r: int, context: Sequence[int]) -> tuple:
+        """A newcomer's longest cached prefix, pinned: ``(lease, blocks)``, ``blocks`` its blocks in
+        the device pool when it reads them in place (``pools``), else None (copied into its slot;
+        ``lease`` None without a store)."""
+        if store is None:
+            return None, None
+        key = keys.keys.row(r, torch.tensor(context, dtype=torch.long), 0)
+        if self.pools:
+            return SlotPrefixes.lease(store, key, len(context) - 1, None)
+        return store.acquire(key.tokens, key.namespace, max_tokens=len(context) - 1), None
+
+    def _seat_one(
+        self, slot: int, context: Sequence[int], keys: RowKeys | None, r: int, lease, blocks
+    ) -> int:
+        """Seat one row in free ``slot`` (see ``seat``) with its ``lease`` (``_seat_lease``: kept
+        while it reads ``blocks`` in place, else released here); returns its tokens read from the store."""
         length = len(context)
+        width, kv_width = self.width, self.kv_width
         pad = width + 1 - length  # its last token goes to the next step's column
+        hit = lease.num_tokens if lease is not None else 0
+        inplace = blocks is not None
+        start = kv_width + 1 - length + (hit if inplace else 0)  # its first KV column
         ids = torch.tensor(context, dtype=torch.long)
-        for layer in self.cache.layers:
-            for buf in layer.buffers():
-                buf[slot, :, :pad] = 0  # padding: finite zeros, masked (the rest is written below)
-        hit = 0
-        if store is not None:
-            key = keys.keys.row(r, ids, 0)
-            lease = store.acquire(key.tokens, key.namespace, max_tokens=length - 1)
-            try:
-                hit = lease.num_tokens
-                if hit:
-                    layers = self.cache.layers
-                    store.read(
-                        [lease],
-                        hit,
-                        [layer.buffers()[0][slot : slot + 1, :, pad : pad + hit] for layer in layers],
-                        [layer.buffers()[1][slot : slot + 1, :, pad : pad + hit] for layer in layers],
-                    )
-            finally:
+        try:
+            for layer in self.cache.layers:
+                for buf in layer.buffers():
+                    buf[slot, :, :start] = 0  # padding: finite zeros, masked (the rest is written below)
+            if hit and not inplace:
+                layers = self.cache.layers
+                self.store.read(
+                    [lease],
+                    hit,
+                    [layer.buffers()[0][slot : slot + 1, :, start : start + hit] for layer in layers],
+                    [layer.buffers()[1][slot : slot + 1, :, start : start + hit] for layer in layers],
+                )
+        except BaseException:
+            if lease is not None:
                 lease.release()
+            raise
+        if lease is not None and not inplace:
+            lease.release()
+        self.prefixes.hold(slot, lease if inplace else None, blocks)
         self.ids[slot] = self.pad_id
         self.ids[slot, pad:] = ids[:-1]
         self.mask[slot] = 0
@@ -486,6 +702,7 @@ class RunningBatch:
                 raise ValueError(f"remove: slot {i} holds no row")
             if commit:
                 added += self._commit_or_log(i)
+            self.prefixes.release(i)  # (after its commit: that extends the prefix it pins)
             self.live[i], self.last[i], self._keys[i] = False, self.pad_id, None
             self.pending[i] = 0
             if self.states is not None:
@@ -499,7 +716,7 @@ class RunningBatch:
     def compact(self) -> list[int] | None:
         """Drop free slots and the leading columns that are padding in every live row when that
         saves enough (free slots outnumber live ones, or a quarter of the columns and at least
-        64 are padding everywhere): one copy of the live rows' KV. Returns the old slot of each
+        64 are padding everywhere, in ``ids`` or in the KV): one copy of the live rows' KV. Returns the old slot of each
         new slot, or None when nothing changed (slots stay as they are)."""
         live = self.rows
         if not live:
@@ -508,11 +725,12 @@ class RunningBatch:
                 return []
             return None
         trim = min(self.pads[i] for i in live)
+        kv_trim = min(self.kv_start(i) for i in live)  # (trim where no row reads the pool)
         sparse = self.size - len(live) > max(2, len(live))
-        wide = trim >= max(64, self.width // 4)
+        wide = trim >= max(64, self.width // 4) or kv_trim >= max(64, self.kv_width // 4)
         if not (sparse or wide):
             return None
-        self._relayout(live, trim, self.width - trim, len(live), None)
+        self._relayout(live, self.width - trim, self.kv_width - kv_trim, len(live), None)
         return live
 
     # -- decoding ---------------------------------------------------------------------------
@@ -522,25 +740,29 @@ class RunningBatch:
         free slot's row is meaningless: it attends to its own fed token only)."""
         if not any(self.live):
             raise ValueError("step: the batch has no rows")
+        pool = self._pool_tables()
         if any(self.pending):
-            return self._packed_step(**model_kwargs)
+            return self._packed_step(pool, **model_kwargs)
         kv_layers = self._kv_layers()
         device = kv_layers[0].keys.device if kv_layers else self.model.device
         tokens = torch.tensor(self.last, dtype=torch.long).unsqueeze(1)
-        positions = self.mask.sum(dim=1, keepdim=True)  # real tokens before this one
+        positions = self.mask.sum(dim=1, keepdim=True)  # real tokens before this one (pool tokens too)
         mask = torch.cat([self.mask, torch.ones_like(tokens)], dim=1)
-        width = self.width
-        starts = [pad if alive else width for pad, alive in zip(self.pads, self.live)]
+        kv_width = self.kv_width
+        starts = [self.kv_start(i) for i in range(self.size)]
+        model_mask = mask
+        if kv_width != self.width:  # the model's mask covers the KV columns (the kernel reads none of it)
+            model_mask = (torch.arange(kv_width + 1).unsqueeze(0) >= torch.tensor(starts).unsqueeze(1)).long()
         if self.layout.cache_arg == "cache_params":
             # the Mamba families: no positions, and a one-token step has no padding to mask
             inputs = {"cache_params": self.cache}
         else:
             inputs = {
-                "attention_mask": mask.to(device),
+                "attention_mask": model_mask.to(device),
                 "position_ids": positions.to(device),
                 "past_key_values": self.cache,
             }
-        with torch.no_grad(), ragged_attention.columns(self.model, starts, width + 1) as ragged:
+        with torch.no_grad(), ragged_attention.columns(self.model, starts, kv_width + 1, pool=pool) as ragged:
             out = self.model(
                 input_ids=tokens.to(device),
                 use_cache=True,
@@ -552,6 +774,7 @@ class RunningBatch:
         free = torch.tensor([not alive for alive in self.live])
         mask[free, -1] = 0  # a free slot's column stays masked (its fed token was no row's)
         self.ids, self.mask = torch.cat([self.ids, tokens], dim=1), mask
+        self.kv_width += 1
         if self.states is not None:
             fed = {
                 i: (self.width - self.pads[i], self.last[i])
@@ -562,47 +785,49 @@ class RunningBatch:
         self._commit_seated()
         return out.logits[:, -1, :].to(dtype=torch.float32)
 
-    def _packed_step(self, **model_kwargs) -> torch.Tensor:
+    def _packed_step(self, pool, **model_kwargs) -> torch.Tensor:
         """``step()`` with seated rows: one forward over the live rows' tokens packed as one
         sequence (each row's pending prompt tokens, then its last token, all at their own
         positions), each attending to its row's columns up to itself."""
         live = self.rows
-        width = self.width
+        kv_width = self.kv_width
         try:
-            logits = self._packed_forward(live, **model_kwargs)
+            logits = self._packed_forward(live, pool, **model_kwargs)
         except Exception as e:
             # undo what the forward appended, and drop the rows whose prompts it computed
             # (uncommitted): the caller fails their requests and steps the others again
             for layer in self.cache.layers:
-                layer.set_length(width)
+                layer.set_length(kv_width)
             joining = [i for i in live if self.pending[i]]
             self.remove(joining, commit=False)
             raise JoinFailed(joining) from e
         fed = torch.tensor(self.last, dtype=torch.long).unsqueeze(1)
         column = torch.tensor([1 if alive else 0 for alive in self.live], dtype=torch.long).unsqueeze(1)
         self.ids, self.mask = torch.cat([self.ids, fed], dim=1), torch.cat([self.mask, column], dim=1)
+        self.kv_width += 1
         full = torch.zeros((self.size, logits.shape[-1]), dtype=torch.float32, device=logits.device)
         full[torch.tensor(live, dtype=torch.long, device=logits.device)] = logits
         self._commit_seated()
         return full
 
-    def _packed_forward(self, slots: list[int], **model_kwargs) -> torch.Tensor:
+    def _packed_forward(self, slots: list[int], pool=None, **model_kwargs) -> torch.Tensor:
         """One forward over ``slots``' pending columns and each slot's last token at the new
-        column ``width`` (the other slots' new column is zeroed), packed as one sequence;
+        KV column ``kv_width`` (the other slots' new column is zeroed), packed as one sequence;
         returns the logits ``[len(slots), vocab]`` float32 after each slot's last token.
-        Clears their pending columns."""
-        width = self.width
+        Clears their pending columns. ``pool``: the rows' prefixes in the pool (``_pool_tables``)."""
+        width, kv_width = self.width, self.kv_width
         device = self.cache.layers[0].keys.device
         tokens, positions, owners, columns, starts, keep = [], [], [], [], [], []
         for i in slots:
-            first = width - self.pending[i]
+            pending = self.pending[i]
+            first = width - pending
             pad = self.pads[i]
-            end = width + 1
+            start = self.kv_start(i)
             tokens += self.ids[i, first:width].tolist() + [self.last[i]]
-            positions += range(first - pad, end - pad)
-            columns += range(first, end)
-            owners += [i] * (end - first)
-            starts += [pad] * (end - first)
+            positions += range(first - pad, width + 1 - pad)  # (its pool tokens counted)
+            columns += range(kv_width - pending, kv_width + 1)
+            owners += [i] * (pending + 1)
+            starts += [start] * (pending + 1)
             keep.append(len(tokens) - 1)
         free = [i for i, alive in enumerate(self.live) if not alive]
         plan = (
@@ -614,7 +839,7 @@ class RunningBatch:
             layer.scatter = plan
         ends = [c + 1 for c in columns]
         try:
-            with torch.no_grad(), ragged_attention.packed(self.model, owners, starts, ends) as packing:
+            with torch.no_grad(), ragged_attention.packed(self.model, owners, starts, ends, pool) as packing:
                 out = self.model(
                     input_ids=torch.tensor([tokens], dtype=torch.long, device=device),
                     position_ids=torch.tensor([positions], dtype=torch.long, device=device),
@@ -681,14 +906,54 @@ class RunningBatch:
             snapshots = self.states.snapshots(i, end)
             if not snapshots:
                 return 0
+        start, offset = self.kv_start(i), self.prefix[i]  # (its pool tokens: in the tree, pinned)
         return self.store.commit(
             key.tokens,
-            [layer.keys[i : i + 1, :, pad : pad + end] for layer in layers],
-            [layer.values[i : i + 1, :, pad : pad + end] for layer in layers],
+            [layer.keys[i : i + 1, :, start : start + end - offset] for layer in layers],
+            [layer.values[i : i + 1, :, start : start + end - offset] for layer in layers],
             key.namespace,
             epoch=keys.epoch,
             snapshots=snapshots,
+            **({"offset": offset} if offset else {}),
         )
+
+    # -- prefixes read from the pool in place ---------------------------------------------------
+    def _pool_tables(self) -> ragged_attention.PoolTables | None:
+        """The step's block tables (rebuilt after a membership change), None when no row reads
+        the pool. Where the kernel stopped applying (the model moved, trains, another dtype, the
+        setting off), every row's prefix is first copied into its slot (``unpool``), logged once."""
+        if not any(self.prefix):
+            return None
+        if not ragged_attention.verify(self.model):
+            _log_once(
+                "the step's ragged kernel no longer applies: running rows copy their prefixes into their slots"
+            )
+            self.unpool()
+            return None
+        return self.prefixes.tables(self.store.pool, self.layout)
+
+    def unpool(self) -> None:
+        """Copy every row's prefix from the pool into its slot and release its lease: the batch
+        then holds every row's KV itself (one re-layout as wide as the longest row), as the copy
+        path does. No new row reads the pool in place after this."""
+        self._pools = False
+        pooled = [i for i in self.rows if self.prefix[i]]
+        if not pooled:
+            return
+        longest = max(self.width - self.pads[i] for i in self.rows)
+        self._relayout(list(range(self.size)), self.width, max(self.kv_width, longest), self.size, None)
+        layers = self._kv_layers()
+        for i in pooled:
+            lease, n = self.prefixes.leases[i], self.prefix[i]
+            start = self.kv_start(i) - n  # (its pool tokens go right before its own columns)
+            self.store.read(
+                [lease],
+                n,
+                [layer.buffers()[0][i : i + 1, :, start : start + n] for layer in layers],
+                [layer.buffers()[1][i : i + 1, :, start : start + n] for layer in layers],
+                count=False,
+            )
+            self.prefixes.release(i)
 
     # -- layout -----------------------------------------------------------------------------
     def _kv_layers(self) -> list:
@@ -718,7 +983,9 @@ class RunningBatch:
         return out
 
     def clear(self) -> None:
-        """Drop every row and the KV (nothing committed)."""
+        """Drop every row and the KV (nothing committed; the rows' leases released)."""
+        self.prefixes.clear()
+        self.kv_width = 0
         self.cache = None
         self.ids = torch.zeros((0, 0), dtype=torch.long)
         self.mask = torch.zeros((0, 0), dtype=torch.long)
@@ -726,42 +993,47 @@ class RunningBatch:
         self.pending, self._seated = [], []
         self.states = None
 
-    def _relayout(self, keep: list[int], trim: int, width: int, slots: int, like) -> None:
-        """New zeroed buffers of ``slots`` x ``width`` (+ headroom) columns; new slot j holds old
-        slot ``keep[j]``'s columns ``trim:`` right-aligned; the rest are free. ``like``: per-layer
-        (k, v) to shape the buffers after when the batch has none yet."""
-        old_width = self.width
-        shift = width - (old_width - trim)  # new column = old column - trim + shift
+    def _relayout(self, keep: list[int], width: int, kv_width: int, slots: int, like) -> None:
+        """New zeroed buffers of ``slots`` x ``kv_width`` (+ headroom) KV columns and ``width``
+        columns of ids and mask; new slot j holds old slot ``keep[j]``'s last columns (right-aligned;
+        the callers keep every live row's columns); the rest are free. ``like``: per-layer (k, v)
+        to shape the buffers after when the batch has none yet."""
+        old_width, old_kv = self.width, self.kv_width
+        n, kv_n = min(width, old_width), min(kv_width, old_kv)  # the columns kept
         source = [(layer.keys, layer.values) for layer in self._kv_layers()] if self.cache else like
         index = torch.tensor(keep, dtype=torch.long)
         layers = self._new_layers()
         kv_layers = layers if not self.layout.stateful else [layers[i] for i in self.layout.kv_layers]
         for layer, (k0, v0) in zip(kv_layers, source):
             layer.allocate(
-                slots, k0.shape[1], k0.shape[3], v0.shape[3], width + HEADROOM, k0.dtype, k0.device
+                slots, k0.shape[1], k0.shape[3], v0.shape[3], kv_width + HEADROOM, k0.dtype, k0.device
             )
             for buf, old in zip(layer.buffers(), (k0, v0)):
                 buf.zero_()
-                if keep and self.cache is not None:
-                    buf[: len(keep), :, shift:width] = old[index.to(old.device), :, trim:old_width]
-            layer.set_length(width)
+                if keep and self.cache is not None and kv_n:
+                    buf[: len(keep), :, kv_width - kv_n : kv_width] = old[
+                        index.to(old.device), :, old_kv - kv_n : old_kv
+                    ]
+            layer.set_length(kv_width)
         if self.layout.stateful:
             if self.states is None:
                 self.states = SlotStates(self.layout, self.store.block_size if self.store else 1, self.eos)
             self.states.allocate(layers, slots, self.cache.layers if self.cache else None, keep)
         self.cache = Cache(layers=layers)
+        self.kv_width = kv_width
         ids = torch.full((slots, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((slots, width), dtype=torch.long)
-        if keep:
-            ids[: len(keep), shift:] = self.ids[index, trim:]
-            mask[: len(keep), shift:] = self.mask[index, trim:]
+        if keep and n:
+            ids[: len(keep), width - n :] = self.ids[index, old_width - n :]
+            mask[: len(keep), width - n :] = self.mask[index, old_width - n :]
         self.ids, self.mask = ids, mask
         free = slots - len(keep)
         self.live = [self.live[i] for i in keep] + [False] * free
-        self.pads = [self.pads[i] - trim + shift for i in keep] + [width] * free
+        self.pads = [self.pads[i] + width - old_width for i in keep] + [width] * free
         self.last = [self.last[i] for i in keep] + [self.pad_id] * free
         self.prompt_lengths = [self.prompt_lengths[i] for i in keep] + [0] * free
         self._keys = [self._keys[i] for i in keep] + [None] * free
         self.pending = [self.pending[i] for i in keep] + [0] * free
+        self.prefixes.relayout(keep, free)
         where = {old: new for new, old in enumerate(keep)}
         self._seated = [where[i] for i in self._seated if i in where]

@@ -210,6 +210,7 @@ def test_a_store_read_that_fails_leaves_no_row_seated_and_the_running_row_exact(
         raise RuntimeError("store read failed (simulated)")
 
     monkeypatch.setattr(store, "read", failing)
+    monkeypatch.setattr(store, "read_in_place", failing)  # (a prefix read in place: RunningBatch.pools)
     keys = prefill_keys(model, hf_patch.RadixCache(store=store), 2)
     batch.set_next([out[-1] if i == slot else PAD for i in range(batch.size)])
     # the first newcomer needs no read and is seated; the second's read fails: neither stays

@@ -74,3 +74,58 @@ def test_without_numba_says_so(monkeypatch):
     assert not rd.available()
     with pytest.raises(RuntimeError, match="numba"):
         rd.ragged_decode(torch.zeros(1, 1, 4), torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), [0], 2, 1.0)
+
+
+def test_pooled_sums_as_the_same_prefix_copied_into_the_rows_columns():
+    """Rows whose first tokens lie in a pool (fragmented block lists, a partial last block, a row
+    with none) attend to them then to their own columns: bit for bit what ragged_packed gives
+    over buffers holding those tokens in the rows' columns; unread pool blocks never count."""
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, dv, bs = 8, 2, 24, 16, 4
+    pool_k = torch.randn(12, bs, kv_heads, dim, generator=g)
+    pool_v = torch.randn(12, bs, kv_heads, dv, generator=g)
+    tables = torch.tensor([[7, 2, 9], [4, 0, 0], [0, 0, 0]])
+    lengths = [10, 3, 0]
+    own = torch.randn(3, kv_heads, 9, dim, generator=g)
+    own_v = torch.randn(3, kv_heads, 9, dv, generator=g)
+    starts = [6, 2, 0]  # each row's own columns start:9
+    # the copy: each row's pool tokens written into its columns before its own
+    width = 9 + max(lengths)
+    k = torch.zeros(3, kv_heads, width, dim)
+    v = torch.zeros(3, kv_heads, width, dv)
+    copy_starts = []
+    for b, n in enumerate(lengths):
+        rows = torch.cat([pool_k[t] for t in tables[b]])[:n].transpose(0, 1)
+        rows_v = torch.cat([pool_v[t] for t in tables[b]])[:n].transpose(0, 1)
+        first = width - (9 - starts[b]) - n
+        k[b, :, first : first + n], v[b, :, first : first + n] = rows, rows_v
+        k[b, :, first + n :], v[b, :, first + n :] = own[b, :, starts[b] :], own_v[b, :, starts[b] :]
+        copy_starts.append(first)
+    # 5 query tokens: a decode token per row, and two earlier ones of row 0 (causal ends)
+    slots, ends = [0, 1, 2, 0, 0], [9, 9, 9, 7, 8]
+    q = torch.randn(5, heads, dim, generator=g)
+    unused = torch.ones(12, dtype=torch.bool)
+    unused[[7, 2, 9, 4]] = False
+    pool_k[unused], pool_v[unused] = float("nan"), float("nan")
+    got = rd.ragged_pooled(
+        q, own, own_v, slots, [starts[s] for s in slots], ends, pool_k, pool_v, tables, lengths, 0.2
+    )
+    copy_ends = [e + width - 9 for e in ends]
+    want = rd.ragged_packed(q, k, v, slots, [copy_starts[s] for s in slots], copy_ends, 0.2)
+    assert torch.equal(got, want)
+
+
+def test_pooled_refuses_tables_outside_the_pool():
+    q, k = torch.zeros(1, 2, 8), torch.zeros(1, 2, 3, 8)
+    pool = torch.zeros(4, 4, 2, 8)
+    args = (q, k, k, [0], [0], [3], pool, pool)
+    with pytest.raises(ValueError, match="outside the pool"):
+        rd.ragged_pooled(*args, [[1, 4]], [5], 1.0)
+    with pytest.raises(ValueError, match="within the tables"):
+        rd.ragged_pooled(*args, [[1]], [5], 1.0)
+    with pytest.raises(ValueError, match="does not fit"):
+        rd.ragged_pooled(
+            q, k, k, [0], [0], [3], torch.zeros(4, 4, 1, 8), torch.zeros(4, 4, 1, 8), [[1]], [2], 1.0
+        )
+    with pytest.raises(ValueError, match="tables"):
+        rd.ragged_pooled(*args, [[1], [2]], [2, 2], 1.0)

@@ -233,7 +233,11 @@ def test_bad_calls_are_refused_with_the_part_named_and_change_nothing(join):
     row = Row(tokens(10, 20), 4)
     join(batch, model, store, [row], running)
     before = (batch.size, batch.width, batch.ids.clone(), batch.mask.clone())
-    kv = [(layer.keys[:1], layer.values[:1]) for layer in batch.cache.layers]
+    # a row as wide as the batch (its KV columns: a row's own, fewer where it reads the pool)
+    kv = [
+        (k.new_zeros(1, k.shape[1], batch.width, k.shape[3]),) * 2
+        for k in (la.keys for la in batch.cache.layers)
+    ]
     ids, mask = left_pad([tokens(batch.width, 21)])
     with pytest.raises(ValueError, match="first tokens"):
         batch.admit(kv, ids, mask, [1, 2])
@@ -523,7 +527,7 @@ def test_a_store_read_failing_while_seating_answers_the_newcomers_and_the_rows_g
     cached = engine.text_ids("a question about the harbour of Quito, asked twice")
     engine.submit(cached, Params(3, temperature=0.0)).collect()  # its prompt is in the store now
     running_ids = engine.text_ids("a long answer about the ships of Porto")
-    store, read = engine.store, engine.store.read
+    store = engine.store
     first = engine.submit(running_ids, Params(60, temperature=0.0))
     wait_for(lambda: first.generated >= 3)
 
@@ -531,10 +535,11 @@ def test_a_store_read_failing_while_seating_answers_the_newcomers_and_the_rows_g
         raise RuntimeError("store read failed (simulated)")
 
     monkeypatch.setattr(store, "read", failing)
+    monkeypatch.setattr(store, "read_in_place", failing)  # (a prefix read in place: RunningBatch.pools)
     newcomer = engine.submit(cached, Params(5, temperature=0.0))
     with pytest.raises(RuntimeError, match="simulated"):
         newcomer.collect()
-    monkeypatch.setattr(store, "read", read)
+    monkeypatch.undo()
     assert first.collect().text == engine_stock(engine, running_ids, Params(60, temperature=0.0))
     after = engine.submit(cached, Params(5, temperature=0.0)).collect()
     assert after.text == engine_stock(engine, cached, Params(5, temperature=0.0))
@@ -649,6 +654,7 @@ def test_a_seat_failing_after_widening_the_batch_leaves_the_running_rows_sampler
 
     with monkeypatch.context() as m:
         m.setattr(engine.store, "read", failing)
+        m.setattr(engine.store, "read_in_place", failing)  # (a prefix read in place: RunningBatch.pools)
         with pytest.raises(RuntimeError, match="simulated"):
             engine.submit(wide, Params(3, temperature=0.0)).collect()
     assert running.collect().text == engine_stock(engine, running_ids, Params(30, temperature=0.0))

@@ -94,6 +94,8 @@ class Engine(Prompts):
         if reason is None:
             self.loop = StepLoop(self.runner, self.scheduler, on_step=self.scheduler.rows_per_step.observe)
             self.scheduler.path = self.loop.takes
+            if self.loop.batch.pools:  # rows x columns counts their own KV (prefixes read from the pool)
+                self.scheduler.columns = self.loop.uncached
             if self.loop.batch.packed:  # the budget counts what seating computes (cached prefixes not)
                 self.scheduler.prefill_cost = self.loop.uncached
                 if max_prefill_tokens is None:

@@ -87,6 +87,9 @@ class Scheduler:
                 f"max_prefill_tokens must be >= 0 (0: no budget, every newcomer that fits joins), got {max_prefill_tokens}"
             )
         self.max_prefill_tokens = max_prefill_tokens
+        # the columns a newcomer takes in the step loop's KV (`take_newcomers`; the engine sets
+        # StepLoop.columns where running rows read their cached prefixes from the pool)
+        self.columns: Callable[[Generation], int] = lambda gen: gen.width
         self._cond = threading.Condition()
         self._waiting: deque[Generation] = deque()
         self._reserved = 0  # slots handed out, not yet submitted
@@ -214,7 +217,9 @@ class Scheduler:
         for a free row, or that the loop cannot take (``takes(gen)`` False): the loop then
         drains and the worker runs that one. Requests whose client left are answered here.
 
-        max_batch_tokens counts rows x padded width, except for a newcomer no wider than the
+        max_batch_tokens counts rows x padded width (a newcomer's width: ``columns(gen)``, its
+        context's by default; where the rows read cached prefixes from the pool, its uncached
+        part, and ``width`` the batch's KV columns), except for a newcomer no wider than the
         batch that takes a free slot: that slot's columns are allocated and computed at every
         step anyway (the batch holds slots x padded width whatever the rows), so it adds no KV
         and joins. One that needs another slot or wider columns joins if rows x width after it
@@ -232,21 +237,24 @@ class Scheduler:
             blocked = False
             while self._waiting:
                 gen = self._waiting.popleft()
-                new_rows = rows + len(gen.open_rows)
-                new_width, new_slots = max(width, gen.width), max(slots, new_rows)
-                free = new_width == width and new_slots == slots  # into free slots: no new KV
-                wide = not free and new_width * new_rows > self.max_batch_tokens
                 if blocked or not takes(gen):
                     blocked = True
                     rest.append(gen)
-                elif self._long(gen):  # its slices first, whenever one is due
+                    continue
+                if self._long(gen):  # its slices first, whenever one is due
                     if slice_due and sliced is None:
                         gen.slice_to = min(gen.prefilled + self.prefill_chunk, len(gen.prompt_ids) - 1)
                         sliced = gen
                     else:
                         rest.append(gen)
-                elif gen.started is None and new_rows <= self.max_batch_size and not wide:
-                    cost = self.prefill_cost(gen)
+                    continue
+                new_rows = rows + len(gen.open_rows)
+                columns = self.columns(gen)  # (a store lookup where the engine sets it: asked once)
+                new_width, new_slots = max(width, columns), max(slots, new_rows)
+                free = new_width == width and new_slots == slots  # into free slots: no new KV
+                wide = not free and new_width * new_rows > self.max_batch_tokens
+                if gen.started is None and new_rows <= self.max_batch_size and not wide:
+                    cost = columns if self.prefill_cost == self.columns else self.prefill_cost(gen)
                     if admitted and self.max_prefill_tokens and prefill + cost > self.max_prefill_tokens:
                         blocked = True  # over this step's budget: first in line at the next
                         rest.append(gen)
@@ -254,7 +262,7 @@ class Scheduler:
                     admitted.append(gen)
                     prefill += cost
                     rows, width, slots = new_rows, new_width, new_slots
-                elif (wide and gen.width * new_rows > self.max_batch_tokens) or gen.started is not None:
+                elif (wide and columns * new_rows > self.max_batch_tokens) or gen.started is not None:
                     # too wide beside the rows (or a reply already run aside): a chunk aside
                     if slice_due and aside is None:
                         aside = gen

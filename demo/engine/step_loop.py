@@ -101,6 +101,10 @@ class StepLoop:
             log.info("decode steps read each row's own columns (hf_patch.ragged_attention)")
             if self.batch.packed:  # probed now too
                 log.info("newcomers' prompts are computed inside decode steps (RunningBatch.seat)")
+            if self.batch.pools:  # probed now too
+                log.info(
+                    "running rows read their cached prefixes from the pool in place (RunningBatch.pools)"
+                )
         self.rows: list[Row | None] = []  # per slot of the batch: (request, its row), None: free
         self.made: list[int] = []  # per slot: tokens its row made so far
         self.sampler: RowSampler | None = None  # over the live slots `sampled`, in order
@@ -174,7 +178,7 @@ class StepLoop:
                     if self.scheduler.queued:
                         due = steps % self.slice_every == 0
                         newcomers, slice_, aside = self.scheduler.take_newcomers(
-                            len(self._live()), self.batch.width, due, self.takes, self.batch.size
+                            len(self._live()), self.batch.kv_width, due, self.takes, self.batch.size
                         )
                         if slice_ is not None:
                             self.scheduler.requeue(self.runner.prefill(slice_))
