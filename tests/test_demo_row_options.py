@@ -16,6 +16,7 @@ import torch
 from demo.api.app import build_engine, create_app
 from demo.config import Config
 from demo.engine.engine import Params
+from demo.engine.generation import Generation
 from tests.engine_gate import Held, collect_all, generate_path, spy_batches
 
 TEXT = "\n".join(f"| Ines {i} | {40 + i} | Porto | pilot |" for i in range(6))
@@ -269,6 +270,49 @@ def test_over_http_the_openai_client_gets_per_row_options_in_one_batch(engine, m
                 assert (a is None) == (b is None) and (
                     a is None or max(abs(x - y) for x, y in zip(a, b)) < 1e-4
                 )
+
+
+@pytest.mark.parametrize("path", ["step loop", "generate"])
+def test_a_long_prompt_the_store_holds_is_not_sliced_again(engine, monkeypatch, path):
+    """A long document asked a second question while rows decode: what the store holds of its
+    prompt needs no slices (it was sliced one per step, through the whole cached document); a
+    prompt that extends it by more than a slice is sliced from the end of what the store
+    holds. The replies equal stock generate()."""
+    if path == "generate":
+        generate_path(engine, monkeypatch)
+    monkeypatch.setattr(engine.scheduler, "decode_chunk", 3)
+    monkeypatch.setattr(engine.scheduler, "prefill_chunk", 32)
+    ends, prefill = [], engine.runner.prefill
+
+    def spy(gen):
+        ends.append(gen.slice_to)
+        return prefill(gen)
+
+    monkeypatch.setattr(engine.runner, "prefill", spy)
+
+    def beside_a_running_row(ids, params):
+        running = engine.submit(engine.text_ids(f"r{len(ids)}: " + TEXT[:30]), Params(60, temperature=0.0))
+        deadline = time.monotonic() + 30
+        while running.generated == 0 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return collect_all([running, engine.submit(ids, params)])[1]
+
+    doc = engine.text_ids(f"a document ({path}) " + TEXT * 3)
+    assert len(doc) > 4 * 32
+    beside_a_running_row(doc, Params(2, temperature=0.0))
+    assert len(ends) >= 4  # cold: sliced
+    held = engine.runner.held(Generation(doc, Params(1), None, lambda ids: "", set()), doc)
+    assert held >= len(doc) - 2 * engine.store.block_size
+    ends.clear()
+    question = doc + engine.text_ids(" Who wrote it?")
+    answer = beside_a_running_row(question, Params(5, temperature=0.0))
+    assert ends == [] and answer.cached_tokens >= held  # read from the store, no slice
+    assert answer.text == stock(engine, question, Params(5, temperature=0.0))[0]
+    longer = doc + engine.text_ids(" And then: " + TEXT[:300])
+    assert len(longer) - held > 32
+    answer = beside_a_running_row(longer, Params(3, temperature=0.0))
+    assert ends and ends[0] == min(held + 32, len(longer) - 1) and ends[-1] == len(longer) - 1
+    assert answer.text == stock(engine, longer, Params(3, temperature=0.0))[0]
 
 
 @pytest.mark.parametrize("path", ["step loop", "generate"])

@@ -583,9 +583,13 @@ def test_a_sliced_prompt_reports_what_the_store_held_of_all_of_it(engine, monkey
     running_ids = engine.text_ids("a long answer about the ships of Porto")
     running = engine.submit(running_ids, Params(40, temperature=0.0))
     wait_for(lambda: running.generated >= 3)
-    ask = document + engine.text_ids(" second?")
+    # more than a slice past the cached document: sliced from where the store's prefix ends
+    more = engine.text_ids(" ".join(f"then {i}: Oslo, Cairo and Lima." for i in range(25)) + " second?")
+    assert len(more) > engine.scheduler.prefill_chunk
+    ask = document + more
     r = engine.submit(ask, Params(3, temperature=0.0)).collect()
     assert slices, "it was not sliced: the test no longer covers the slice path"
+    assert slices[0] > len(document)  # its first slice starts past the held document
     assert r.cached_tokens == len(document) // 16 * 16  # the whole cached document, in blocks
     assert r.text == engine_stock(engine, ask, Params(3, temperature=0.0))
     assert running.collect().text == engine_stock(engine, running_ids, Params(40, temperature=0.0))

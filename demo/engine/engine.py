@@ -90,6 +90,8 @@ class Engine(Prompts):
         # (demo.engine.step_loop), or, where the model or the engine's setup does not allow it,
         # generate() calls paused every decode_chunk steps. Decided here, once.
         self.loop: StepLoop | None = None
+        # a long prompt's slices start past what the store holds (keyed as the base model)
+        self.scheduler.held = lambda gen: None if self.runner.adapters else self.runner.held(gen, gen.prompt_ids)
         reason = step_loop_reason(model, processor) if step_loop else "turned off"
         if reason is None:
             self.loop = StepLoop(self.runner, self.scheduler, on_step=self.scheduler.rows_per_step.observe)

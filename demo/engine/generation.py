@@ -173,6 +173,9 @@ class Generation:
         # and the end of the slice the worker is to compute next (0: none; the scheduler sets it).
         self.prefilled = 0
         self.slice_to = 0
+        # leading prompt tokens the store held when the scheduler first asked (None: not asked;
+        # a long prompt's slices start past them)
+        self.prompt_held: int | None = None
         self.submitted = time.perf_counter()
         self.started: float | None = None  # first admitted to a batch
         self.paused_at = 0.0  # when it last paused (perf_counter)

@@ -90,6 +90,9 @@ class Scheduler:
         # the columns a newcomer takes in the step loop's KV (`take_newcomers`; the engine sets
         # StepLoop.columns where running rows read their cached prefixes from the pool)
         self.columns: Callable[[Generation], int] = lambda gen: gen.width
+        # leading tokens of a request's prompt the store holds (`_long`: a prompt the store
+        # mostly holds is no long prompt; the engine sets Runner.held; None: unknown)
+        self.held: Callable[[Generation], int | None] = lambda gen: None
         self._cond = threading.Condition()
         self._waiting: deque[Generation] = deque()
         self._reserved = 0  # slots handed out, not yet submitted
@@ -356,12 +359,12 @@ class Scheduler:
         return batch
 
     def _long(self, gen: Generation) -> bool:
-        """Whether ``gen`` is a long prompt (more than a slice; a text request on the prefix
-        cache, not started yet; one with images is prefilled whole in its batch) not yet
-        prefilled up to its last token. It is sliced to the end: a batch computes every row
+        """Whether ``gen`` is a long prompt (more than a slice left to compute past what the
+        store holds of it; a text request on the prefix cache, not started yet; one with images
+        is prefilled whole in its batch) not yet prefilled up to its last token. It is sliced to the end: a batch computes every row
         over the columns its longest uncached row needs, so a remainder left to the batch
         would cost rows x remainder."""
-        return (
+        if not (
             self.prefill_chunk > 0
             and gen.started is None
             and gen.params.cache_prompt
@@ -369,7 +372,14 @@ class Scheduler:
             and not gen.inputs  # a slice is ids only: an image's placeholders need its pixels
             and len(gen.prompt_ids) > self.prefill_chunk
             and gen.prefilled < len(gen.prompt_ids) - 1
-        )
+        ):
+            return False
+        if gen.prompt_held is None:  # asked once: what the store holds needs no slices
+            gen.prompt_held = self.held(gen) or 0
+            gen.prefilled = max(gen.prefilled, gen.prompt_held)
+        # long: more than a slice left to compute, or its own slices begun (sliced to the end)
+        left = len(gen.prompt_ids) - gen.prefilled
+        return left > self.prefill_chunk or gen.prompt_held < gen.prefilled < len(gen.prompt_ids) - 1
 
     def pause_for(self, batch: Sequence[Generation]) -> Callable[[int], bool] | None:
         """pause(generated): True once the batch has made `decode_chunk` steps while any request
