@@ -91,7 +91,9 @@ class Engine(Prompts):
         # generate() calls paused every decode_chunk steps. Decided here, once.
         self.loop: StepLoop | None = None
         # a long prompt's slices start past what the store holds (keyed as the base model)
-        self.scheduler.held = lambda gen: None if self.runner.adapters else self.runner.held(gen, gen.prompt_ids)
+        self.scheduler.held = lambda gen: (
+            None if self.runner.adapters else self.runner.held(gen, gen.prompt_ids)
+        )
         reason = step_loop_reason(model, processor) if step_loop else "turned off"
         if reason is None:
             self.loop = StepLoop(self.runner, self.scheduler, on_step=self.scheduler.rows_per_step.observe)
