@@ -176,11 +176,17 @@ class Metrics:
 
     def generation(self, endpoint: str, result) -> None:
         """Record a finished demo.engine.engine.Result."""
+        self.record(
+            endpoint, result.ttft_s, result.prompt_tokens, result.completion_tokens, result.cached_tokens
+        )
+
+    def record(self, endpoint: str, ttft_s: float, prompt: int, completion: int, cached: int) -> None:
+        """A finished generation's time to first token and token counts."""
         with self._lock:
-            self._ttft[endpoint].observe(result.ttft_s)
-            self._tokens["prompt"] += result.prompt_tokens
-            self._tokens["completion"] += result.completion_tokens
-            self._tokens["cached"] += result.cached_tokens
+            self._ttft[endpoint].observe(ttft_s)
+            self._tokens["prompt"] += prompt
+            self._tokens["completion"] += completion
+            self._tokens["cached"] += cached
 
     def render(
         self, stats: dict, *, reuse: bool, queued: int, engine_histograms=(), engine_counters=()

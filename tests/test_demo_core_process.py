@@ -168,6 +168,31 @@ def test_the_responses_store_is_one_for_every_front_end(server, local):
             client(url).responses.retrieve(first.id)
 
 
+def _count(text: str, line: str) -> float:
+    found = [float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line + " ")]
+    return found[0] if found else 0.0
+
+
+def test_metrics_count_every_front_ends_requests_once(server):
+    """/metrics is one registry, the engine process's: every scrape (a fresh connection each,
+    spread by the kernel over the two front ends) shows the same counts, and they count the
+    requests of both front ends; a forwarded request's error is counted once."""
+    _, url, _ = server
+    ok = 'radixkv_requests_total{endpoint="completions",status="200"}'
+    denied = 'radixkv_requests_total{endpoint="flush",status="401"}'
+
+    def scrapes() -> set[tuple[float, float]]:
+        texts = [requests.get(url + "/metrics", timeout=30).text for _ in range(8)]
+        return {(_count(t, ok), _count(t, denied)) for t in texts}
+
+    [(done, refused)] = scrapes()
+    for _ in range(6):  # fresh connections: both front ends answer some
+        r = requests.post(url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+    assert requests.post(url + "/v1/cache/flush", timeout=30).status_code == 401  # forwarded
+    assert scrapes() == {(done + 6, refused + 1)}
+
+
 def _running(url: str) -> int:
     return requests.get(url + "/get_load", timeout=30).json()[0]["num_reqs"]
 

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 
-from flask import Flask, Response, jsonify, render_template, request
+from flask import Flask, Response, g, jsonify, render_template, request
 from werkzeug.exceptions import HTTPException
 
 from demo import cache_files
@@ -114,7 +114,8 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
     # failed authentications per client address (a front end's share of them: demo.core)
     throttle = Throttle.shared_by(config.api_server_count) if getattr(engine, "remote", False) else Throttle()
     proxies = config.proxies  # whose X-Forwarded-For names the client
-    metrics = Metrics()
+    # request counters: with front ends, the engine process's one registry (demo.core)
+    metrics = engine.request_metrics() if getattr(engine, "remote", False) else Metrics()
     tasks = TaskPrompts(load_task_prompts(config.task_prompts, config.task_prompts_json))
     if tasks and engine.store is not None:
         tasks.pin(engine)
@@ -424,14 +425,15 @@ def create_app(config: Config, engine: Engine | None = None) -> Flask:
 
     @app.get("/metrics")
     def prometheus():
-        # The engine's lines (in a front end's process: asked of the engine process), then this
-        # process's request counters (each front end counts its own: docs/design.md#processes)
-        text = engine.metrics_text() if remote else engine_metrics(engine)
-        return Response(text + metrics.render_requests(), mimetype="text/plain; version=0.0.4")
+        # The engine's lines, then the request counters; in a front end's process both are
+        # asked of the engine process, which counts every front end's requests
+        text = engine.metrics_text() if remote else engine_metrics(engine) + metrics.render_requests()
+        return Response(text, mimetype="text/plain; version=0.0.4")
 
     @app.after_request
     def count_errors(resp):
-        if resp.status_code >= 400 and request.path.startswith("/v1/"):
+        # (a forwarded request was counted by the engine process's app, which answered it)
+        if resp.status_code >= 400 and request.path.startswith("/v1/") and not g.get("forwarded"):
             metrics.request(_ROUTES.get(request.path, "other"), resp.status_code)
         return resp
 

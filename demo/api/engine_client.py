@@ -34,6 +34,7 @@ from demo.engine.constrained import Grammars
 from demo.engine.generation import ALIVE_EVERY, WORKER_ALIVE_EVERY, Generation, Params
 from demo.engine.prompts import Prompts
 from demo.errors import ApiError
+from demo.metrics import Metrics
 
 log = logging.getLogger(__name__)
 HELLO_EVERY = 0.2  # seconds between Hellos while the engine does not answer
@@ -387,6 +388,10 @@ class RemoteEngine(Prompts):
     def metrics_text(self) -> str:
         return self.client.call("metrics")
 
+    def request_metrics(self) -> RemoteMetrics:
+        """The request counters, kept by the engine process for every front end."""
+        return RemoteMetrics(self.client)
+
     def response_store(self) -> RemoteResponseStore:
         """The Responses store, which the engine process holds for every front end."""
         return RemoteResponseStore(self.client)
@@ -423,3 +428,27 @@ class RemoteResponseStore:
 
     def delete(self, tenant: Hashable, response_id: str) -> bool:
         return bool(self.client.call("responses_delete", tenant=tenant, response_id=response_id))
+
+
+class RemoteMetrics(Metrics):
+    """demo.metrics.Metrics whose counts go to the engine process's registry (wire.Observed,
+    sent and not answered), so /metrics on any front end shows every front end's requests and
+    its counters only grow (a scrape through the shared port reaches any one of them). Nothing
+    is counted here; an engine that is down loses the counts sent meanwhile, as its restart
+    resets them."""
+
+    def __init__(self, client: EngineClient) -> None:
+        super().__init__()
+        self.client = client
+
+    def request(self, endpoint: str, status: int, seconds: float | None = None) -> None:
+        self._send(wire.Observed(endpoint, status, seconds))
+
+    def record(self, endpoint: str, ttft_s: float, prompt: int, completion: int, cached: int) -> None:
+        self._send(wire.Observed(endpoint, 0, None, ttft_s, prompt, completion, cached))
+
+    def _send(self, message: wire.Observed) -> None:
+        try:
+            self.client.send(message)
+        except Exception:  # a count never fails the request it counts
+            log.debug("a metrics count was not sent", exc_info=True)

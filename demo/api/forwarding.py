@@ -27,7 +27,7 @@ _DROPPED = {"content-length", "transfer-encoding", "connection", "keep-alive", "
 def answered_here(path: str, method: str, body: bytes | None, served: set[str], remote_only: bool) -> bool:
     """Whether the front end answers this request itself (else the engine process's app does)."""
     if path.startswith("/v1/responses/"):
-        return True  # the stored responses live in the front end that made them
+        return True  # the stored responses: read here from the engine's store (RemoteResponseStore)
     if path not in _LOCAL:
         return False
     if path not in _GENERATION or method != "POST":
@@ -49,6 +49,7 @@ def install(app: Flask, engine, served: set[str]) -> None:
         body = request.get_data(cache=True) if request.path in _GENERATION else None
         if answered_here(request.path, request.method, body, served, engine.remote_only):
             return None
+        g.forwarded = True  # counted by the engine process's app (demo.api.app count_errors)
         data = body if body is not None else request.get_data(cache=True)
         environ = {k: v for k, v in request.environ.items() if isinstance(v, str) and k.isupper()}
         environ["wsgi.url_scheme"] = request.environ.get("wsgi.url_scheme", "http")

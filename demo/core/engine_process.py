@@ -149,6 +149,8 @@ class EngineServer:
                 entry[0].stopped[m.index] = True
         elif isinstance(m, wire.Call):
             self._call(m)
+        elif isinstance(m, wire.Observed):  # a front end's request counters: into this one registry
+            observe(self.app.extensions["radixkv"]["metrics"], m)
         elif isinstance(m, wire.HttpRequest):
             cancelled = self._http_cancelled[m.rid] = threading.Event()
             self._http.submit(self._forwarded, m, cancelled)
@@ -291,9 +293,20 @@ class EngineServer:
 
 
 def _metrics(server: EngineServer) -> str:
+    """Every line of /metrics: the engine's, then the requests' of every front end (and of
+    this process's app: forwarded requests), one registry (wire.Observed)."""
     from demo.api.app import engine_metrics
 
-    return engine_metrics(server.engine)
+    return engine_metrics(server.engine) + server.app.extensions["radixkv"]["metrics"].render_requests()
+
+
+def observe(metrics, m: wire.Observed) -> None:
+    """Count a front end's Observed into ``metrics`` (demo.metrics.Metrics), as it was counted."""
+    endpoint = m.endpoint[:64]  # a front end's route name; bounded all the same
+    if m.status:
+        metrics.request(endpoint, m.status, m.seconds)
+    else:
+        metrics.record(endpoint, m.ttft, m.prompt, m.completion, m.cached)
 
 
 def _load(server: EngineServer) -> dict:

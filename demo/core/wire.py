@@ -57,6 +57,19 @@ class Call(Message):
     args: dict = {}
 
 
+class Observed(Message):
+    """A front end's request metrics (demo.metrics.Metrics.request / .generation), counted in
+    the engine process's Metrics: one registry, whichever front end a scrape reaches."""
+
+    endpoint: str
+    status: int = 0  # a request's HTTP status (0: a generation's record)
+    seconds: float | None = None  # the request's latency
+    ttft: float = 0.0  # a generation's
+    prompt: int = 0
+    completion: int = 0
+    cached: int = 0
+
+
 class HttpRequest(Message):
     """A request the front end does not answer itself (admin, cache files, adapters, images...):
     the engine process answers it with its own Flask app, as in-process mode would.
@@ -140,7 +153,7 @@ class HttpEnd(Message):
     rid: str
 
 
-ToEngine = Hello | Submit | Cancel | StopChoice | Call | HttpRequest
+ToEngine = Hello | Submit | Cancel | StopChoice | Call | Observed | HttpRequest
 ToFrontEnd = Welcome | Accepted | Tokens | Done | Gone | Failed | Reply | HttpStart | HttpChunk | HttpEnd
 
 
