@@ -136,7 +136,7 @@ class RadixCache(Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         if self.paged_plan is not None:
-            self.paged_plan.select(torch.arange(len(self.paged_plan.row_group))[indices])
+            self.paged_plan.select(torch.arange(len(self.paged_plan.row_cluster))[indices])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if self.layers and not any(isinstance(layer, CacheLayerMixin) for layer in self.layers):

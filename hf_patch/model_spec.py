@@ -227,8 +227,6 @@ def accepts(model, name: str) -> bool:
     return name in forward_parameters(model)
 
 
-
-
 def cache_arg(model) -> str:
     """The name under which ``model.forward`` takes its cache (generate() picks it by name too)."""
     return (

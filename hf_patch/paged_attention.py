@@ -258,6 +258,10 @@ def _plain(module, dropout, query, key, kwargs) -> bool:
     )
 
 
+# a RunningBatch forward's arguments (hf_patch.ragged_attention): only its function reads them
+_RAGGED_KWARGS = frozenset({"radixkv_columns", "radixkv_packed", "radixkv_pool"})
+
+
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -270,6 +274,12 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     if plan is not None and layer_idx is not None and layer_idx < len(plan.cache.layers):
         layer = plan.cache.layers[layer_idx]
     if not isinstance(layer, PagedLayer) or key is not layer.keys:
+        if _RAGGED_KWARGS.intersection(kwargs):  # a RunningBatch step (another thread's) whose
+            from hf_patch import ragged_attention  # switch this call's activate() replaced: its own
+
+            return ragged_attention._attention(
+                module, query, key, value, attention_mask, dropout, scaling, **kwargs
+            )
         # not a paged layer's KV (a forward on another cache): plain SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     pool_layer = plan.pool_layer[layer_idx]

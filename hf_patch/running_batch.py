@@ -526,10 +526,16 @@ class RunningBatch:
         for r, slot in enumerate(slots):
             pad = width - int(real[r])
             start = kv_width - own[r]
-            for layer, (k, v) in zip(self._kv_layers(), kv):
-                for buf, src in zip(layer.buffers(), (k, v)):
-                    buf[slot, :, :start] = 0  # padding: finite zeros, masked
-                    buf[slot, :, start:kv_width] = src[r, :, length - own[r] :]
+            try:
+                for layer, (k, v) in zip(self._kv_layers(), kv):
+                    for buf, src in zip(layer.buffers(), (k, v)):
+                        buf[slot, :, :start] = 0  # padding: finite zeros, masked
+                        buf[slot, :, start:kv_width] = src[r, :, length - own[r] :]
+            except BaseException:  # (a later layer's KV of another shape) no lease left pinned
+                for lease, _ in held[r:]:
+                    if lease is not None:
+                        lease.release()
+                raise
             self.prefixes.hold(slot, *held[r])
             if self.states is not None:
                 self.states.admit(self.cache.layers, slot, states, r)
@@ -547,7 +553,7 @@ class RunningBatch:
         and its blocks in the device pool, for a row admitted after its prefill (which counted
         the hits): ``(lease, blocks)``, or ``(None, None)`` where it is not all in the device pool."""
         lease, blocks = SlotPrefixes.lease(self.store, keys.keys.row(r, tokens, 0), most, 0)
-        if blocks is None:
+        if blocks is None or lease.epoch != keys.epoch:  # (a flush since the prefill: its own KV)
             lease.release()
             return None, None
         return lease, blocks

@@ -376,3 +376,17 @@ def test_rows_parting_after_a_shared_start_equal_stock(counted, monkeypatch):
     assert cache.cached_tokens == [40, 40]
     plan = plans[-1]  # (the second branch's call read the first 20 tokens too)
     assert [c.length for c in plan.clusters] == [20] and [t.length for t in plan.tails] == [20, 20]
+
+
+def test_batch_select_indices_moves_the_plans_rows():
+    """RadixCache.batch_select_indices with a live plan keeps the selected rows' clusters (it
+    read a field the plan does not have: AttributeError)."""
+    model = shared("llama-sdpa")
+    layout = model_layout(model)
+    pool = [torch.zeros(4, 4, 2, 16) for _ in layout.kv_layers]
+    cache = RadixCache(paged=True)
+    cache.paged_plan = paged_attention.build_plan(layout, cache, pool, pool, 4, [(1, 2), (1, 3)], [0, 0], 8)
+    before = cache.paged_plan.row_cluster.clone()
+    cache.layers = []
+    cache.batch_select_indices(torch.tensor([1]))
+    assert cache.paged_plan.row_cluster.tolist() == before[[1]].tolist()

@@ -363,3 +363,73 @@ def test_random_joins_leaves_and_evictions_give_the_copys_logits(seed):
     assert len(pool_seen) == len(copy_seen)
     for a, b in zip(pool_seen, copy_seen):
         assert a.keys() == b.keys() and all(torch.equal(a[p], b[p]) for p in a)
+
+
+def test_an_admit_that_fails_copying_a_later_layer_leaves_no_block_pinned():
+    """admit checks layer 0's KV shape; a later layer of another shape fails while rows are
+    copied into their slots, after their prefixes were leased: those leases are released (they
+    stayed pinned for good: no slot held them, so clear() never saw them)."""
+    model = shared(MODEL)
+    store = store_for(model)
+    cache_doc(model, store)
+    ids, mask = left_pad([DOC + tokens(5, 2)])
+    cache = hf_patch.RadixCache(store=store)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            max_new_tokens=1,
+            do_sample=False,
+            pad_token_id=PAD,
+        )
+    kv, _ = prefill_tensors(model, cache, mask)
+    keys = prefill_keys(model, cache, 1)
+    batch = RunningBatch(model, store, PAD, [EOS], pooled=True)
+    batch.admit(kv, ids, mask, out[:, -1].tolist(), keys)
+    assert batch.prefix[0] > 0 and store.stats()["pinned_blocks"] > 0  # it reads the pool
+    bad = [kv[0], *((k[..., :8], v[..., :8]) for k, v in kv[1:])]
+    with pytest.raises(RuntimeError):
+        batch.admit(bad, ids, mask, out[:, -1].tolist(), keys)
+    batch.clear()
+    assert store.stats()["pinned_blocks"] == 0
+
+
+def test_a_step_under_another_threads_paged_switch_still_reads_its_pool(monkeypatch):
+    """A RunningBatch step whose forward runs while another thread's paged generate() has
+    switched the model's attention to "radixkv_paged" (paged_attention.activate) still attends
+    its rows' prefixes in the pool: the paged function hands its arguments to the ragged one
+    (it ran plain SDPA, which drops them: logits 0.38 off, nothing raised)."""
+    import contextlib
+
+    from hf_patch import paged_attention
+
+    model = shared(MODEL)
+    store = store_for(model)
+    cache_doc(model, store)
+    prompt = DOC + tokens(5, 2)
+
+    def one_step():
+        b = RunningBatch(model, store, PAD, [EOS], pooled=True)
+        (slot,), _ = b.seat([prompt], prefill_keys(model, hf_patch.RadixCache(store=store), 1))
+        b.step()
+        b.set_next([7])
+        out, pre = b.step()[slot], b.prefix[slot]
+        b.clear()
+        return out, pre
+
+    alone, read = one_step()
+    assert read > 0  # it reads the pool
+    columns = ragged_attention.columns
+
+    class OtherCall:  # another thread's paged call: its own cache, not the batch's layers
+        cache = type("C", (), {"layers": []})()
+
+    @contextlib.contextmanager
+    def interleaved(model_, *a, **k):
+        with columns(model_, *a, **k) as kw, paged_attention.activate(model_, OtherCall()):
+            yield kw
+
+    monkeypatch.setattr(running_batch.ragged_attention, "columns", interleaved)
+    under, _ = one_step()
+    assert (under - alone).abs().max() < 1e-5  # (another mask path: ~1e-7; without the prefix: 0.38)
