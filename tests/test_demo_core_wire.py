@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from demo.api.forwarding import answered_here
@@ -62,3 +64,81 @@ def test_a_bad_params_value_is_refused_by_name_on_decoding():
 )
 def test_what_a_front_end_answers_and_what_it_forwards(path, method, body, remote_only, here):
     assert answered_here(path, method, body, {"m"}, remote_only) is here
+
+
+def test_a_front_end_survives_early_events_bad_frames_and_unencodable_requests(tmp_path, monkeypatch):
+    """Against a fake engine on the real sockets: a request whose Done comes before its Accepted
+    (the worker was quicker than the receive loop) is answered at once (it waited 30 s for a
+    503); a frame the front end cannot decode leaves its receiver running (it died: every later
+    request waited 30 s, /health said ok); a request msgpack cannot encode leaves nothing pending
+    (each one leaked a RemoteGeneration)."""
+    zmq = pytest.importorskip("zmq")
+    import threading
+
+    from demo.api import engine_client
+
+    monkeypatch.setattr(engine_client, "ACCEPT_TIMEOUT", 5.0)
+    run = str(tmp_path)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(wire.endpoint(run, "in"))
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.bind(wire.endpoint(run, "out"))
+    codec, stop = wire.Codec(), threading.Event()
+
+    def fake_engine():
+        out = wire.Codec()
+        while not stop.is_set():
+            if not pull.poll(50):
+                continue
+            m = codec.to_engine(pull.recv())
+            if isinstance(m, wire.Hello):
+                welcome = wire.Welcome(m.incarnation, 1, 4096, 100, 100, [0], False, True, 32, False)
+                router.send_multipart([b"fe0", out.encode(welcome)])
+            elif isinstance(m, wire.Submit):
+                router.send_multipart([b"fe0", b"\xc1 not msgpack"])  # a frame nobody can read
+                for late in (wire.Tokens(m.rid, [[5]]), wire.Done(m.rid, 0, None), wire.Accepted(m.rid)):
+                    router.send_multipart([b"fe0", out.encode(late)])
+
+    thread = threading.Thread(target=fake_engine, daemon=True)
+    thread.start()
+    client = engine_client.EngineClient(run, 0)
+    try:
+        client.wait_up(10)
+        engine = object.__new__(engine_client.RemoteEngine)
+        engine.client, engine.eos, engine.decode = client, {0}, lambda ids: "x" * len(ids)
+        for _ in range(2):  # the second after the first's bad frame: the receiver still runs
+            t0 = time.monotonic()
+            gen = engine.submit([1, 2, 3], Params(4))
+            assert time.monotonic() - t0 < 4.0 and gen.refusal is None
+            assert gen.finished.wait(5)
+        with pytest.raises(UnicodeEncodeError):
+            engine.submit([1, 2, 3], Params(4), ("tenant:abc", "salt", "\ud800"))
+        assert not [r for r, p in client.pending.items() if isinstance(p, engine_client.RemoteGeneration)]
+    finally:
+        stop.set()
+        thread.join(5)
+        client.close()
+        pull.close(0)
+        router.close(0)
+
+
+def test_a_front_end_that_fails_to_start_again_is_tried_again_later(monkeypatch):
+    """A failed restart (the engine not answering the new front end's Hello) no longer ends the
+    supervisor's watch: the front end is tried again after FRONT_END_RETRY_S."""
+    from demo.core import supervisor
+
+    sup = object.__new__(supervisor.Supervisor)
+    sup.front_ends = ["old", "other"]
+    tries = []
+
+    def start(indices):
+        tries.append(indices)
+        raise RuntimeError("front end 0 did not start: no answer")
+
+    monkeypatch.setattr(sup, "start_front_ends", start, raising=False)
+    retry: dict[int, float] = {}
+    sup._restart_front_end(0, retry)
+    assert tries == [[0]] and sup.front_ends == [None, "other"]
+    assert retry[0] > time.monotonic() + supervisor.FRONT_END_RETRY_S - 1

@@ -384,3 +384,11 @@ def test_a_long_ref_chain_is_a_400_not_a_dead_server(served):
 
 def test_a_ref_chain_within_the_bound_is_served(client):
     assert chat(client, max_tokens=2, response_format=json_schema(ref_chain(400))).status_code == 200
+
+
+def test_lone_surrogates_in_cache_salt_and_previous_response_id_are_400s(client):
+    """They key the cache and cross to the engine process (msgpack refuses them: a 500 and, in a
+    front end, a leaked request); refused by name like any other text."""
+    assert error(chat(client, cache_salt="\ud800"))["param"] == "cache_salt"
+    body = {"input": "hi", "max_output_tokens": 2, "previous_response_id": "resp_\ud800"}
+    assert error(client.post("/v1/responses", json=body))["param"] == "previous_response_id"

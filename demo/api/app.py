@@ -111,8 +111,9 @@ def build_engine(config: Config) -> Engine:
 def create_app(config: Config, engine: Engine | None = None) -> Flask:
     engine = engine or build_engine(config)
     auth = Auth(config.api_keys, config.admin_token, tenant_secret(config))
-    # failed authentications per client address (a front end's share of them: demo.core)
-    throttle = Throttle.shared_by(config.api_server_count) if getattr(engine, "remote", False) else Throttle()
+    # failed authentications per client address; with front ends (demo.core) each of them and
+    # the engine process's app (forwarded routes authenticate there) has a share
+    throttle = Throttle.shared_by(config.api_server_count + 1) if config.api_server_count else Throttle()
     proxies = config.proxies  # whose X-Forwarded-For names the client
     # request counters: with front ends, the engine process's one registry (demo.core)
     metrics = engine.request_metrics() if getattr(engine, "remote", False) else Metrics()

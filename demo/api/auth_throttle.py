@@ -13,9 +13,10 @@ bounded memory; a dropped address starts again with a full bucket.
     throttle = Throttle.shared_by(n)    # one of n front ends' (--api-server-count n)
 
 With n front ends on one port (demo.core) the kernel spreads a client's connections over
-them, and each keeps its own buckets: ``shared_by(n)`` gives each 1/n of the burst (at least
-one try) and of the refill, so all of them together allow a client no more guesses than the
-one-process server does.
+them, and each keeps its own buckets, as does the engine process's app (the routes it is
+forwarded authenticate there): ``shared_by(n + 1)`` gives each 1/(n + 1) of the burst (at
+least one try: past 10 processes, one each) and of the refill, so all of them together allow
+a client no more guesses than the one-process server does.
 """
 
 from __future__ import annotations

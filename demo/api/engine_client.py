@@ -106,6 +106,7 @@ class RemoteGeneration(Generation):
         if isinstance(m, wire.Tokens):
             self.generated += 1
             self._events.put(("ids", m.ids, m.logprobs))
+            self.accepted.set()  # (its Accepted may come after the worker's first events)
             return False
         if isinstance(m, wire.Accepted):
             self.accepted.set()
@@ -113,6 +114,7 @@ class RemoteGeneration(Generation):
         if isinstance(m, wire.Done):
             self.started = m.started
             self._events.put(("done", m.cached))
+            self.accepted.set()
         else:  # Failed, or the engine gone (an ApiError)
             error = m if isinstance(m, ApiError) else _api_error(m)
             if not self.accepted.is_set():
@@ -123,7 +125,9 @@ class RemoteGeneration(Generation):
         return True
 
 
-def _api_error(m: wire.Failed) -> ApiError:
+def _api_error(m: wire.Failed | wire.Gone) -> ApiError:
+    if isinstance(m, wire.Gone):
+        return ApiError(503, "the engine cancelled the request", type="server_error", code="cancelled")
     return ApiError(m.status, m.message, m.param, m.code, m.error_type, m.retry_after)
 
 
@@ -266,7 +270,10 @@ class EngineClient:
                         data = self._dealer.recv(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._dispatch(codec.to_front_end(data.bytes))
+                    try:
+                        self._dispatch(codec.to_front_end(data.bytes))
+                    except Exception:  # one bad message must not end this thread (nobody
+                        log.exception("a message from the engine could not be handled")  # would hear)
 
     def _dispatch(self, m) -> None:
         if isinstance(m, wire.Welcome):
@@ -376,7 +383,11 @@ class RemoteEngine(Prompts):
         if not client.up.is_set():  # lost between the check and the registration
             client.pending.pop(rid, None)
             raise unavailable(client.down_reason)
-        client.send(wire.Submit(rid, prompt_ids, params, namespace, snapshot_at))
+        try:
+            client.send(wire.Submit(rid, prompt_ids, params, namespace, snapshot_at))
+        except BaseException:  # (a value msgpack cannot encode) nothing left waiting for it
+            client.pending.pop(rid, None)
+            raise
         if not gen.accepted.wait(ACCEPT_TIMEOUT):  # an engine alive but not answering
             client.pending.pop(rid, None)
             gen.cancel()

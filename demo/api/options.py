@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from demo.api.schema import _bad, _int, _number, decimal
+from demo.api.schema import _bad, _int, _number, _utf8, decimal
 
 MAX_N = 16  # choices per request: each is a row of the batch, on a server with one worker
 MAX_TOP_LOGPROBS = {"chat": 20, "completions": 5}  # OpenAI's limits
@@ -88,6 +88,8 @@ def parse(body: dict, endpoint: str, vocab_size: int) -> Options:
         raise _bad(
             f"'cache_salt' must be a non-empty string of at most {MAX_SALT_CHARS} characters", "cache_salt"
         )
+    if salt is not None:
+        _utf8(salt, "cache_salt")  # (it keys the cache, and crosses to the engine process)
     top_k = _int(body, "top_k")
     if top_k is not None and not (top_k == -1 or 0 <= top_k <= MAX_TOP_K):
         raise _bad(f"'top_k' must be -1 or 0 (off) or between 1 and {MAX_TOP_K}, got {top_k}", "top_k")

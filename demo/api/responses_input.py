@@ -213,6 +213,8 @@ def parse(body: Any) -> ResponsesRequest:
     previous = body.get("previous_response_id")
     if previous is not None and not (isinstance(previous, str) and 0 < len(previous) <= MAX_ID_CHARS):
         raise _bad("'previous_response_id' must be a response id", "previous_response_id")
+    if previous is not None:
+        _utf8(previous, "previous_response_id")
     store = body.get("store", True)
     if not isinstance(store, bool):
         raise _bad("'store' must be a boolean", "store")

@@ -322,7 +322,10 @@ def install(app: Flask, hooks: Hooks, store=None) -> ResponseStore:
             body = shape(rid, created, req, agent, "completed", out.items, result, req.previous_id)
             if req.store:
                 turn = history_turn(out.parser)
-                store.put(namespace, StoredResponse(rid, time.time(), tuple(conversation + [turn]), body))
+                try:
+                    store.put(namespace, StoredResponse(rid, time.time(), tuple(conversation + [turn]), body))
+                except ApiError as e:  # (the engine process's store, down) the answer is not lost
+                    log.warning("response %s was not stored: %s", rid, e.message)
             hooks.metrics.generation("responses", result)
             hooks.metrics.request("responses", 200, time.perf_counter() - started)
             return body

@@ -129,7 +129,10 @@ class EngineServer:
             except Exception as e:  # a bad frame is nobody's request: never crash the engine
                 log.warning("a message from a front end could not be decoded: %s", e)
                 continue
-            self.handle(message)
+            try:
+                self.handle(message)
+            except Exception:  # one front end's message never ends the engine's loop
+                log.exception("a %s from a front end failed", type(message).__name__)
 
     def handle(self, m) -> None:
         if isinstance(m, (wire.Submit, wire.HttpRequest, wire.Call)) and not self._welcomed(m.rid):

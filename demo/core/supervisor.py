@@ -34,6 +34,7 @@ log = logging.getLogger("demo")
 START_TIMEOUT = 600.0  # seconds for the engine to load its model (a Hub download included)
 FRONT_END_TIMEOUT = 120.0
 RESTART_PAUSE = 0.5  # seconds between an exit and the restart (a crash loop stays slow)
+FRONT_END_RETRY_S = 5.0  # seconds between tries of a front end that failed to start again
 
 
 class Supervisor:
@@ -87,13 +88,23 @@ class Supervisor:
         for index, proc, parent in started:
             status = _answer(parent, proc, FRONT_END_TIMEOUT)
             if status[0] != "ready":
+                for i, other, _ in started:  # none of this start is left running unwatched
+                    if self.front_ends[i] is not other and other.is_alive():
+                        other.kill()
+                        other.join(10)
                 raise RuntimeError(f"front end {index} did not start: {status[1]}")
             self.front_ends[index] = proc
             log.info("front end %d: pid %d, HTTP on %s", index, proc.pid, status[2])
 
     def watch(self) -> None:
-        """Until SIGTERM / Ctrl-C: restart whichever child exits."""
+        """Until SIGTERM / Ctrl-C: restart whichever child exits (a front end whose restart
+        fails, say while the engine does not answer, is tried again every few seconds)."""
+        retry: dict[int, float] = {}  # front end index -> when to try starting it again
         while True:
+            for index, when in list(retry.items()):
+                if time.monotonic() >= when:
+                    del retry[index]
+                    self._restart_front_end(index, retry)
             procs = [p for p in [self.engine, *self.front_ends] if p is not None]
             ended = wait([p.sentinel for p in procs], timeout=1.0)
             for proc in procs:
@@ -114,7 +125,15 @@ class Supervisor:
                     log.error(
                         "front end %d (pid %d) exited (%s); starting it again", index, proc.pid, proc.exitcode
                     )
-                    self.start_front_ends([index])
+                    self._restart_front_end(index, retry)
+
+    def _restart_front_end(self, index: int, retry: dict[int, float]) -> None:
+        self.front_ends[index] = None
+        try:
+            self.start_front_ends([index])
+        except RuntimeError as e:
+            log.error("%s; trying again in %.0f s", e, FRONT_END_RETRY_S)
+            retry[index] = time.monotonic() + FRONT_END_RETRY_S
 
     def stop(self) -> None:
         """Front ends first (SIGTERM: their requests cut), then the engine (its cache save)."""
@@ -188,6 +207,11 @@ def run(config) -> int:
         print(f"python -m demo: error: {e}", file=sys.stderr, flush=True)
         sup.stop()
         return 2
+    except RuntimeError as e:  # a front end did not start (at the first start)
+        print(f"python -m demo: error: {e}", file=sys.stderr, flush=True)
+        sup.stopping = True
+        sup.stop()
+        return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sup.stopping = True
