@@ -142,3 +142,43 @@ def test_a_front_end_that_fails_to_start_again_is_tried_again_later(monkeypatch)
     sup._restart_front_end(0, retry)
     assert tries == [[0]] and sup.front_ends == [None, "other"]
     assert retry[0] > time.monotonic() + supervisor.FRONT_END_RETRY_S - 1
+
+
+def test_forwarded_requests_are_bounded_and_skipped_once_their_client_hung_up():
+    """The engine process answers forwarded requests from a pool of threads; past twice its
+    size waiting, a new one is a 503 busy at once (each waiting one holds its body: unbounded
+    before), and one whose client hung up while it waited is not run."""
+    import threading
+
+    from demo.config import Config
+    from demo.core.engine_process import EngineServer
+
+    class Sock:
+        def __init__(self):
+            self.sent = []
+
+        def send_multipart(self, frames, **kwargs):
+            self.sent.append(wire.Codec().to_front_end(bytes(frames[1])))
+
+    release, ran = threading.Event(), []
+
+    def app(environ, start_response):  # a slow forwarded route
+        ran.append(environ["PATH_INFO"])
+        release.wait(10)
+        start_response("200 OK", [])
+        return [b"ok"]
+
+    app.extensions = {"radixkv": {"engine": None, "config": Config(max_queue=1, max_batch_size=1)}}
+    sock = Sock()
+    server = EngineServer(app, None, sock)
+    server._incarnations[0] = "i"
+    limit = server._http_limit  # 2 x (1 + 1 + 8) threads
+    for n in range(limit + 1):
+        server.handle(wire.HttpRequest(f"0.i.{n}", {"PATH_INFO": f"/{n}", "REQUEST_METHOD": "GET"}, b""))
+    busy = [m for m in sock.sent if isinstance(m, wire.Failed)]
+    assert [m.rid for m in busy] == [f"0.i.{limit}"] and busy[0].status == 503 and busy[0].code == "busy"
+    server.handle(wire.Cancel(f"0.i.{limit - 1}"))  # waiting for a thread: its client hung up
+    release.set()
+    server._http.shutdown(wait=True)
+    assert f"/{limit - 1}" not in ran and len(ran) == limit - 1
+    assert not server._http_cancelled

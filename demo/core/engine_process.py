@@ -108,6 +108,7 @@ class EngineServer:
         # threads in one process (demo.api.server.Limits.for_engine)
         threads = self.config.max_queue + self.config.max_batch_size + 8
         self._http = ThreadPoolExecutor(threads, thread_name_prefix="radixkv-forwarded")
+        self._http_limit = 2 * threads  # answered or waiting for a thread; more: 503 busy
         self._http_cancelled: dict[str, threading.Event] = {}
         self._codec = wire.Codec()
         self._stopping = False
@@ -155,6 +156,11 @@ class EngineServer:
         elif isinstance(m, wire.Observed):  # a front end's request counters: into this one registry
             observe(self.app.extensions["radixkv"]["metrics"], m)
         elif isinstance(m, wire.HttpRequest):
+            if len(self._http_cancelled) >= self._http_limit:  # (each holds its body) bounded
+                busy = wire.Failed(m.rid, 503, "server busy: too many forwarded requests; retry later",
+                                   code="busy", retry_after=1)  # fmt: skip
+                self.out.send(self._identity(m.rid), busy)
+                return
             cancelled = self._http_cancelled[m.rid] = threading.Event()
             self._http.submit(self._forwarded, m, cancelled)
         elif isinstance(m, wire.Hello):
@@ -262,6 +268,9 @@ class EngineServer:
                 "waitress.client_disconnected": cancelled.is_set,
             }
         )
+        if cancelled.is_set():  # its client hung up while it waited for a thread
+            self._http_cancelled.pop(m.rid, None)
+            return
         started: list = []
 
         def start_response(status, headers, exc_info=None):
