@@ -156,6 +156,13 @@ def prefill_keys(model, cache, rows: int) -> RowKeys | None:
     return RowKeys(keys, cache.store.epoch, fingerprint(model), tuple(cache.cached_tokens or ()))
 
 
+def _release(held: Sequence[tuple]) -> None:
+    """Release the leases of ``(lease or None, blocks)`` pairs not handed to a slot."""
+    for lease, _ in held:
+        if lease is not None:
+            lease.release()
+
+
 class JoinFailed(RuntimeError):
     """A step computing seated rows' prompts failed (its cause: ``__cause__``); those rows
     (``slots``) were removed, uncommitted, and the batch is as before the step."""
@@ -517,9 +524,7 @@ class RunningBatch:
                 self._relayout(list(range(self.size)), width, kv_width, self.size + grow, kv)
                 free = [i for i, alive in enumerate(self.live) if not alive]
         except BaseException:
-            for lease, _ in held:
-                if lease is not None:
-                    lease.release()
+            _release(held)
             raise
         width, kv_width = self.width, self.kv_width
         slots = free[:rows]
@@ -532,9 +537,7 @@ class RunningBatch:
                         buf[slot, :, :start] = 0  # padding: finite zeros, masked
                         buf[slot, :, start:kv_width] = src[r, :, length - own[r] :]
             except BaseException:  # (a later layer's KV of another shape) no lease left pinned
-                for lease, _ in held[r:]:
-                    if lease is not None:
-                        lease.release()
+                _release(held[r:])
                 raise
             self.prefixes.hold(slot, *held[r])
             if self.states is not None:
@@ -619,9 +622,7 @@ class RunningBatch:
                 self._relayout(list(range(self.size)), width, kv_width, self.size + grow, like)
                 free = [i for i, alive in enumerate(self.live) if not alive]
         except BaseException:
-            for lease, _ in held:
-                if lease is not None:
-                    lease.release()
+            _release(held)
             raise
         slots, cached = [], []
         try:
