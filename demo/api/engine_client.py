@@ -259,7 +259,10 @@ class EngineClient:
             except zmq.ZMQError:
                 return
             if self._monitor in events:
-                event = recv_monitor_message(self._monitor)
+                try:
+                    event = recv_monitor_message(self._monitor)
+                except zmq.ZMQError:  # (the same)
+                    return
                 if event["event"] == zmq.EVENT_DISCONNECTED and self.up.is_set():
                     self._engine_lost("it stopped")
                 elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.up.is_set():
@@ -270,6 +273,8 @@ class EngineClient:
                         data = self._dealer.recv(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    except zmq.ZMQError:  # close() destroyed the sockets meanwhile
+                        return
                     try:
                         self._dispatch(codec.to_front_end(data.bytes))
                     except Exception:  # one bad message must not end this thread (nobody
