@@ -272,6 +272,25 @@ def stock(model, input_ids, *, seed: int | None = None, **gen_kwargs):
     return _generate(model, input_ids, seed, _with_defaults(gen_kwargs))
 
 
+def greedy_reply(model, prompt: list[int], new: int) -> list[int]:
+    """Stock greedy generate() of one prompt alone: the reply's token ids (EOS ends it)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=PAD, eos_token_id=EOS
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def poison_free_blocks(store) -> None:
+    """NaN into every free block of ``store``'s pool (a block a reader still uses must be pinned,
+    so never among them)."""
+    with store._lock:
+        taken = store.pool.allocate(store.pool.num_free)
+        for t in (*store.pool.k, *store.pool.v):
+            t[taken] = float("nan")
+        store.pool.free(taken)
+
+
 def assert_outputs_equal(ref, out, atol: float = LOGITS_ATOL) -> None:
     """Same sequences; logits / scores / sequences_scores within ``atol`` where present."""
     ref_seq = ref if isinstance(ref, torch.Tensor) else ref.sequences

@@ -15,19 +15,11 @@ import hf_patch
 from cuda_ext import ragged_decode
 from hf_patch import running_batch
 from hf_patch.running_batch import RunningBatch, packs, prefill_keys
-from tests.hf_models import EOS, PAD, build, one_torch_thread, shared, store_for, tokens  # noqa: F401
+from tests.hf_models import EOS, PAD, build, greedy_reply, one_torch_thread, shared, store_for, tokens  # noqa: F401
 
 pytestmark = pytest.mark.skipif(
     not ragged_decode.available(), reason="numba is not installed (the demo extra)"
 )
-
-
-def stock(model, prompt: list[int], new: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=PAD, eos_token_id=EOS
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def prompt_tokens(query, slots) -> int:
@@ -111,7 +103,7 @@ def test_rows_seated_at_different_steps_equal_stock_alone(family, packed_calls):
     done = greedy_rows(model, None, schedule, 20)
     for rows in schedule.values():
         for prompt, new in rows:
-            assert done[tuple(prompt)][0] == stock(model, prompt, new), (family, len(prompt))
+            assert done[tuple(prompt)][0] == greedy_reply(model, prompt, new), (family, len(prompt))
     # the prompts were computed inside steps 0, 2 and 7 (d alone would need none: one token),
     # in every layer; the other steps were plain decode steps through the kernel
     layers = model.config.num_hidden_layers
@@ -124,16 +116,16 @@ def test_a_seated_row_reads_its_cached_prefix_and_its_prompt_is_committed_after_
     store = store_for(model)
     prompt = tokens(21, 7)
     first = greedy_rows(model, store, {0: [(prompt, 4)]}, 6)
-    assert first[tuple(prompt)] == (stock(model, prompt, 4), 0)
+    assert first[tuple(prompt)] == (greedy_reply(model, prompt, 4), 0)
     # the same prompt again: read from the store up to its last token (whole blocks of 4)
     again = greedy_rows(model, store, {0: [(prompt, 4)]}, 6)
-    assert again[tuple(prompt)] == (stock(model, prompt, 4), 20)
+    assert again[tuple(prompt)] == (greedy_reply(model, prompt, 4), 20)
     # a longer prompt beside a decoding row: prompt + reply were committed at removal
     follow = prompt + first[tuple(prompt)][0][:3] + tokens(6, 8)
     other = tokens(12, 9)
     both = greedy_rows(model, store, {0: [(other, 8)], 3: [(follow, 5)]}, 12)
-    assert both[tuple(follow)] == (stock(model, follow, 5), 24)
-    assert both[tuple(other)][0] == stock(model, other, 8)
+    assert both[tuple(follow)] == (greedy_reply(model, follow, 5), 24)
+    assert both[tuple(other)][0] == greedy_reply(model, other, 8)
     # the seated prompt was committed right after its step, before the row ended
     batch = RunningBatch(model, store, PAD, [EOS])
     fresh = tokens(17, 10)
@@ -184,7 +176,7 @@ def test_bad_seats_are_refused_by_name_and_change_nothing():
     after = (batch.size, batch.width, batch.ids, batch.mask, batch.pending)
     assert before[:2] == after[:2] and torch.equal(before[2], after[2]) and torch.equal(before[3], after[3])
     assert before[4] == after[4]
-    assert batch.step().argmax(dim=-1)[slot].item() == stock(model, tokens(6, 11), 1)[0]
+    assert batch.step().argmax(dim=-1)[slot].item() == greedy_reply(model, tokens(6, 11), 1)[0]
 
 
 def test_the_packed_probe_runs_once_per_model(monkeypatch):
@@ -221,7 +213,7 @@ def test_a_store_read_that_fails_leaves_no_row_seated_and_the_running_row_exact(
         logits = batch.step()
         out.append(int(logits[slot].argmax()))
         batch.set_next([out[-1] if i == slot else PAD for i in range(batch.size)])
-    assert out == stock(model, other, 6)
+    assert out == greedy_reply(model, other, 6)
 
 
 def test_a_seated_row_before_its_step_commits_nothing():
@@ -245,7 +237,7 @@ def test_a_weights_change_flushes_the_store_before_a_seat_reads_it():
         for p in model.parameters():
             p.mul_(1.05)
     out, hit = greedy_rows(model, store, {0: [(prompt, 3)]}, 4)[tuple(prompt)]
-    assert hit == 0 and out == stock(model, prompt, 3)
+    assert hit == 0 and out == greedy_reply(model, prompt, 3)
     # what that seat computed belongs to the store's new epoch: it was kept
     assert greedy_rows(model, store, {0: [(prompt, 3)]}, 4)[tuple(prompt)] == (out, 20)
 
@@ -266,4 +258,4 @@ def test_a_failing_packed_step_drops_only_the_joining_rows(monkeypatch):
     for _ in range(5):
         out.append(int(batch.step()[slot].argmax()))
         batch.set_next([out[-1] if i == slot else PAD for i in range(batch.size)])
-    assert out == stock(model, other, 6)
+    assert out == greedy_reply(model, other, 6)

@@ -24,6 +24,7 @@ from tests.hf_models import (
     LOGITS_ATOL,
     left_pad,
     one_torch_thread,  # noqa: F401  (autouse)
+    poison_free_blocks,
     shared,
     store_for,
     tokens,
@@ -213,11 +214,7 @@ def test_prefix_stays_pinned_while_rows_read_it():
         def __call__(self, input_ids, scores):
             pinned.append(store.stats()["pinned_blocks"])
             store.flush()
-            with store._lock:
-                taken = store.pool.allocate(store.pool.num_free)
-                for t in (*store.pool.k, *store.pool.v):
-                    t[taken] = float("nan")
-                store.pool.free(taken)
+            poison_free_blocks(store)
             return scores
 
     from transformers import LogitsProcessorList

@@ -17,7 +17,18 @@ import hf_patch
 from cuda_ext import ragged_decode
 from hf_patch import ragged_attention, running_batch
 from hf_patch.running_batch import RunningBatch, pool_reason, prefill_keys, prefill_tensors
-from tests.hf_models import EOS, PAD, build, left_pad, one_torch_thread, shared, store_for, tokens  # noqa: F401
+from tests.hf_models import (  # noqa: F401
+    EOS,
+    PAD,
+    build,
+    greedy_reply,
+    left_pad,
+    one_torch_thread,
+    poison_free_blocks,
+    shared,
+    store_for,
+    tokens,
+)
 
 pytestmark = pytest.mark.skipif(
     not ragged_decode.available(), reason="numba is not installed (the demo extra)"
@@ -25,14 +36,6 @@ pytestmark = pytest.mark.skipif(
 
 MODEL = "llama-sdpa"
 DOC = tokens(37, 1)  # 9 blocks of 4 and a token
-
-
-def stock(model, prompt: list[int], new: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=PAD, eos_token_id=EOS
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def cache_doc(model, store) -> None:
@@ -126,7 +129,7 @@ def test_rows_over_a_cached_document_read_it_in_place_exactly(join):
     assert pool == copy  # tokens and cached tokens
     for rows in schedule.values():
         for prompt, new in rows:
-            assert pool[tuple(prompt)][0] == stock(model, prompt, new), len(prompt)
+            assert pool[tuple(prompt)][0] == greedy_reply(model, prompt, new), len(prompt)
     # the same sums in the same order as the copy's: bit for bit, at every step
     assert len(pool_logits) == len(copy_logits)
     for a, b in zip(pool_logits, copy_logits):
@@ -174,7 +177,7 @@ def test_a_finished_row_commits_only_its_own_columns_and_is_read_back():
         token = int(batch.step()[slot].argmax())
         out.append(token)
         batch.set_next([token])
-    assert out == stock(model, follow, 4)
+    assert out == greedy_reply(model, follow, 4)
     batch.remove([slot], commit=False)
     store.check_invariants()
 
@@ -188,16 +191,12 @@ def test_the_document_stays_pinned_through_a_flush_and_nan_in_every_free_block()
     def squeeze(batch):  # between steps: the store flushed, every free block taken and poisoned
         pinned.append(store.stats()["pinned_blocks"])
         store.flush()
-        with store._lock:
-            taken = store.pool.allocate(store.pool.num_free)
-            for t in (*store.pool.k, *store.pool.v):
-                t[taken] = float("nan")
-            store.pool.free(taken)
+        poison_free_blocks(store)
 
     schedule = {0: [(DOC + tokens(4, 11), 6), (DOC[:30] + tokens(3, 12), 6)]}
     done, _, _, _ = drive(model, store, schedule, 7, True, between=squeeze)
     for prompt, new in schedule[0]:
-        assert done[tuple(prompt)] == (stock(model, prompt, new), 36 if len(prompt) > 37 else 28)
+        assert done[tuple(prompt)] == (greedy_reply(model, prompt, new), 36 if len(prompt) > 37 else 28)
     # the first step's commits (their prompts, after their pool tokens) pinned the document's
     # nodes and theirs; after the flush nothing more is committed (the rows' KV predates it)
     assert pinned[0] >= 9
@@ -215,7 +214,7 @@ def test_a_host_tier_prefix_is_copied_into_the_slot():
     assert store.stats()["demoted_blocks"] > 0
     prompt = DOC + tokens(4, 14)
     done, _, _, _ = drive(model, store, {0: [(prompt, 5)]}, 6, True)
-    assert done[tuple(prompt)] == (stock(model, prompt, 5), 36)
+    assert done[tuple(prompt)] == (greedy_reply(model, prompt, 5), 36)
     assert store.stats()["host_hit_tokens"] > 0
 
 
@@ -243,7 +242,7 @@ def test_switched_off_or_where_the_kernel_stops_applying_rows_copy_their_prefixe
         for _ in range(3):
             out.append(int(batch.step()[slot].argmax()))
             batch.set_next([out[-1]])
-    assert out == stock(model, prompt, 4)
+    assert out == greedy_reply(model, prompt, 4)
     assert batch.prefix == [0] and store.stats()["pinned_blocks"] == 0
     assert [r.message for r in caplog.records].count(
         "radixkv: the step's ragged kernel no longer applies: running rows copy their prefixes into their slots"
