@@ -105,7 +105,9 @@ def measure(layers: int, doc_len: int, q_len: int, calls: int, profile: bool) ->
             fn(prompt)
         ops[name] = counter.ops
     med = {name: statistics.median(v) for name, v in times.items()}
-    print(f"\n{layers} layer(s), {doc_len}-token document cached, {q_len}-token question, {calls} calls a side")
+    print(
+        f"\n{layers} layer(s), {doc_len}-token document cached, {q_len}-token question, {calls} calls a side"
+    )
     print(f"  {'side':<20}{'median ms':>10}{'vs bare':>9}{'vs recipe':>11}{'aten ops':>10}")
     for name in sides:
         print(
@@ -124,7 +126,9 @@ def measure(layers: int, doc_len: int, q_len: int, calls: int, profile: bool) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", default="1,16")
     parser.add_argument("--doc", type=int, default=4000)
     parser.add_argument("--question", type=int, default=30)

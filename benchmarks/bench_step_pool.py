@@ -152,8 +152,18 @@ def engine_child(rows: int, path: str) -> dict:
     }
 
 
-def engine_part(rounds: int) -> None:
+def child_runs(spec: str, rounds: int) -> list[dict]:
+    """``rounds`` runs of ``--child spec``, each in a fresh process (its RSS its own): their JSON."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    cmd = [sys.executable, "-m", "benchmarks.bench_step_pool", "--child", spec]
+    runs = []
+    for _ in range(rounds):
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return runs
+
+
+def engine_part(rounds: int) -> None:
     print(
         f"engine: the demo's engine (builtin model), N requests over the cached {DOC}-token document "
         f"submitted at once: RSS above the RSS before, in copies of the document's KV, peak / when "
@@ -162,11 +172,7 @@ def engine_part(rounds: int) -> None:
     for rows in COUNTS:
         line = [f"  {rows:3d} requests"]
         for path in PATHS:
-            runs = []
-            for _ in range(rounds):
-                cmd = [sys.executable, "-m", "benchmarks.bench_step_pool", "--child", f"engine:{rows}:{path}"]
-                out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs = child_runs(f"engine:{rows}:{path}", rounds)
             peak = statistics.median(r["peak"] for r in runs)
             held = statistics.median(r["at_most_rows"] for r in runs)
             line.append(f"{path} {peak:6.2f} / {held:6.2f} ({runs[0]['together']} rows)")
@@ -174,7 +180,6 @@ def engine_part(rounds: int) -> None:
 
 
 def memory(rounds: int) -> None:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
     print(
         f"memory: RSS above the RSS before the rows were seated, in copies of the document's KV "
         f"({DOC} tokens, {DOC_BYTES / 2**20:.1f} MiB), peak / after {NEW} steps, median of {rounds}"
@@ -182,11 +187,7 @@ def memory(rounds: int) -> None:
     for rows in COUNTS:
         line = [f"  {rows:3d} rows"]
         for path in PATHS:
-            runs = []
-            for _ in range(rounds):
-                cmd = [sys.executable, "-m", "benchmarks.bench_step_pool", "--child", f"{rows}:{path}"]
-                out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs = child_runs(f"{rows}:{path}", rounds)
             peak = statistics.median(r["peak"] for r in runs)
             after = statistics.median(r["after"] for r in runs)
             line.append(f"{path} {peak:6.2f} / {after:6.2f} ({runs[0]['kv_columns']} KV columns)")
